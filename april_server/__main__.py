@@ -1,0 +1,3 @@
+from april_server.cli import main
+
+main()

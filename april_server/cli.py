@@ -1,0 +1,110 @@
+"""`april-server`: SGLang's server plus the /april/v1 routes.
+
+Every SGLang flag passes through unchanged; ours are `--april-*`. With no `--model-path` the
+embedded tiny model is built (offline, cached) and served. Without a CUDA device the
+CPU-appropriate defaults below are added unless the same flag was given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from april_server.config import AprilConfig
+
+CPU_DEFAULTS: list[tuple[str, str | None]] = [
+    ("--device", "cpu"),
+    ("--attention-backend", "torch_native"),
+    ("--cuda-graph-backend-decode", "disabled"),
+    ("--cuda-graph-backend-prefill", "disabled"),
+    ("--sleep-on-idle", None),  # an idle scheduler otherwise spins a core
+    ("--max-total-tokens", "65536"),  # otherwise the KV pool is sized from all of RAM
+    ("--dtype", "float32"),  # ~3x faster than bf16 on CPU, and far fewer near-ties
+    ("--host", "127.0.0.1"),
+]
+SHIM_DIR = Path(__file__).parent / "cpu_shim"
+
+
+def april_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="april-server", add_help=False, allow_abbrev=False)
+    p.add_argument("--april-state-dir", type=Path, default=None, help="durable buffer dir")
+    p.add_argument("--april-kv-host-bytes", type=int, default=2 * 1024**3)
+    p.add_argument("--april-allow-stale-kv", action="store_true")
+    p.add_argument(
+        "--april-model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="model to prepare and serve when --model-path is absent",
+    )
+    p.add_argument("--april-help", action="store_true", help="show april-server's flags")
+    return p
+
+
+def has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def install_cpu_shim() -> None:
+    """Expose the CPU `sgl_kernel` to this process and SGLang's spawned children, unless a
+    real one is importable."""
+    try:
+        import sgl_kernel  # noqa: F401
+
+        return
+    except Exception:
+        pass
+    sys.path.insert(0, str(SHIM_DIR))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(SHIM_DIR) + (os.pathsep + old if old else "")
+
+
+def build_argv(argv: list[str], april: argparse.Namespace, cpu: bool) -> list[str]:
+    out = list(argv)
+    if not has_flag(out, "--model-path") and not has_flag(out, "--model"):
+        from april_server.models import ensure_smollm2, ensure_tiny_model
+
+        path = ensure_smollm2() if april.april_model == "smollm2" else ensure_tiny_model()
+        out += ["--model-path", str(path)]
+    if cpu:
+        for flag, value in CPU_DEFAULTS:
+            if not has_flag(out, flag):
+                out += [flag] if value is None else [flag, value]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    april, rest = april_parser().parse_known_args(argv)
+    if april.april_help:
+        april_parser().print_help()
+        return
+    bad = [a for a in rest if a.startswith("--april")]
+    if bad:
+        raise SystemExit(f"april-server: unknown flag(s) {bad}; see --april-help")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cpu = not cuda_available()
+    if cpu:
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        install_cpu_shim()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+    config = AprilConfig(
+        state_dir=april.april_state_dir,
+        kv_host_bytes=april.april_kv_host_bytes,
+        allow_stale_kv=april.april_allow_stale_kv,
+    )
+    from april_server.engine import launch
+
+    launch(build_argv(rest, april, cpu), config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""april-server's own settings (the `--april-*` flags); SGLang's stay in its ServerArgs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class AprilConfig:
+    # Durable partial buffer lives here (SQLite). None: in memory only, lost on exit.
+    state_dir: Path | None = None
+    # Host bytes for KV snapshots (used once KV snapshots land; 0 disables them).
+    kv_host_bytes: int = 2 * 1024**3
+    # Reuse a KV snapshot from an older weight version when the sample's max_staleness allows.
+    allow_stale_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_host_bytes < 0:
+            raise ValueError("kv_host_bytes must be >= 0")
+
+    @property
+    def buffer_path(self) -> Path | None:
+        return None if self.state_dir is None else self.state_dir / "buffer.sqlite"

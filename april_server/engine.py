@@ -1,0 +1,123 @@
+"""The one door to SGLang: every `import sglang` of april-server is in this module.
+
+- `SGLangEngine` drives the in-process TokenizerManager (`generate_request`, `abort_request`).
+- `launch()` builds SGLang's own server args and FastAPI app, adds our routes, and runs
+  SGLang's `launch_server` unchanged, so every SGLang flag and native route keeps working.
+Version-checked: names move between SGLang releases, so anything but the pin is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from april_server.config import AprilConfig
+from april_server.engine_base import BaseEngine
+from april_server.errors import bad_request
+from april_server.samples import SegmentResult
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+# Sampling params a rollout may carry; `n` is the group's and beams don't fit partial resume.
+_FORBIDDEN_PARAMS = {"n", "beam_width", "stream_interval"}
+
+
+def check_sglang_version() -> None:
+    import sglang
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(
+            f"april-server {SGLANG_VERSION=} is pinned, but sglang {sglang.__version__} is "
+            "installed: its internals differ. Install sglang==" + SGLANG_VERSION
+        )
+
+
+class SGLangEngine(BaseEngine):
+    """BaseEngine over SGLang's TokenizerManager, in the HTTP server's event loop."""
+
+    def __init__(self, tokenizer_manager: Any) -> None:
+        self.tm = tokenizer_manager
+        self.context_len = int(tokenizer_manager.context_len)
+        self.vocab_size = int(tokenizer_manager.model_config.vocab_size)
+
+    def weight_version(self) -> str:
+        return str(self.tm.config_value("weight_version"))
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tm.tokenizer is None:
+            raise bad_request("no_tokenizer", "this server has no tokenizer: send input_ids")
+        return list(self.tm.tokenizer.encode(text))
+
+    def check_sampling_params(self, params: dict[str, Any]) -> None:
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        bad = _FORBIDDEN_PARAMS & set(params)
+        if bad:
+            raise bad_request("invalid_sampling_params", f"not allowed here: {sorted(bad)}")
+        try:
+            sp = SamplingParams(**params)
+            sp.verify(self.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise bad_request("invalid_sampling_params", str(exc)) from None
+
+    async def generate(
+        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
+    ) -> SegmentResult:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        obj = GenerateReqInput(
+            rid=rid,
+            input_ids=list(input_ids),
+            sampling_params=dict(sampling_params),
+            return_logprob=True,
+            logprob_start_len=-1,
+            stream=False,
+        )
+        final: dict[str, Any] | None = None
+        async for out in self.tm.generate_request(obj, None):
+            final = out
+        if final is None:
+            raise RuntimeError(f"SGLang returned nothing for {rid}")
+        meta = final["meta_info"]
+        reason = meta.get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        return SegmentResult(
+            output_ids=list(final.get("output_ids") or []),
+            output_logprobs=logprobs,
+            finish_reason=kind,
+            weight_version=str(meta.get("weight_version", self.weight_version())),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        )
+
+    def abort(self, rid: str) -> None:
+        self.tm.abort_request(rid=rid)
+
+    def engine_stats(self) -> dict[str, Any]:
+        return {"context_len": self.context_len, "vocab_size": self.vocab_size}
+
+
+def launch(sglang_argv: list[str], config: AprilConfig) -> None:
+    """Run SGLang's HTTP server with the /april/v1 routes added. Blocks until shutdown."""
+    check_sglang_version()
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    from april_server.app import create_router
+    from april_server.server import ManagerHolder
+
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    server_args.resolve_once()
+    if getattr(server_args, "tokenizer_worker_num", 1) != 1:
+        raise SystemExit("april-server needs --tokenizer-worker-num 1 (one rollout manager)")
+
+    def make_engine() -> BaseEngine:
+        return SGLangEngine(http_server.get_global_state().tokenizer_manager)
+
+    holder = ManagerHolder(config, make_engine)
+    http_server.app.include_router(create_router(holder.get))
+    http_server.launch_server(server_args)

@@ -1,0 +1,337 @@
+"""RolloutManager: owns the partial buffer, the running samples and every call's bookkeeping.
+
+Plain Python over asyncio: no torch, no SGLang (the engine is a `BaseEngine`). Invariants,
+checked by `check_integrity()`:
+- every known sample is in exactly one group, and a group is either idle in the buffer or
+  claimed by exactly one call (`busy`);
+- a sample is generating in at most one engine request (`running`);
+- the buffer on disk equals the idle groups after every acknowledged call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from april_server import samples as S
+from april_server.engine_base import BaseEngine
+from april_server.errors import ApiError, bad_request, conflict, not_found
+from april_server.protocol import (
+    AbortReq,
+    AbortResp,
+    DeleteResp,
+    Group,
+    OnQuota,
+    ResumeReq,
+    Sample,
+)
+from april_server.store import BufferStore
+
+logger = logging.getLogger(__name__)
+
+ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
+
+
+@dataclass
+class Running:
+    sample: Sample
+    owner: str  # batch id of the call that started it
+    rid: str
+    task: asyncio.Task[None]
+    keep: OnQuota = "tokens"
+
+
+@dataclass
+class Counters:
+    rollout_calls: int = 0
+    resume_calls: int = 0
+    abort_calls: int = 0
+    output_tokens: int = 0
+    resumed_samples: int = 0
+    recomputed_tokens: int = 0
+    restored_kv_tokens: int = 0
+    staleness_restarts: int = 0
+    engine_errors: int = 0
+    returned_groups: int = 0
+    dropped_groups: int = 0
+
+
+@dataclass
+class CallTally:
+    """Per-call figures, filled in by the segments the call ran."""
+
+    output_tokens: int = 0
+    resumed_samples: int = 0
+    recomputed_tokens: int = 0
+    restored_kv_tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class RolloutManager:
+    def __init__(self, engine: BaseEngine, store: BufferStore) -> None:
+        self.engine = engine
+        self.store = store
+        self.groups: dict[str, Group] = {g.group_id: g for g in store.load_groups()}
+        self.busy: dict[str, str] = {}  # group_id -> owning call id
+        self.running: dict[str, Running] = {}  # sample_id -> its engine request
+        self.calls: dict[str, Any] = {}  # batch_id -> live RolloutCall (see rollout.py)
+        self.inflight_requests: dict[str, asyncio.Future[bytes]] = {}  # request_id -> result
+        self.finished_batches: set[str] = set()
+        self.version_history: list[str] = []
+        self.counters = Counters()
+
+    # ---- lookups -----------------------------------------------------------------------------
+
+    def current_version(self) -> str:
+        v = self.engine.weight_version()
+        if not self.version_history or self.version_history[-1] != v:
+            self.version_history.append(v)
+        return v
+
+    def sample(self, sample_id: str) -> Sample:
+        gid, sep, idx = sample_id.rpartition("/")
+        g = self.groups.get(gid) if sep else None
+        if g is None or not idx.isdigit() or int(idx) >= len(g.samples):
+            raise not_found(f"unknown sample_id {sample_id!r}")
+        return g.samples[int(idx)]
+
+    def group(self, group_id: str) -> Group:
+        g = self.groups.get(group_id)
+        if g is None:
+            raise not_found(f"unknown group_id {group_id!r}")
+        return g
+
+    def idle_groups(self) -> list[Group]:
+        """Buffered groups no call holds, oldest first."""
+        return [g for gid, g in self.groups.items() if gid not in self.busy]
+
+    def listed(self, g: Group) -> Group:
+        g.age_s = round(time.time() - g.created_at, 3)
+        return g
+
+    # ---- claiming and persisting -------------------------------------------------------------
+
+    def claim(self, group_ids: list[str], owner: str) -> None:
+        for gid in group_ids:
+            if gid in self.busy:
+                raise conflict("group_busy", f"group {gid!r} is in use by {self.busy[gid]!r}")
+        for gid in group_ids:
+            self.busy[gid] = owner
+
+    def release(self, owner: str) -> None:
+        for gid in [g for g, o in self.busy.items() if o == owner]:
+            del self.busy[gid]
+
+    def persist(
+        self, put: list[Group], delete: list[str], call: tuple[str, bytes] | None = None
+    ) -> None:
+        """Make the outcome durable (fsync) and then visible; called before acknowledging."""
+        self.store.commit(put, delete, call)
+        for gid in delete:
+            self.groups.pop(gid, None)
+        for g in put:
+            self.groups[g.group_id] = g
+
+    # ---- running segments --------------------------------------------------------------------
+
+    def start_sample(
+        self,
+        sample: Sample,
+        owner: str,
+        tally: CallTally,
+        max_staleness: int | None = None,
+        override_params: dict[str, Any] | None = None,
+    ) -> asyncio.Task[None]:
+        """Start the next segment of `sample` on the engine; the task records the result."""
+        if sample.sample_id in self.running:
+            raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
+        version = self.current_version()
+        cont = S.plan_continuation(
+            sample, version, max_staleness, self.version_history, override_params
+        )
+        if cont.restarted:
+            self.counters.staleness_restarts += 1
+            tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
+        rid = f"{sample.sample_id}@{owner}.{len(sample.segments)}.{uuid.uuid4().hex[:6]}"
+        task = asyncio.get_running_loop().create_task(self._segment(sample, cont, rid, tally))
+        self.running[sample.sample_id] = Running(sample, owner, rid, task)
+        return task
+
+    async def _segment(
+        self, sample: Sample, cont: S.Continuation, rid: str, tally: CallTally
+    ) -> None:
+        try:
+            result = await self.engine.generate(rid, cont.input_ids, cont.sampling_params)
+        except Exception as exc:  # an engine failure must not lose the sample
+            logger.exception("engine error on %s", rid)
+            self.counters.engine_errors += 1
+            tally.notes.append(f"{sample.sample_id}: engine error: {exc}")
+            result = S.SegmentResult([], [], None, self.engine.weight_version(), error=str(exc))
+        run = self.running.pop(sample.sample_id, None)
+        natural = result.finish_reason in ("stop", "length")
+        if run is not None and run.keep == "drop" and not natural:
+            S.reset_output(sample)
+            return
+        before = len(sample.output_ids)
+        S.apply_segment(sample, result, cont.kv)
+        produced = len(sample.output_ids) - before
+        tally.output_tokens += produced
+        self.counters.output_tokens += produced
+        if cont.kv == "recomputed":
+            redo = max(0, len(cont.input_ids) - result.cached_tokens)
+            tally.resumed_samples += 1
+            tally.recomputed_tokens += redo
+            self.counters.resumed_samples += 1
+            self.counters.recomputed_tokens += redo
+
+    async def stop_running(self, runs: list[Running], keep: OnQuota | None = None) -> None:
+        """Abort `runs` and return only when none of them is generating any more."""
+        if keep is not None:
+            for r in runs:
+                r.keep = keep
+        pending = {r.task for r in runs if not r.task.done()}
+        while pending:
+            for r in runs:
+                if not r.task.done():
+                    self.engine.abort(r.rid)
+            _, pending = await asyncio.wait(pending, timeout=ABORT_POLL_S)
+
+    # ---- routes other than rollouts ----------------------------------------------------------
+
+    async def abort(self, req: AbortReq) -> AbortResp:
+        self.counters.abort_calls += 1
+        scope: set[str] = set()  # sample ids whose state is returned
+        if req.batch_id is not None:
+            if req.batch_id not in self.calls and req.batch_id not in self.finished_batches:
+                raise not_found(f"unknown batch_id {req.batch_id!r}")
+        for gid in req.group_ids or []:
+            scope.update(s.sample_id for s in self.group(gid).samples)
+        for sid in req.sample_ids or []:
+            scope.add(self.sample(sid).sample_id)
+        runs = [
+            r
+            for sid, r in self.running.items()
+            if req.all or sid in scope or (req.batch_id is not None and r.owner == req.batch_id)
+        ]
+        scope.update(r.sample.sample_id for r in runs)
+        await self.stop_running(runs, req.keep)
+        out = [self.sample(sid) for sid in sorted(scope) if self._known(sid)]
+        return AbortResp(samples=out)
+
+    def _known(self, sample_id: str) -> bool:
+        try:
+            self.sample(sample_id)
+        except ApiError:
+            return False
+        return True
+
+    async def resume(self, req: ResumeReq) -> list[Sample]:
+        self.counters.resume_calls += 1
+        if not req.sample_ids:
+            raise bad_request("invalid_request", "sample_ids is empty")
+        if len(set(req.sample_ids)) != len(req.sample_ids):
+            raise bad_request("duplicate_sample_id", "sample_ids contains duplicates")
+        appends = req.append_ids or {}
+        stray = set(appends) - set(req.sample_ids)
+        if stray:
+            raise bad_request("invalid_request", f"append_ids for unlisted samples: {stray}")
+        chosen = [self.sample(sid) for sid in req.sample_ids]
+        for s in chosen:
+            if s.group_id in self.busy or s.sample_id in self.running:
+                raise conflict("sample_busy", f"sample {s.sample_id!r} is already running")
+            if S.is_finished(s) and s.sample_id not in appends:
+                raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
+            if req.kv == "restore":
+                raise conflict(
+                    "no_snapshot", f"sample {s.sample_id!r} has no usable KV snapshot"
+                )
+        if req.sampling_params:
+            if "max_new_tokens" in req.sampling_params:
+                raise bad_request(
+                    "invalid_request", "the budget is the sample's own; omit max_new_tokens"
+                )
+            self.engine.check_sampling_params(req.sampling_params)
+        for sid, ids in appends.items():
+            if self.engine.vocab_size is not None and any(
+                t < 0 or t >= self.engine.vocab_size for t in ids
+            ):
+                raise bad_request("invalid_token", f"append_ids[{sid!r}] has bad token ids")
+            s = self.sample(sid)
+            S.check_budget(
+                len(s.prompt_ids),
+                S.num_appended(s) + len(ids),
+                s.max_new_tokens,
+                self.engine.context_len,
+                f"sample {sid!r}",
+            )
+        owner = f"resume-{uuid.uuid4().hex[:12]}"
+        gids = sorted({s.group_id for s in chosen})
+        self.claim(gids, owner)
+        try:
+            for sid, ids in appends.items():
+                S.append_context(self.sample(sid), ids, self.engine.context_len)
+            tally = CallTally()
+            tasks = [
+                self.start_sample(s, owner, tally, None, req.sampling_params)
+                for s in chosen
+                if S.remaining_budget(s) > 0 and not S.is_finished(s)
+            ]
+            for s in chosen:
+                if S.remaining_budget(s) <= 0:
+                    s.status, s.finish_reason = "truncated", "length"
+            if tasks:
+                await asyncio.shield(asyncio.gather(*tasks))
+            self.persist([self.groups[g] for g in gids], [])
+        finally:
+            self.release(owner)
+        return chosen
+
+    def delete(self, group_id: str) -> DeleteResp:
+        self.group(group_id)
+        if group_id in self.busy:
+            raise conflict("group_busy", f"group {group_id!r} is in use by a running call")
+        self.persist([], [group_id])
+        return DeleteResp(group_id=group_id, deleted=True)
+
+    # ---- integrity ---------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an invariant of the module docstring is broken."""
+        for gid, g in self.groups.items():
+            assert all(s.group_id == gid for s in g.samples), gid
+            assert [s.index for s in g.samples] == list(range(len(g.samples))), gid
+            for s in g.samples:
+                assert len(s.output_ids) == len(s.output_logprobs), s.sample_id
+                assert len(s.output_ids) <= s.max_new_tokens, s.sample_id
+                covered = sum(seg.end - seg.start for seg in s.segments)
+                assert covered == len(s.output_ids), s.sample_id
+        for gid in self.busy:
+            assert gid in self.groups, gid
+        for sid, r in self.running.items():
+            assert r.sample.sample_id == sid
+        if not self.calls and not self.running:
+            on_disk = {g.group_id: g for g in self.store.load_groups()}
+            idle = {g.group_id: g for g in self.idle_groups()}
+            assert set(on_disk) == set(idle), (sorted(on_disk), sorted(idle))
+
+    def stats(self) -> dict[str, Any]:
+        idle = self.idle_groups()
+        c = self.counters
+        return {
+            "weight_version": self.current_version(),
+            "buffered_groups": len(idle),
+            "buffered_samples": sum(len(g.samples) for g in idle),
+            "buffered_output_tokens": sum(len(s.output_ids) for g in idle for s in g.samples),
+            "running_samples": len(self.running),
+            "active_calls": len(self.calls),
+            "snapshot_bytes_used": 0,
+            "snapshot_bytes_budget": 0,
+            "snapshots_evicted": 0,
+            "kv_snapshots": "not available in this build: snapshot requests fall back to tokens",
+            **{k: getattr(c, k) for k in c.__dataclass_fields__},
+            "engine": self.engine.engine_stats(),
+        }

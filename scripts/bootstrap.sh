@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Creates (once) and prints the path of the project's virtual environment.
+# The venv lives outside the clone, keyed by a hash of the dependency pins, so CI and later
+# sessions reuse it: a fresh machine pays the ~6 GB install once, a warm one pays nothing.
+# CPU-only x86: SGLang is installed with --no-deps and its CUDA-only dependencies are left out
+# (recipe: shared/docs/sglang-integration.md §6).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${APRIL_PYTHON:-python3}
+KEY=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
+import hashlib, sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+blob = repr((p["dependencies"], p["optional-dependencies"], "v1")).encode()
+print(hashlib.sha256(blob).hexdigest()[:12])
+PYEOF
+)
+VENV=${APRIL_VENV:-${APRIL_CACHE:-$HOME/.cache/april-server}/venv-$KEY}
+if [ ! -f "$VENV/.complete" ]; then
+  echo "bootstrap: building $VENV (first run only; several minutes)" >&2
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  PIP="$VENV/bin/pip --disable-pip-version-check -q"
+  $PIP install -U pip >&2
+  extras=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
+import sys, tomllib
+o = tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]
+print("\n".join(o["cpu"] + o["dev"]))
+PYEOF
+)
+  # torch/torchvision first, at SGLang's pins (a CUDA build that runs on CPU).
+  $PIP install "torch==2.14.1" "torchvision==0.29.1" >&2
+  $PIP install --no-deps "sglang==0.5.23" >&2
+  # shellcheck disable=SC2086
+  echo "$extras" | xargs $PIP install >&2
+  touch "$VENV/.complete"
+fi
+# The project itself: editable, no deps (they are all above); cheap, so always refreshed.
+if ! "$VENV/bin/python" -c "import april_server" 2>/dev/null; then
+  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >&2
+fi
+echo "$VENV"

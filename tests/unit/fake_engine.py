@@ -1,0 +1,80 @@
+"""A deterministic in-process engine for unit tests of the bookkeeping (not of SGLang).
+
+The next token is a hash of the whole context, so an interrupted + resumed sample produces
+exactly the tokens of an uninterrupted one: the same oracle as the real engine tests use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+
+from april_server.engine_base import BaseEngine
+from april_server.errors import bad_request
+from april_server.samples import SegmentResult
+
+EOS = 2
+KNOWN_PARAMS = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids",
+    "sampling_seed",
+}
+
+
+def next_token(context: list[int], vocab: int) -> int:
+    digest = hashlib.blake2b(repr(context[-8:] + [len(context)]).encode(), digest_size=4)
+    return int.from_bytes(digest.digest(), "little") % vocab
+
+
+class FakeEngine(BaseEngine):
+    def __init__(self, delay_s: float = 0.001, vocab: int = 64, context_len: int = 512) -> None:
+        self.delay_s = delay_s
+        self.vocab_size = vocab
+        self.context_len = context_len
+        self.version = "0"
+        self.aborted: set[str] = set()
+        self.active: set[str] = set()
+        self.calls: list[tuple[str, list[int], dict[str, Any]]] = []
+        self.fail_rids: set[str] = set()
+
+    def weight_version(self) -> str:
+        return self.version
+
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) % self.vocab_size for c in text]
+
+    def check_sampling_params(self, params: dict[str, Any]) -> None:
+        unknown = set(params) - KNOWN_PARAMS
+        if unknown:
+            raise bad_request("invalid_sampling_params", f"unknown: {sorted(unknown)}")
+
+    async def generate(
+        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
+    ) -> SegmentResult:
+        self.calls.append((rid, list(input_ids), dict(sampling_params)))
+        if any(r in rid for r in self.fail_rids):
+            raise RuntimeError("injected engine failure")
+        self.active.add(rid)
+        ctx = list(input_ids)
+        out: list[int] = []
+        budget = sampling_params["max_new_tokens"]
+        finish = "length"
+        try:
+            while len(out) < budget:
+                await asyncio.sleep(self.delay_s)
+                if rid in self.aborted:
+                    finish = "abort"
+                    break
+                tok = next_token(ctx, self.vocab_size)
+                out.append(tok)
+                ctx.append(tok)
+                if tok == EOS and not sampling_params.get("ignore_eos", False):
+                    finish = "stop"
+                    break
+        finally:
+            self.active.discard(rid)
+        lps = [-0.01 * (t % 7) for t in out]
+        return SegmentResult(out, lps, finish, self.version, cached_tokens=0)
+
+    def abort(self, rid: str) -> None:
+        self.aborted.add(rid)
