@@ -96,6 +96,8 @@ class RolloutReq(_Req):
     max_inflight_groups: int | Literal["auto"] = "auto"
     stream: bool = False
     request_id: str | None = None
+    # Streamed calls only: after the quota is met, wait this long for late rejects.
+    reject_grace_s: float = 0.0
 
 
 class RejectReq(_Req):

@@ -16,7 +16,7 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -36,6 +36,7 @@ from april_server.protocol import (
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager
 
+MAX_REJECT_GRACE_S = 60.0
 _enc = msgspec.json.Encoder()
 _resp_dec = msgspec.json.Decoder(RolloutResp)
 
@@ -98,6 +99,7 @@ class RolloutCall:
         self.events: asyncio.Queue[StreamEvent | None] | None = None
         self.started: set[str] = set()
         self.stopped = False
+        self.wakeup = asyncio.Event()
 
     def prepare(self) -> None:
         """Steps 1-2: validation and claiming. Raises ApiError before anything starts."""
@@ -108,6 +110,10 @@ class RolloutCall:
             raise bad_request("invalid_request", "max_inflight_groups must be >= 1 or 'auto'")
         if req.max_staleness is not None and req.max_staleness < 0:
             raise bad_request("invalid_request", "max_staleness must be >= 0 or null")
+        if not 0.0 <= req.reject_grace_s <= MAX_REJECT_GRACE_S:
+            raise bad_request(
+                "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
+            )
         fresh = new_groups(mgr, req)
         buffered = [g.group_id for g in mgr.idle_groups()] if req.resume_first else []
         available = len(buffered) + len(fresh)
@@ -127,6 +133,7 @@ class RolloutCall:
         if self.stopped:
             raise conflict("batch_done", f"batch {self.batch_id!r} already reached its quota")
         self.quota.reject(body.group_ids)
+        self.wakeup.set()
 
     def _emit_finished(self, gid: str) -> None:
         self.quota.finish(gid)
@@ -147,8 +154,31 @@ class RolloutCall:
         active: dict[str, int] = {}
         time_to_quota = None
         cancelled = False
+        grace_until: float | None = None
         try:
-            while not self.quota.met:
+            while True:
+                if self.quota.met:
+                    # Streamed calls may wait `reject_grace_s` for late rejects (DAPO
+                    # filtering); generation goes on meanwhile.
+                    now = time.perf_counter()
+                    if time_to_quota is None:
+                        time_to_quota = now - t0
+                    if grace_until is None:
+                        grace_until = now + (req.reject_grace_s if req.stream else 0.0)
+                    if now >= grace_until:
+                        break
+                    self.wakeup.clear()
+                    waiter = asyncio.ensure_future(self.wakeup.wait())
+                    done, _ = await asyncio.wait(
+                        [*tasks, waiter],
+                        timeout=grace_until - now,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    waiter.cancel()
+                    self._collect(done - {waiter}, tasks, active)
+                    continue
+                grace_until = None  # a reject re-opened the quota
+                time_to_quota = None
                 while pending and len(active) < limit and not self.quota.met:
                     gid = pending.popleft()
                     started = self._start_group(gid, tasks)
@@ -156,18 +186,12 @@ class RolloutCall:
                         active[gid] = started
                     elif S.group_finished(mgr.groups[gid]):
                         self._emit_finished(gid)
+                if self.quota.met:
+                    continue
                 if not tasks:
                     break  # nothing generating and nothing left: the quota is out of reach
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    gid = tasks.pop(t)
-                    active[gid] -= 1
-                    if active[gid] == 0:
-                        del active[gid]
-                        if S.group_finished(mgr.groups[gid]):
-                            self._emit_finished(gid)
-            if self.quota.met:
-                time_to_quota = time.perf_counter() - t0
+                self._collect(done, tasks, active)
         except asyncio.CancelledError:
             cancelled = True  # the caller went away: keep everything, acknowledge nothing
         finally:
@@ -179,6 +203,18 @@ class RolloutCall:
         if cancelled:
             raise asyncio.CancelledError
         return resp
+
+    def _collect(
+        self, done: set[Any], tasks: dict[asyncio.Task[None], str], active: dict[str, int]
+    ) -> None:
+        """Account for finished segment tasks; a group counts once all its members ended."""
+        for t in done:
+            gid = tasks.pop(t)
+            active[gid] -= 1
+            if active[gid] == 0:
+                del active[gid]
+                if S.group_finished(self.mgr.groups[gid]):
+                    self._emit_finished(gid)
 
     def _start_group(self, gid: str, tasks: dict[asyncio.Task[None], str]) -> int:
         group = self.mgr.groups[gid]

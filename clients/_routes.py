@@ -1,0 +1,381 @@
+"""What each route sends and how its answer is read, shared by the sync and async clients.
+
+A route builder validates its arguments and returns a `Call`: method, path, JSON body, how to
+parse a 2xx body, and whether the call is idempotent (only those are ever retried). The clients
+only send calls, so each public method is one line in each client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import quote
+
+import msgspec
+
+from april_server.protocol import (
+    AbortReq,
+    AbortResp,
+    DeleteResp,
+    DoneEvent,
+    Group,
+    GroupFinishedEvent,
+    GroupSpec,
+    KvMode,
+    OnQuota,
+    PartialsResp,
+    RejectReq,
+    ResumeReq,
+    ResumeResp,
+    RolloutReq,
+    RolloutResp,
+    StreamEvent,
+)
+from clients._errors import (
+    AprilError,
+    ProtocolError,
+    ServerError,
+    TransportError,
+    error_from_response,
+)
+
+logger = logging.getLogger("clients")
+
+PREFIX = "/april/v1"
+MAX_RETRIES = 10
+MAX_BACKOFF_S = 30.0
+JSON_HEADERS = {"content-type": "application/json"}
+
+T = TypeVar("T")
+Event = GroupFinishedEvent | DoneEvent
+
+_encoder = msgspec.json.Encoder()
+_any_decoder = msgspec.json.Decoder()
+_dict_decoder = msgspec.json.Decoder(dict[str, Any])
+_rollout_decoder = msgspec.json.Decoder(RolloutResp)
+_abort_decoder = msgspec.json.Decoder(AbortResp)
+_resume_decoder = msgspec.json.Decoder(ResumeResp)
+_partials_decoder = msgspec.json.Decoder(PartialsResp)
+_group_decoder = msgspec.json.Decoder(Group)
+_delete_decoder = msgspec.json.Decoder(DeleteResp)
+_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(StreamEvent)
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One request: `parse` turns a 2xx body into the method's return value."""
+
+    method: str
+    path: str
+    parse: Callable[[bytes], T]
+    body: bytes | None = None
+    idempotent: bool = False
+    rid: str | None = None  # shown in retry logs; the rollout's request_id when set
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return JSON_HEADERS if self.body is not None else None
+
+
+def check_status(call: Call[Any], url: str, status_code: int, content: bytes) -> None:
+    """Raise the mapped `AprilError` for a non-2xx answer."""
+    if not 200 <= status_code < 300:
+        raise error_from_response(status_code, content, method=call.method, url=url)
+
+
+def finish(call: Call[T], url: str, status_code: int, content: bytes) -> T:
+    """The return value of a call from its answer, or the mapped error."""
+    check_status(call, url, status_code, content)
+    try:
+        return call.parse(content)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"undecodable answer to {call.method} {url}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Opt-in, bounded retries of idempotent calls after a transport failure or a 5xx."""
+
+    retries: int = 0
+    backoff_s: float = 0.5  # before retry k (from 0): backoff_s * 2**k, at most MAX_BACKOFF_S
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.retries <= MAX_RETRIES:
+            raise ValueError(f"retries must be in [0, {MAX_RETRIES}], got {self.retries}")
+        if self.backoff_s < 0:
+            raise ValueError(f"retry_backoff_s must be >= 0, got {self.backoff_s}")
+
+    def next_delay(self, call: Call[Any], exc: AprilError, attempt: int) -> float | None:
+        """Seconds to wait before retrying after failed attempt `attempt` (from 0), or None
+        to re-raise `exc`. Logs each retry at WARNING with its rid and cause."""
+        retryable = isinstance(exc, TransportError | ServerError)
+        if not (call.idempotent and retryable and attempt < self.retries):
+            return None
+        delay = min(self.backoff_s * 2**attempt, MAX_BACKOFF_S)
+        logger.warning(
+            "retry %d/%d of %s %s (rid=%s) in %.2fs after %s: %s",
+            attempt + 1,
+            self.retries,
+            call.method,
+            call.path,
+            call.rid,
+            delay,
+            type(exc).__name__,
+            exc,
+        )
+        return delay
+
+
+def client_headers(api_key: str | None, headers: Mapping[str, str] | None) -> dict[str, str]:
+    out = {"user-agent": "april-client/0.1", "accept": "application/json"}
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("api_key is empty; pass None to send no Authorization header")
+        out["authorization"] = f"Bearer {api_key}"
+    out.update(headers or {})
+    return out
+
+
+def check_base_url(base_url: str) -> str:
+    if not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    return base_url.rstrip("/")
+
+
+# ---- bodies ----------------------------------------------------------------------------------
+
+
+def _encode_req(req: msgspec.Struct) -> bytes:
+    """The JSON body, checked against its own type so a bad argument fails here, not as a 422."""
+    name = type(req).__name__
+    try:
+        data = _encoder.encode(req)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ValueError(f"cannot encode {name} (token ids must be plain ints): {exc}") from None
+    try:
+        msgspec.json.decode(data, type=type(req))
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid {name}: {exc}") from None
+    return data
+
+
+def _encode_obj(obj: dict[str, Any]) -> bytes:
+    try:
+        return _encoder.encode(obj)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ValueError(f"cannot encode the request body: {exc}") from None
+
+
+def group_specs(groups: Sequence[GroupSpec | Mapping[str, Any]]) -> list[GroupSpec]:
+    """`GroupSpec`s from structs or plain dicts; a bad dict raises `ValueError` naming it."""
+    if isinstance(groups, GroupSpec | Mapping | str | bytes):
+        raise ValueError(f"groups must be a list of group specs, not a {type(groups).__name__}")
+    out: list[GroupSpec] = []
+    for i, g in enumerate(groups):
+        if isinstance(g, GroupSpec):
+            out.append(g)
+        elif isinstance(g, Mapping):
+            try:
+                out.append(msgspec.convert(dict(g), GroupSpec))
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"groups[{i}] is not a valid group spec: {exc}") from None
+        else:
+            raise ValueError(f"groups[{i}] must be a GroupSpec or a dict, not {type(g).__name__}")
+    return out
+
+
+def _seg(value: str) -> str:
+    return quote(value, safe="")
+
+
+# ---- april routes ----------------------------------------------------------------------------
+
+
+def rollout(
+    groups: Sequence[GroupSpec | Mapping[str, Any]],
+    target_groups: int,
+    *,
+    resume_first: bool,
+    on_quota: OnQuota,
+    max_staleness: int | None,
+    max_inflight_groups: int | Literal["auto"],
+    request_id: str | None,
+    stream: bool,
+) -> Call[RolloutResp]:
+    req = RolloutReq(
+        groups=group_specs(groups),
+        target_groups=target_groups,
+        resume_first=resume_first,
+        on_quota=on_quota,
+        max_staleness=max_staleness,
+        max_inflight_groups=max_inflight_groups,
+        stream=stream,
+        request_id=request_id,
+    )
+    # A request_id makes the call idempotent on the server, so only then may it be retried.
+    return Call(
+        "POST",
+        f"{PREFIX}/rollouts",
+        _rollout_decoder.decode,
+        _encode_req(req),
+        idempotent=request_id is not None,
+        rid=request_id,
+    )
+
+
+def reject(batch_id: str, group_ids: Sequence[str]) -> Call[dict[str, Any]]:
+    body = _encode_req(RejectReq(group_ids=list(group_ids)))
+    return Call("POST", f"{PREFIX}/rollouts/{_seg(batch_id)}/reject", _dict_decoder.decode, body)
+
+
+def abort(
+    batch_id: str | None,
+    group_ids: Sequence[str] | None,
+    sample_ids: Sequence[str] | None,
+    all_: bool,
+    keep: OnQuota,
+) -> Call[AbortResp]:
+    req = AbortReq(
+        batch_id=batch_id,
+        group_ids=None if group_ids is None else list(group_ids),
+        sample_ids=None if sample_ids is None else list(sample_ids),
+        all=all_,
+        keep=keep,
+    )
+    return Call(
+        "POST", f"{PREFIX}/abort", _abort_decoder.decode, _encode_req(req), idempotent=True
+    )
+
+
+def resume(
+    sample_ids: Sequence[str],
+    append_ids: Mapping[str, Sequence[int]] | None,
+    kv: KvMode,
+    sampling_params: Mapping[str, Any] | None,
+) -> Call[ResumeResp]:
+    req = ResumeReq(
+        sample_ids=list(sample_ids),
+        append_ids=None if append_ids is None else {k: list(v) for k, v in append_ids.items()},
+        kv=kv,
+        sampling_params=None if sampling_params is None else dict(sampling_params),
+    )
+    return Call("POST", f"{PREFIX}/resume", _resume_decoder.decode, _encode_req(req))
+
+
+def _partial_groups(content: bytes) -> list[Group]:
+    return _partials_decoder.decode(content).groups
+
+
+def partials() -> Call[list[Group]]:
+    return Call("GET", f"{PREFIX}/partials", _partial_groups, idempotent=True)
+
+
+def partial(group_id: str) -> Call[Group]:
+    path = f"{PREFIX}/partials/{_seg(group_id)}"
+    return Call("GET", path, _group_decoder.decode, idempotent=True)
+
+
+def delete_partial(group_id: str) -> Call[DeleteResp]:
+    # Not retried: a retry after a lost answer would see 404 for a delete that succeeded.
+    return Call("DELETE", f"{PREFIX}/partials/{_seg(group_id)}", _delete_decoder.decode)
+
+
+def stats() -> Call[dict[str, Any]]:
+    return Call("GET", f"{PREFIX}/stats", _dict_decoder.decode, idempotent=True)
+
+
+# ---- SGLang native routes --------------------------------------------------------------------
+
+
+def _text(content: bytes) -> str:
+    return content.decode("utf-8")
+
+
+def _nothing(content: bytes) -> None:
+    return None
+
+
+def metrics() -> Call[str]:
+    return Call("GET", "/metrics", _text, idempotent=True)
+
+
+def health() -> Call[None]:
+    return Call("GET", "/health", _nothing, idempotent=True)
+
+
+def flush_cache() -> Call[None]:
+    return Call("POST", "/flush_cache", _nothing)
+
+
+def generate(
+    input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
+    sampling_params: Mapping[str, Any] | None,
+    extra: Mapping[str, Any],
+) -> Call[Any]:
+    if extra.get("stream"):
+        raise ValueError("stream=True is not supported by generate(); use rollout_stream()")
+    body: dict[str, Any] = {}
+    if input_ids is not None:
+        body["input_ids"] = input_ids
+    body["sampling_params"] = dict(sampling_params or {})
+    body.update(extra)
+    return Call("POST", "/generate", _any_decoder.decode, _encode_obj(body))
+
+
+def update_weights_from_disk(
+    model_path: str, weight_version: str | None, extra: Mapping[str, Any]
+) -> Call[dict[str, Any]]:
+    body: dict[str, Any] = {"model_path": model_path}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    body.update(extra)
+    path = "/update_weights_from_disk"
+    return Call("POST", path, _dict_decoder.decode, _encode_obj(body))
+
+
+# ---- NDJSON stream ---------------------------------------------------------------------------
+
+
+class EventReader:
+    """Bytes of an NDJSON rollout stream in, events out; a line may span chunks.
+
+    Records what it has seen: `groups` (finished so far, in order) and `done` (the last event).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.groups: list[Group] = []
+        self.done: DoneEvent | None = None
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        if b"\n" not in chunk:
+            self._buf += chunk
+            return []
+        self._buf += chunk
+        *lines, rest = self._buf.split(b"\n")
+        self._buf = bytearray(rest)
+        return [self._decode(line) for line in lines if line.strip()]
+
+    def end(self) -> list[Event]:
+        """The events of an unterminated last line; raises if the stream never said `done`."""
+        rest, self._buf = bytes(self._buf), bytearray()
+        events = [self._decode(rest)] if rest.strip() else []
+        if self.done is None:
+            raise ProtocolError(f"rollout stream from {self.url} ended before its done event")
+        return events
+
+    def _decode(self, line: bytes | bytearray) -> Event:
+        if self.done is not None:
+            raise ProtocolError(f"rollout stream from {self.url} went on after its done event")
+        try:
+            event = _event_decoder.decode(line)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"bad event line in rollout stream from {self.url}: {exc}") from exc
+        if isinstance(event, DoneEvent):
+            self.done = event
+        else:
+            self.groups.append(event.group)
+        return event

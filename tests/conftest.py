@@ -1,0 +1,54 @@
+"""Shared test set-up.
+
+- Triton kernels run in the interpreter when there is no CUDA device; the variable must be set
+  before any kernel is decorated, hence here, at import.
+- `gpu`-marked tests are skipped, with a reason, without CUDA.
+- `tiny_server`: one real april-server (real SGLang scheduler on CPU, embedded tiny model)
+  per test session, because start-up takes ~30 s.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+try:
+    import torch
+
+    HAS_CUDA = bool(torch.cuda.is_available())
+except ImportError:  # the client-only tests run without torch
+    torch = None  # type: ignore[assignment]
+    HAS_CUDA = False
+
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.server_proc import ServerProc  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_rngs() -> None:
+    random.seed(0)
+    if torch is not None:
+        torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
+    """A real server on the embedded tiny model with a durable state dir."""
+    state = tmp_path_factory.mktemp("april-state")
+    proc = ServerProc(state_dir=state)
+    proc.start()
+    yield proc
+    proc.stop()

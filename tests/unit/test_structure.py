@@ -1,0 +1,42 @@
+"""Architecture rules that a reviewer would otherwise have to check by hand."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOOR = ROOT / "april_server" / "engine.py"
+
+
+def imported_modules(path: Path) -> set[str]:
+    mods: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module)
+    return mods
+
+
+def test_engine_py_is_the_only_door_to_sglang() -> None:
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "april_server").rglob("*.py"))
+        if p != DOOR and any(m.split(".")[0] == "sglang" for m in imported_modules(p))
+    ]
+    assert offenders == []
+    assert any(m.startswith("sglang") for m in imported_modules(DOOR))
+
+
+def test_bookkeeping_is_plain_python() -> None:
+    for name in ("samples.py", "manager.py", "rollout.py", "store.py", "protocol.py"):
+        mods = imported_modules(ROOT / "april_server" / name)
+        assert not {m.split(".")[0] for m in mods} & {"torch", "sglang", "triton"}, name
+
+
+def test_no_pickle_or_eval_of_request_data() -> None:
+    for p in sorted((ROOT / "april_server").rglob("*.py")):
+        src = p.read_text()
+        assert "pickle" not in imported_modules(p), p
+        assert "eval(" not in src and "exec(" not in src, p
