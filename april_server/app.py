@@ -116,7 +116,9 @@ def create_router(get_manager: Callable[[], RolloutManager]) -> APIRouter:
     @guarded
     async def partials() -> Response:
         mgr = get_manager()
-        return json_response(PartialsResp(groups=[mgr.listed(g) for g in mgr.idle_groups()]))
+        groups = mgr.idle_groups()
+        await mgr.snapshots.refresh([s for g in groups for s in g.samples])
+        return json_response(PartialsResp(groups=[mgr.listed(g) for g in groups]))
 
     @router.get(PREFIX + "/partials/{group_id}")
     @guarded
@@ -127,12 +129,12 @@ def create_router(get_manager: Callable[[], RolloutManager]) -> APIRouter:
     @router.delete(PREFIX + "/partials/{group_id}")
     @guarded
     async def delete_partial(group_id: str) -> Response:
-        return json_response(get_manager().delete(group_id))
+        return json_response(await get_manager().delete(group_id))
 
     @router.get(PREFIX + "/stats")
     @guarded
     async def stats() -> Response:
-        return json_response(get_manager().stats())
+        return json_response(await get_manager().stats())
 
     return router
 

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from april_server import env
 from april_server.config import AprilConfig
 
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
@@ -31,7 +32,7 @@ SHIM_DIR = Path(__file__).parent / "cpu_shim"
 def april_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="april-server", add_help=False, allow_abbrev=False)
     p.add_argument("--april-state-dir", type=Path, default=None, help="durable buffer dir")
-    p.add_argument("--april-kv-host-bytes", type=int, default=2 * 1024**3)
+    p.add_argument("--april-kv-host-bytes", type=int, default=env.DEFAULT_KV_HOST_BYTES)
     p.add_argument("--april-allow-stale-kv", action="store_true")
     p.add_argument(
         "--april-model",
@@ -96,12 +97,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         install_cpu_shim()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+    os.environ.setdefault("SGLANG_PLUGINS", "april")  # our scheduler hooks, no stray plugins
+    env.set_kv_host_bytes(april.april_kv_host_bytes)
     config = AprilConfig(
         state_dir=april.april_state_dir,
         kv_host_bytes=april.april_kv_host_bytes,
         allow_stale_kv=april.april_allow_stale_kv,
     )
-    from april_server.engine import launch
+    from april_server.door.engine import launch
 
     launch(build_argv(rest, april, cpu), config)
 

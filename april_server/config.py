@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from april_server.env import DEFAULT_KV_HOST_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class AprilConfig:
     # Durable partial buffer lives here (SQLite). None: in memory only, lost on exit.
     state_dir: Path | None = None
-    # Host bytes for KV snapshots (used once KV snapshots land; 0 disables them).
-    kv_host_bytes: int = 2 * 1024**3
+    # Host bytes for KV snapshots (LRU beyond it; 0 disables snapshots).
+    kv_host_bytes: int = DEFAULT_KV_HOST_BYTES
     # Reuse a KV snapshot from an older weight version when the sample's max_staleness allows.
     allow_stale_kv: bool = False
 

@@ -42,3 +42,37 @@ class BaseEngine(ABC):
     def engine_stats(self) -> dict[str, Any]:
         """Engine-side figures for /stats (free KV tokens, running requests...)."""
         return {}
+
+
+class SnapshotEngine(BaseEngine):
+    """An engine that can keep an interrupted request's KV on the host and restore it.
+
+    Keys are sample ids: one snapshot per sample, replaced by each new interruption."""
+
+    snapshots_enabled: bool = True
+
+    @abstractmethod
+    def mark_snapshot(self, rid: str, key: str) -> None:
+        """Snapshot `rid`'s KV under `key` if it ends by abort. Must be ordered before the
+        abort that ends it (both go down the same channel)."""
+
+    @abstractmethod
+    async def restore_snapshot(self, key: str) -> int:
+        """Make the snapshot visible to prefix matching and hold it; returns the tokens made
+        visible (0: nothing usable, the continuation will re-prefill)."""
+
+    @abstractmethod
+    async def release_snapshot(self, key: str) -> None:
+        """Let go of what `restore_snapshot` holds (after the continuation has matched it)."""
+
+    @abstractmethod
+    async def drop_snapshot(self, key: str) -> None:
+        """Free the host copy."""
+
+    @abstractmethod
+    async def snapshot_info(self, key: str) -> dict[str, Any] | None:
+        """{"tokens", "bytes"} of a live snapshot, None if absent (never taken or evicted)."""
+
+    @abstractmethod
+    async def snapshot_stats(self) -> dict[str, Any]:
+        """Store and pool figures: bytes used/budget, evictions, GB/s, free pool tokens."""

@@ -25,10 +25,12 @@ from april_server.protocol import (
     AbortResp,
     DeleteResp,
     Group,
+    KvMode,
     OnQuota,
     ResumeReq,
     Sample,
 )
+from april_server.snapshots import SnapshotPolicy
 from april_server.store import BufferStore
 
 logger = logging.getLogger(__name__)
@@ -72,10 +74,16 @@ class CallTally:
 
 
 class RolloutManager:
-    def __init__(self, engine: BaseEngine, store: BufferStore) -> None:
+    def __init__(
+        self, engine: BaseEngine, store: BufferStore, allow_stale_kv: bool = False
+    ) -> None:
         self.engine = engine
         self.store = store
+        self.snapshots = SnapshotPolicy(engine, allow_stale_kv)
         self.groups: dict[str, Group] = {g.group_id: g for g in store.load_groups()}
+        for g in self.groups.values():  # KV snapshots are volatile: none survive a restart
+            for s in g.samples:
+                s.snapshot_bytes, s.snapshot_weight_version = 0, None
         self.busy: dict[str, str] = {}  # group_id -> owning call id
         self.running: dict[str, Running] = {}  # sample_id -> its engine request
         self.calls: dict[str, Any] = {}  # batch_id -> live RolloutCall (see rollout.py)
@@ -145,26 +153,41 @@ class RolloutManager:
         tally: CallTally,
         max_staleness: int | None = None,
         override_params: dict[str, Any] | None = None,
+        kv_mode: KvMode = "auto",
     ) -> asyncio.Task[None]:
         """Start the next segment of `sample` on the engine; the task records the result."""
         if sample.sample_id in self.running:
             raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
         version = self.current_version()
+        usable = self.snapshots.usable(sample, version, self.version_history, max_staleness)
         cont = S.plan_continuation(
             sample, version, max_staleness, self.version_history, override_params
         )
         if cont.restarted:
             self.counters.staleness_restarts += 1
             tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
+            usable = False
         rid = f"{sample.sample_id}@{owner}.{len(sample.segments)}.{uuid.uuid4().hex[:6]}"
-        task = asyncio.get_running_loop().create_task(self._segment(sample, cont, rid, tally))
+        seg = self._segment(sample, cont, rid, tally, kv_mode, usable)
+        task = asyncio.get_running_loop().create_task(seg)
         self.running[sample.sample_id] = Running(sample, owner, rid, task)
         return task
 
     async def _segment(
-        self, sample: Sample, cont: S.Continuation, rid: str, tally: CallTally
+        self,
+        sample: Sample,
+        cont: S.Continuation,
+        rid: str,
+        tally: CallTally,
+        kv_mode: KvMode,
+        usable: bool,
     ) -> None:
+        if cont.restarted:
+            await self.snapshots.forget(sample)
+        restored = 0
         try:
+            if cont.kv == "recomputed":
+                restored = await self.snapshots.restore(sample, kv_mode, usable)
             result = await self.engine.generate(rid, cont.input_ids, cont.sampling_params)
         except Exception as exc:  # an engine failure must not lose the sample
             logger.exception("engine error on %s", rid)
@@ -172,27 +195,39 @@ class RolloutManager:
             tally.notes.append(f"{sample.sample_id}: engine error: {exc}")
             result = S.SegmentResult([], [], None, self.engine.weight_version(), error=str(exc))
         run = self.running.pop(sample.sample_id, None)
+        keep = "tokens" if run is None else run.keep
         natural = result.finish_reason in ("stop", "length")
-        if run is not None and run.keep == "drop" and not natural:
+        if keep == "drop" and not natural:
+            await self.snapshots.after_segment(sample, restored, False, False)
             S.reset_output(sample)
             return
         before = len(sample.output_ids)
-        S.apply_segment(sample, result, cont.kv)
+        kv = "restored" if restored > 0 else cont.kv
+        S.apply_segment(sample, result, kv)
+        await self.snapshots.after_segment(
+            sample, restored, result.finish_reason == "abort", keep == "snapshot"
+        )
         produced = len(sample.output_ids) - before
         tally.output_tokens += produced
         self.counters.output_tokens += produced
         if cont.kv == "recomputed":
-            redo = max(0, len(cont.input_ids) - result.cached_tokens)
+            # Prefill work a full restore would have avoided (the newest token is always run).
+            redo = max(0, len(cont.input_ids) - 1 - result.cached_tokens)
             tally.resumed_samples += 1
             tally.recomputed_tokens += redo
+            tally.restored_kv_tokens += restored
             self.counters.resumed_samples += 1
             self.counters.recomputed_tokens += redo
+            self.counters.restored_kv_tokens += restored
 
     async def stop_running(self, runs: list[Running], keep: OnQuota | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
         if keep is not None:
             for r in runs:
                 r.keep = keep
+        for r in runs:
+            if r.keep == "snapshot" and not r.task.done():
+                self.snapshots.mark(r.rid, r.sample)  # ordered before the abort below
         pending = {r.task for r in runs if not r.task.done()}
         while pending:
             for r in runs:
@@ -245,9 +280,13 @@ class RolloutManager:
                 raise conflict("sample_busy", f"sample {s.sample_id!r} is already running")
             if S.is_finished(s) and s.sample_id not in appends:
                 raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
-            if req.kv == "restore":
+            if req.kv == "restore" and not self.snapshots.usable(
+                s, self.current_version(), self.version_history, req.max_staleness
+            ):
                 raise conflict(
-                    "no_snapshot", f"sample {s.sample_id!r} has no usable KV snapshot"
+                    "no_snapshot",
+                    f"sample {s.sample_id!r} has no KV snapshot usable under weight version "
+                    f"{self.current_version()!r} (kv: auto re-prefills instead)",
                 )
         if req.sampling_params:
             if "max_new_tokens" in req.sampling_params:
@@ -276,7 +315,9 @@ class RolloutManager:
                 S.append_context(self.sample(sid), ids, self.engine.context_len)
             tally = CallTally()
             tasks = [
-                self.start_sample(s, owner, tally, None, req.sampling_params)
+                self.start_sample(
+                    s, owner, tally, req.max_staleness, req.sampling_params, req.kv
+                )
                 for s in chosen
                 if S.remaining_budget(s) > 0 and not S.is_finished(s)
             ]
@@ -290,11 +331,13 @@ class RolloutManager:
             self.release(owner)
         return chosen
 
-    def delete(self, group_id: str) -> DeleteResp:
-        self.group(group_id)
+    async def delete(self, group_id: str) -> DeleteResp:
+        group = self.group(group_id)
         if group_id in self.busy:
             raise conflict("group_busy", f"group {group_id!r} is in use by a running call")
         self.persist([], [group_id])
+        for s in group.samples:
+            await self.snapshots.forget(s)
         return DeleteResp(group_id=group_id, deleted=True)
 
     # ---- integrity ---------------------------------------------------------------------------
@@ -318,9 +361,12 @@ class RolloutManager:
             idle = {g.group_id: g for g in self.idle_groups()}
             assert set(on_disk) == set(idle), (sorted(on_disk), sorted(idle))
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         idle = self.idle_groups()
         c = self.counters
+        kv: dict[str, Any] = {"kv_snapshots": "disabled"}
+        if self.snapshots.engine is not None:
+            kv = {"kv_snapshots": "enabled", **await self.snapshots.engine.snapshot_stats()}
         return {
             "weight_version": self.current_version(),
             "buffered_groups": len(idle),
@@ -328,10 +374,7 @@ class RolloutManager:
             "buffered_output_tokens": sum(len(s.output_ids) for g in idle for s in g.samples),
             "running_samples": len(self.running),
             "active_calls": len(self.calls),
-            "snapshot_bytes_used": 0,
-            "snapshot_bytes_budget": 0,
-            "snapshots_evicted": 0,
-            "kv_snapshots": "not available in this build: snapshot requests fall back to tokens",
+            **kv,
             **{k: getattr(c, k) for k in c.__dataclass_fields__},
             "engine": self.engine.engine_stats(),
         }

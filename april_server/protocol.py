@@ -118,6 +118,8 @@ class ResumeReq(_Req):
     kv: KvMode = "auto"
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
+    # Stale KV reuse bound (versions), when the server allows it (--april-allow-stale-kv).
+    max_staleness: int | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from april_server.manager import CallTally
 from april_server.protocol import (
     Group,
     GroupFinishedEvent,
+    OnQuota,
     RejectReq,
     RolloutReq,
     RolloutResp,
@@ -198,7 +199,8 @@ class RolloutCall:
             # Step 5, also on cancellation: nothing of this call may keep generating.
             self.stopped = True
             runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
-            await asyncio.shield(mgr.stop_running(runs))
+            keep: OnQuota | None = "snapshot" if req.on_quota == "snapshot" else None
+            await asyncio.shield(mgr.stop_running(runs, keep))
         resp = self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
         if cancelled:
             raise asyncio.CancelledError
@@ -250,8 +252,10 @@ class RolloutCall:
                 buffered.append(gid)
         groups = [mgr.groups[g] for g in returned]
         notes = list(self.tally.notes)
-        if req.on_quota == "snapshot":
-            notes.append("on_quota=snapshot ran as tokens: KV snapshots are not in this build")
+        on_quota = req.on_quota
+        if on_quota == "snapshot" and not mgr.snapshots.enabled:
+            on_quota = "tokens"
+            notes.append("on_quota=snapshot ran as tokens: this engine keeps no KV snapshots")
         stats = RolloutStats(
             wall_s=round(wall_s, 4),
             weight_version=version,
@@ -266,7 +270,7 @@ class RolloutCall:
             num_rejected_groups=len(self.quota.rejected),
             num_dropped_groups=len(dropped) - len(self.quota.rejected),
             time_to_quota_s=None if time_to_quota is None else round(time_to_quota, 4),
-            on_quota_effective="tokens" if req.on_quota == "snapshot" else req.on_quota,
+            on_quota_effective=on_quota,
             notes=notes,
         )
         resp = RolloutResp(

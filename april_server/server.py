@@ -27,7 +27,9 @@ class ManagerHolder:
             if path is None:
                 logger.warning("no --april-state-dir: the partial buffer is in memory only")
             store = BufferStore(path)
-            self._manager = RolloutManager(self.make_engine(), store)
+            self._manager = RolloutManager(
+                self.make_engine(), store, allow_stale_kv=self.config.allow_stale_kv
+            )
             logger.info(
                 "april: partial buffer %s with %d groups", path, len(self._manager.groups)
             )

@@ -49,6 +49,7 @@ def save_kv(
     the host, and make sure the forward pass that wrote the KV is ordered before this call.
     ``backend``: "auto" = Triton on CUDA, torch on CPU (the interpreter is far too slow to
     serve with); "triton" forces the kernel (on CPU only under TRITON_INTERPRET=1).
+    ``block_tokens``: Triton rows per program (None = default; results never depend on it).
     """
     buffers, row_shape = _check_pool(k_buffers, v_buffers)
     _check_slots(slot_ids, buffers[0], unique=False)
@@ -109,9 +110,9 @@ def save_kv_ref(
     k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slot_ids: torch.Tensor
 ) -> torch.Tensor:
     """Reference ``save_kv``: per-layer advanced indexing, stacked. Returns [2, L, T, H, D]."""
-    keys = torch.stack([k[slot_ids] for k in k_buffers])
-    values = torch.stack([v[slot_ids] for v in v_buffers])
-    return torch.stack([keys, values])
+    keys = torch.stack([_fp8_as_uint8(k)[slot_ids] for k in k_buffers])
+    values = torch.stack([_fp8_as_uint8(v)[slot_ids] for v in v_buffers])
+    return torch.stack([keys, values]).view(k_buffers[0].dtype)
 
 
 def restore_kv_ref(
@@ -122,8 +123,13 @@ def restore_kv_ref(
 ) -> None:
     """Reference ``restore_kv``: per-layer index assignment. Mutates the pool buffers."""
     for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-        k[slot_ids] = snapshot[0, layer]
-        v[slot_ids] = snapshot[1, layer]
+        _fp8_as_uint8(k)[slot_ids] = _fp8_as_uint8(snapshot[0, layer])
+        _fp8_as_uint8(v)[slot_ids] = _fp8_as_uint8(snapshot[1, layer])
+
+
+def _fp8_as_uint8(t: torch.Tensor) -> torch.Tensor:
+    # NOTE: index_put is missing for float8 on some devices (why SGLang stores fp8 as uint8).
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def page_slot_ids(page_ids: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
@@ -135,7 +141,9 @@ def page_slot_ids(page_ids: torch.Tensor, page_size: int, num_tokens: int) -> to
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if page_ids.dim() != 1 or page_ids.dtype != torch.int64:
-        raise ValueError(f"page_ids must be 1-D int64, got {page_ids.dtype} {tuple(page_ids.shape)}")
+        raise ValueError(
+            f"page_ids must be 1-D int64, got {page_ids.dtype} {tuple(page_ids.shape)}"
+        )
     num_pages = -(-num_tokens // page_size)
     if page_ids.numel() != num_pages:
         raise ValueError(

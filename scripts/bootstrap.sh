@@ -34,8 +34,11 @@ PYEOF
   echo "$extras" | xargs $PIP install >&2
   touch "$VENV/.complete"
 fi
-# The project itself: editable, no deps (they are all above); cheap, so always refreshed.
-if ! "$VENV/bin/python" -c "import april_server" 2>/dev/null; then
+# The project itself: editable, no deps (they are all above). Re-done when pyproject.toml
+# changes (entry points, scripts) or the venv points at another clone.
+STAMP="$VENV/.april-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/bootstrap.sh" | sha256sum | cut -c1-12)-$(echo "$ROOT" | sha256sum | cut -c1-8)"
+if [ ! -f "$STAMP" ]; then
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >&2
+  rm -f "$VENV"/.april-* && touch "$STAMP"
 fi
 echo "$VENV"

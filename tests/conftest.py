@@ -48,7 +48,7 @@ def _seed_rngs() -> None:
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
     """A real server on the embedded tiny model with a durable state dir."""
     state = tmp_path_factory.mktemp("april-state")
-    proc = ServerProc(state_dir=state)
+    proc = ServerProc(state_dir=state, extra_args=["--april-allow-stale-kv"])
     proc.start()
     yield proc
     proc.stop()

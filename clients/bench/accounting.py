@@ -75,7 +75,9 @@ class Ledger:
                 )
             for c in step:
                 if c.sample_id in seen:
-                    out.append(f"sample {c.sample_id} consumed twice (steps {seen[c.sample_id]}, {i})")
+                    out.append(
+                        f"sample {c.sample_id} consumed twice (steps {seen[c.sample_id]}, {i})"
+                    )
                 seen[c.sample_id] = i
                 out.extend(self._check_sample(c))
             for gid in gids:
@@ -89,8 +91,10 @@ class Ledger:
             out.append(f"group {gid} is both consumed and dropped")
         lost = set(self.sent) - consumed - set(self.leftover) - self.dropped
         if lost:
-            out.append(f"{len(lost)} sent group(s) lost (neither consumed nor buffered): "
-                       f"{sorted(lost)[:5]}")
+            out.append(
+                f"{len(lost)} sent group(s) lost (neither consumed nor buffered): "
+                f"{sorted(lost)[:5]}"
+            )
         return out
 
     def _check_sample(self, c: Consumed) -> list[str]:

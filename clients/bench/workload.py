@@ -83,7 +83,7 @@ def load_lengths(path: Path) -> list[list[int]]:
         if "lengths" in obj:
             rows.append([int(x) for x in obj["lengths"]])
         elif "length" in obj or "output_len" in obj:
-            rows.append([int(obj.get("length", obj.get("output_len")))])
+            rows.append([int(obj["length"] if "length" in obj else obj["output_len"])])
         else:
             raise ValueError(f"{path}:{lineno}: needs 'lengths', 'length' or 'output_len'")
     if not rows or not any(rows):

@@ -1,13 +1,15 @@
-"""Kernel tests run on CPU through Triton's interpreter; it must be on before kernels import."""
+"""Kernel tests: on CPU, Triton must run in its interpreter, switched on before kernels import."""
 
 import os
 
-# NOTE: must precede the first `import triton`/kernel import; the root conftest does the same
-# when CUDA is absent, this keeps `pytest tests/kernels` working on its own.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# NOTE: must precede the first kernel import. The root conftest does the same; repeating it keeps
+# `pytest tests/kernels` safe on its own. Not on CUDA machines: there the tests use real kernels,
+# and the interpreter would also capture every other Triton kernel in the session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,8 @@
-"""kernels/kv_copy.py on CPU: Triton (interpreter) and torch paths against the references.
+"""kernels/kv_copy.py: Triton and torch paths against the references.
 
-A copy does no arithmetic, so every comparison is on raw bytes (rtol=0, atol=0): pools are
-filled with random bytes, NaN payloads and all.
+Pools live on CUDA when there is a device (real kernels, pinned host slabs), else on CPU with
+Triton in its interpreter. A copy does no arithmetic, so every comparison is on raw bytes
+(rtol=0, atol=0): pools are filled with random bytes, NaN payloads and all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kernels.kv_copy import (
 )
 from kernels.kv_copy_triton import launch_save
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_TOKENS = (0, 1, 7, 33)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8) + (
     (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ()
@@ -44,7 +46,8 @@ def _make_pool(num_layers, num_pages, page_size, heads, head_dim, dtype):
     width = head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def buf():
-        return torch.randint(0, 256, (size, heads, width), dtype=torch.uint8).view(dtype)
+        raw = torch.randint(0, 256, (size, heads, width), dtype=torch.uint8, device=DEVICE)
+        return raw.view(dtype)
 
     return [buf() for _ in range(num_layers)], [buf() for _ in range(num_layers)]
 
@@ -57,8 +60,8 @@ def _two_slot_sets(num_tokens, num_pages, page_size):
     need = -(-num_tokens // page_size)
     pages = torch.randperm(num_pages - 1)[: 2 * need] + 1
     return (
-        page_slot_ids(pages[:need], page_size, num_tokens),
-        page_slot_ids(pages[need:], page_size, num_tokens),
+        page_slot_ids(pages[:need], page_size, num_tokens).to(DEVICE),
+        page_slot_ids(pages[need:], page_size, num_tokens).to(DEVICE),
     )
 
 
@@ -70,7 +73,9 @@ def _setup(num_tokens, dtype, page_size, num_layers, head_shape):
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # kernels write pinned host slabs asynchronously
+    return t.cpu().contiguous().view(torch.uint8)
 
 
 def _clone(buffers):
@@ -115,7 +120,7 @@ def test_round_trip_into_new_slots(backend, num_tokens, dtype, page_size, num_la
     # Whole-pool equality with the reference also proves no other slot was touched; the
     # explicit checks below say the same thing without trusting restore_kv_ref.
     _assert_pools_equal(k + v, expected_k + expected_v)
-    untouched = torch.ones(k[0].shape[0], dtype=torch.bool)
+    untouched = torch.ones(k[0].shape[0], dtype=torch.bool, device=DEVICE)
     untouched[dst] = False
     for now, before in zip(k + v, original, strict=True):
         _assert_same_bytes(now[dst], before[src])
@@ -127,7 +132,7 @@ def test_round_trip_into_new_slots(backend, num_tokens, dtype, page_size, num_la
 def test_launch_geometry_does_not_change_bytes(block_tokens, block_cols, dtype):
     # Rows of 15 elements: every block_cols here leaves a masked tail in the column loop.
     k, v, src, _ = _setup(33, dtype, 16, 3, (3, 5))
-    out = torch.zeros(2, 3, 33, 3, 5, dtype=dtype)
+    out = torch.zeros(2, 3, 33, 3, 5, dtype=dtype, device=DEVICE)
     launch_save(k + v, src, out, block_tokens=block_tokens, block_cols=block_cols)
     _assert_same_bytes(out, save_kv_ref(k, v, src))
 
@@ -135,7 +140,7 @@ def test_launch_geometry_does_not_change_bytes(block_tokens, block_cols, dtype):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_save_into_given_out_overwrites_all_of_it(backend):
     k, v, src, _ = _setup(7, torch.float16, 1, 3, (1, 12))
-    out = torch.full((2, 3, 7, 1, 12), float("nan"), dtype=torch.float16)
+    out = torch.full((2, 3, 7, 1, 12), float("nan"), dtype=torch.float16, device=DEVICE)
     assert save_kv(k, v, src, out, backend=backend) is out
     _assert_same_bytes(out, save_kv_ref(k, v, src))
 
@@ -148,9 +153,25 @@ def test_auto_backend_on_cpu_takes_torch_path(monkeypatch):
     monkeypatch.setattr("kernels.kv_copy.launch_save", fail)
     monkeypatch.setattr("kernels.kv_copy.launch_restore", fail)
     k, v, src, dst = _setup(7, torch.bfloat16, 1, 3, (1, 12))
+    k, v, src, dst = [b.cpu() for b in k], [b.cpu() for b in v], src.cpu(), dst.cpu()
     snap = save_kv(k, v, src)
     restore_kv(k, v, dst, snap)
     _assert_same_bytes(snap, save_kv_ref(k, v, dst))
+
+
+@pytest.mark.gpu
+def test_cuda_slab_defaults_to_pinned_host_and_must_be_pinned():
+    k, v, src, dst = _setup(33, torch.bfloat16, 16, 3, (8, 128))
+    snap = save_kv(k, v, src)
+    assert snap.device.type == "cpu" and snap.is_pinned()
+    _assert_same_bytes(snap, save_kv_ref(k, v, src))
+    restore_kv(k, v, dst, snap)
+    _assert_same_bytes(save_kv_ref(k, v, dst), snap)
+    pageable = torch.empty(snap.shape, dtype=snap.dtype)
+    with pytest.raises(ValueError, match="pinned"):
+        save_kv(k, v, src, pageable)
+    with pytest.raises(ValueError, match="pinned"):
+        restore_kv(k, v, dst, pageable)
 
 
 def test_page_slot_ids_whole_pages_last_partial():
@@ -250,7 +271,7 @@ def test_unknown_backend_rejected():
 
 
 def test_mha_kv_buffers_refuses_mla_and_other_layouts():
-    latent = [torch.zeros(16, 1, 576)]
+    latent = [torch.zeros(16, 1, 576)]  # MLATokenToKVPool: [size + page, 1, kv_cache_dim]
     with pytest.raises(NotImplementedError, match="MLA"):
         mha_kv_buffers(SimpleNamespace(kv_buffer=latent))
     k, v = [torch.zeros(16, 2, 8)], [torch.zeros(16, 2, 8)]
@@ -269,7 +290,12 @@ def test_against_sglang_mha_pool():
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run(
-        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, str(script)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip().splitlines()[-1])

@@ -8,11 +8,14 @@ Version-checked: names move between SGLang releases, so anything but the pin is 
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import logging
 from typing import Any
 
 from april_server.config import AprilConfig
-from april_server.engine_base import BaseEngine
+from april_server.engine_base import BaseEngine, SnapshotEngine
 from april_server.errors import bad_request
 from april_server.samples import SegmentResult
 
@@ -33,13 +36,72 @@ def check_sglang_version() -> None:
         )
 
 
-class SGLangEngine(BaseEngine):
-    """BaseEngine over SGLang's TokenizerManager, in the HTTP server's event loop."""
+KV_CALL_TIMEOUT_S = 60.0  # a scheduler busy with a long prefill answers between batches
 
-    def __init__(self, tokenizer_manager: Any) -> None:
+
+class SGLangEngine(SnapshotEngine):
+    """SnapshotEngine over SGLang's TokenizerManager, in the HTTP server's event loop.
+
+    KV control messages (`door/ipc.py`) go down the TokenizerManager's own socket to the
+    scheduler, so a `mark` is always ordered before the `abort` sent after it."""
+
+    def __init__(self, tokenizer_manager: Any, snapshots_enabled: bool = True) -> None:
+        from sglang.utils import TypeBasedDispatcher
+
+        from april_server.door.ipc import AprilKvResp
+
         self.tm = tokenizer_manager
         self.context_len = int(tokenizer_manager.context_len)
         self.vocab_size = int(tokenizer_manager.model_config.vocab_size)
+        self.snapshots_enabled = snapshots_enabled
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
+        self.tm._result_dispatcher += TypeBasedDispatcher([(AprilKvResp, self._on_kv_resp)])
+
+    def _on_kv_resp(self, resp: Any) -> None:
+        fut = self._waiting.pop(resp.call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result((bool(resp.ok), json.loads(resp.payload)))
+
+    def _kv_send(self, op: str, key: str = "", target: str = "") -> asyncio.Future[Any]:
+        from april_server.door.ipc import AprilKvReq
+
+        call_id = next(self._ids)
+        fut: asyncio.Future[tuple[bool, dict[str, Any]]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._waiting[call_id] = fut
+        self.tm._dispatch_to_scheduler(AprilKvReq(call_id=call_id, op=op, key=key, target=target))
+        return fut
+
+    async def _kv(self, op: str, key: str = "") -> tuple[bool, dict[str, Any]]:
+        fut = self._kv_send(op, key)
+        try:
+            return await asyncio.wait_for(fut, KV_CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            logger.error("april: scheduler did not answer kv %s (is the plugin loaded?)", op)
+            return False, {"error": "timeout"}
+
+    def mark_snapshot(self, rid: str, key: str) -> None:
+        fut = self._kv_send("mark", key, rid)
+        fut.add_done_callback(lambda f: None)  # the answer only confirms; nobody waits
+
+    async def restore_snapshot(self, key: str) -> int:
+        ok, payload = await self._kv("restore", key)
+        return int(payload.get("restored", 0)) if ok else 0
+
+    async def release_snapshot(self, key: str) -> None:
+        await self._kv("unlock", key)
+
+    async def drop_snapshot(self, key: str) -> None:
+        await self._kv("drop", key)
+
+    async def snapshot_info(self, key: str) -> dict[str, Any] | None:
+        ok, payload = await self._kv("info", key)
+        return payload if ok else None
+
+    async def snapshot_stats(self) -> dict[str, Any]:
+        return (await self._kv("stats"))[1]
 
     def weight_version(self) -> str:
         return str(self.tm.config_value("weight_version"))
@@ -116,7 +178,8 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
         raise SystemExit("april-server needs --tokenizer-worker-num 1 (one rollout manager)")
 
     def make_engine() -> BaseEngine:
-        return SGLangEngine(http_server.get_global_state().tokenizer_manager)
+        tm = http_server.get_global_state().tokenizer_manager
+        return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0)
 
     holder = ManagerHolder(config, make_engine)
     http_server.app.include_router(create_router(holder.get))

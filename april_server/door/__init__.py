@@ -1,0 +1,8 @@
+"""The one door to SGLang: only modules in this package import `sglang`.
+
+- `engine.py`: the HTTP-process side (TokenizerManager driver, launcher, KV control client).
+- `scheduler_hooks.py`: the scheduler-process side (plugin hooks: snapshot on release, the
+  KV control message handler), loaded by SGLang's plugin mechanism in every process.
+- `ipc.py`: the control messages exchanged between the two.
+Everything is version-checked against the pinned SGLang.
+"""

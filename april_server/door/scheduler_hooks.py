@@ -1,0 +1,198 @@
+"""Scheduler-process side of KV snapshots, installed through SGLang's plugin hooks.
+
+Entry point `sglang.srt.plugins: april = april_server.door.scheduler_hooks:register` (see
+pyproject.toml); `april-server` sets `SGLANG_PLUGINS=april`. Hooks, each a short wrapper:
+- AFTER `Scheduler.init_request_dispatcher`: route `AprilKvReq` to `SchedulerKv.handle`.
+- AROUND `mem_cache.common.release_kv_cache`: before SGLang frees a request that ended by
+  abort and was marked for a snapshot, gather its committed KV into the host store.
+- AFTER `Scheduler.flush_cache`: a flush drops the whole tree, so our tree locks go with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from april_server import env
+from april_server.door.ipc import AprilKvReq, AprilKvResp
+from april_server.kv_store import HostKvStore, Snapshot
+from kernels.kv_copy import mha_kv_buffers, restore_kv, save_kv
+
+logger = logging.getLogger(__name__)
+
+MAX_MARKED = 100_000  # marks whose request ended without an abort are forgotten oldest-first
+_active: SchedulerKv | None = None  # one scheduler per process; the release hook needs it
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
+        _after_init_dispatcher,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.common.release_kv_cache", _around_release, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.flush_cache", _after_flush, HookType.AFTER
+    )
+
+
+def _after_init_dispatcher(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    from sglang.utils import TypeBasedDispatcher
+
+    global _active
+    _active = SchedulerKv(scheduler)
+    scheduler._request_dispatcher += TypeBasedDispatcher([(AprilKvReq, _active.handle)])
+    return result
+
+
+def _around_release(original: Any, req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> Any:
+    kv = _active
+    if kv is not None:
+        key = kv.marked.pop(req.rid, None)
+        if key is not None and kv.ended_by_abort(req):
+            try:
+                kv.save(key, req, tree_cache)
+            except Exception:  # a failed snapshot means recompute, never a broken release
+                logger.exception("april: snapshot of %s failed", req.rid)
+    return original(req, tree_cache, *args, **kwargs)
+
+
+def _after_flush(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    if _active is not None and getattr(result, "success", result):
+        _active.locks.clear()  # the tree they pointed into is gone
+    return result
+
+
+class SchedulerKv:
+    def __init__(self, scheduler: Any) -> None:
+        self.sched = scheduler
+        self.store = HostKvStore(env.kv_host_bytes())
+        self.marked: OrderedDict[str, str] = OrderedDict()  # rid -> snapshot key
+        self.locks: dict[str, Any] = {}  # key -> TreeLock holding a restored prefix
+        self.rank0 = getattr(scheduler, "tp_rank", 0) == 0
+
+    # ---- messages ----------------------------------------------------------------------------
+
+    def handle(self, req: AprilKvReq) -> AprilKvResp | None:
+        try:
+            ok, payload = getattr(self, "op_" + req.op)(req)
+        except Exception as exc:
+            logger.exception("april: kv op %s failed", req.op)
+            ok, payload = False, {"error": str(exc)}
+        if not self.rank0:
+            return None  # control replies come from rank 0 only
+        return AprilKvResp(call_id=req.call_id, ok=ok, payload=json.dumps(payload))
+
+    def op_mark(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        self.marked[req.target] = req.key
+        while len(self.marked) > MAX_MARKED:
+            self.marked.popitem(last=False)
+        return True, {}
+
+    def op_drop(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        self.op_unlock(req)
+        return self.store.drop(req.key), {}
+
+    def op_info(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        info = self.store.info(req.key)
+        return info is not None, info or {}
+
+    def op_stats(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        tree = self.sched.tree_cache
+        return True, {
+            **self.store.stats(),
+            "free_tokens": int(self.sched.token_to_kv_pool_allocator.available_size()),
+            "evictable_tokens": int(tree.evictable_size()),
+            "protected_tokens": int(tree.protected_size()),
+            "restore_locks": len(self.locks),
+            "pending_marks": len(self.marked),
+        }
+
+    def op_unlock(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        lock = self.locks.pop(req.key, None)
+        if lock is not None:
+            self.sched.tree_cache.unlock(lock)
+        return lock is not None, {}
+
+    def op_restore(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        """Make the snapshot's prefix visible to SGLang's prefix matching and hold it (tree
+        lock) until `unlock`, so the continuation request matches it instead of prefilling."""
+        from sglang.srt.mem_cache.base_prefix_cache import (
+            EvictParams,
+            InsertParams,
+            MatchPrefixParams,
+        )
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        snap = self.store.get(req.key)
+        if snap is None:
+            return False, {"reason": "no snapshot (never taken, evicted or dropped)"}
+        alloc, tree = self.sched.token_to_kv_pool_allocator, self.sched.tree_cache
+        page = int(alloc.page_size)
+        n = len(snap.tokens) - len(snap.tokens) % page  # the radix tree keys whole pages only
+        if n == 0:
+            return False, {"reason": "shorter than one page"}
+        key = RadixKey(array("q", snap.tokens[:n]))
+        match = tree.match_prefix(MatchPrefixParams(key=key))
+        copied = 0
+        if match.device_prefix_len < n:
+            slots = alloc.alloc(n)
+            if slots is None:
+                tree.evict(EvictParams(num_tokens=n))
+                slots = alloc.alloc(n)
+            if slots is None:
+                return False, {"reason": "no free KV slots"}
+            slots = slots.to(torch.int64)
+            kv = snap.kv if n == snap.kv.shape[2] else snap.kv[:, :, :n].contiguous()
+            k_bufs, v_bufs = mha_kv_buffers(alloc.get_kvcache())
+            t0 = time.perf_counter()
+            restore_kv(k_bufs, v_bufs, slots, kv)
+            if slots.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            self.store.restore.add(int(kv.numel() * kv.element_size()), time.perf_counter() - t0)
+            # The tree adopts the slots; it frees those duplicating a prefix it already has.
+            tree.insert(InsertParams(key=key, value=slots))
+            copied = n
+            match = tree.match_prefix(MatchPrefixParams(key=key))
+        old = self.locks.pop(req.key, None)
+        if old is not None:
+            tree.unlock(old)
+        self.locks[req.key] = tree.lock(match.last_device_node)
+        return True, {"restored": int(match.device_prefix_len), "copied": copied}
+
+    # ---- snapshot on release -----------------------------------------------------------------
+
+    @staticmethod
+    def ended_by_abort(req: Any) -> bool:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        return isinstance(req.finished_reason, FINISH_ABORT) and bool(req.kv.holds_kv)
+
+    def save(self, key: str, req: Any, tree_cache: Any) -> None:
+        # The newest token's KV is not written yet (it is the next step's input).
+        n = min(int(req.kv.kv_committed_len), len(req.origin_input_ids) + len(req.output_ids) - 1)
+        if n <= 0:
+            return
+        slots = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
+        slots = slots.to(torch.int64)
+        k_bufs, v_bufs = mha_kv_buffers(tree_cache.token_to_kv_pool_allocator.get_kvcache())
+        if slots.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the forward pass wrote this KV
+        t0 = time.perf_counter()
+        slab = save_kv(k_bufs, v_bufs, slots)
+        if slots.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        seconds = time.perf_counter() - t0
+        tokens = (list(req.origin_input_ids) + list(req.output_ids))[:n]
+        if self.store.put(key, Snapshot(tokens=tokens, kv=slab)):
+            self.store.save.add(int(slab.numel() * slab.element_size()), seconds)

@@ -1,0 +1,190 @@
+"""`april-bench`: the RL load tester that compares sync, APRIL and APRIL with KV snapshots.
+
+april-bench --quick                       # launch the embedded default, compare all modes
+april-bench --url http://host:30000 --steps 10 --groups 32 --n 8 --max-tokens 8192
+april-bench --simulate                    # project the gain at 8xH200 scale (a model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clients.bench import simulate as sim
+from clients.bench.driver import MODES, BenchConfig
+from clients.bench.launcher import LaunchedServer
+from clients.bench.metrics import ModeResult
+from clients.bench.report import plot, records, summary_table, write_jsonl
+from clients.bench.server_api import BenchError
+from clients.bench.session import run_modes
+
+QUICK = {"steps": 6, "groups": 8, "n": 4, "max_tokens": 512, "over_sampling": 2.0}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="april-bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    a = p.add_argument
+    a("--url", help="an april-server to use; without it one is launched (--launch)")
+    a("--launch", action="store_true", help="start `python -m april_server` (default w/o --url)")
+    a("--model", choices=["tiny", "smollm2"], default="tiny", help="launched server's model")
+    a(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for the launched server (repeat; e.g. --server-arg=--load-format=dummy)",
+    )
+    a("--modes", default=",".join(MODES), help="comma-separated subset of sync,april,april-kv")
+    a(
+        "--quick",
+        action="store_true",
+        help="small comparison of all modes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
+    )
+    a("--steps", type=int, default=4)
+    a("--groups", type=int, default=8, help="K: groups consumed per step")
+    a("--n", type=int, default=4, help="samples per group")
+    a("--over-sampling", type=float, default=2.0, help="APRIL: in-flight groups = this x K")
+    a("--max-tokens", type=int, default=512)
+    a("--temperature", type=float, default=1.0)
+    a("--train-time", type=float, default=0.0, help="simulated training seconds per step")
+    a(
+        "--bump-version",
+        action="store_true",
+        help="reload the same weights under a new weight_version after each step",
+    )
+    a("--seed", type=int, default=0)
+    a("--workload", choices=["longtail", "jsonl", "natural"], default="longtail")
+    a("--lengths-file", type=Path, help="JSONL budgets for --workload jsonl")
+    a("--max-inflight", default="all", help="APRIL max_inflight_groups: all | auto | N")
+    a("--max-staleness", type=int, default=None)
+    a(
+        "--stream-sync",
+        action="store_true",
+        help="stream sync /generate to measure TTFT/TPOT/ITL (adds client and server work)",
+    )
+    a("--poll-hz", type=float, default=20.0, help="running-batch sampling rate (0 = off)")
+    a("--warmup", type=int, default=1, help="warm-up rounds before measuring")
+    a("--json-out", type=Path, help="append one JSON line per mode")
+    a("--plot-dir", type=Path, help="write running_requests.png and step_throughput.png")
+    a("--clear-buffer", action="store_true", help="delete every buffered group first")
+    a("--keep-buffer", action="store_true", help="leave the leftover partial buffer in place")
+    a("--no-progress", action="store_true")
+    g = p.add_argument_group("simulation")
+    g.add_argument(
+        "--simulate",
+        action="store_true",
+        help="project the gain at scale with a discrete-event model",
+    )
+    g.add_argument("--sim-engines", type=int, default=8)
+    g.add_argument("--sim-groups", type=int, default=32)
+    g.add_argument("--sim-n", type=int, default=8)
+    g.add_argument("--sim-max-tokens", type=int, default=16384)
+    g.add_argument("--sim-steps", type=int, default=20)
+    g.add_argument("--sim-a-ms", type=float, help="fixed ms per decode iteration")
+    g.add_argument("--sim-c-ms", type=float, help="ms per running sequence per iteration")
+    return p  # fmt: skip
+
+
+def config(args: argparse.Namespace) -> BenchConfig:
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    if args.max_inflight not in ("all", "auto") and not args.max_inflight.isdigit():
+        raise SystemExit("--max-inflight must be all, auto or a positive integer")
+    return BenchConfig(
+        steps=args.steps, groups=args.groups, n=args.n, over_sampling=args.over_sampling,
+        max_tokens=args.max_tokens, temperature=args.temperature, train_time=args.train_time,
+        bump_version=args.bump_version, max_inflight=args.max_inflight,
+        max_staleness=args.max_staleness, stream_sync=args.stream_sync, poll_hz=args.poll_hz,
+        run_tag=f"bench{uuid.uuid4().hex[:6]}", keep_buffer=args.keep_buffer,
+    )  # fmt: skip
+
+
+def simulation(args: argparse.Namespace, measured: list[ModeResult] | None) -> None:
+    modes = ["sync", "april", "april-kv"]
+    sync = next((r for r in measured or [] if r.mode == "sync" and r.steps), None)
+    if sync is not None:
+        cost, fit = sim.calibrate(sync.steps)
+        local = sim.SimSetup(steps=args.steps, groups=args.groups, n=args.n,
+                             over_sampling=args.over_sampling, max_tokens=args.max_tokens,
+                             engines=1, prompt_len=40, seed=args.seed)  # fmt: skip
+        print(f"\n== simulated replay of this run's setup ({fit}) ==")
+        print(sim.report(local, cost, modes))
+    cost = sim.H200_8B
+    if args.sim_a_ms is not None or args.sim_c_ms is not None:
+        cost = sim.CostModel(
+            "given constants", a=(args.sim_a_ms or cost.a * 1e3) / 1e3,
+            c=(args.sim_c_ms or cost.c * 1e3) / 1e3, prefill_s=cost.prefill_s,
+            restore_s=cost.restore_s, assumptions=cost.assumptions[2:],
+        )  # fmt: skip
+    big = sim.SimSetup(steps=args.sim_steps, groups=args.sim_groups, n=args.sim_n,
+                       over_sampling=args.over_sampling, max_tokens=args.sim_max_tokens,
+                       engines=args.sim_engines, seed=args.seed)  # fmt: skip
+    print("\n== projection at scale ==")
+    print(sim.report(big, cost, modes))
+
+
+def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = None) -> int:
+    """Measure, print, write outputs; exit status 1 when an accounting check failed."""
+    cfg = config(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    server: LaunchedServer | None = None
+    t0 = time.perf_counter()
+    try:
+        url = args.url
+        if url is None:
+            extra = ["--april-model", args.model, *args.server_arg]
+            server = LaunchedServer(extra)
+            print(f"launching april-server ({' '.join(extra)}) on {server.url} ...",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            server.start()
+            print(f"server healthy after {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+            url = server.url
+        results, meta = asyncio.run(run_modes(url, modes, cfg, args, transport))
+    except BenchError as exc:
+        print(f"april-bench: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if server is not None:
+            server.stop()
+    run_info: dict[str, Any] = {**meta, "wall_clock_s": round(time.perf_counter() - t0, 1)}
+    recs = records(results, run_info)
+    print(f"\n{meta['title']}")
+    print(summary_table(recs))
+    print(f"total time {run_info['wall_clock_s']:.0f}s (server start-up included)")
+    if args.json_out:
+        write_jsonl(args.json_out, recs)
+        print(f"wrote {args.json_out}")
+    if args.plot_dir:
+        for path in plot(results, args.plot_dir, meta["title"]):
+            print(f"wrote {path}")
+    if args.simulate:
+        simulation(args, results)
+    return 1 if any(r.checks for r in results) or meta["mode_checks"] else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.simulate and args.url is None and not args.launch and not args.quick:
+        config(args)
+        simulation(args, None)
+        return
+    sys.exit(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Start a private `april-server` for a benchmark run and stop it afterwards.
+
+The server runs as `python -m april_server` (the interpreter running april-bench) on a free
+port with a temporary state dir, in its own session so stopping it reaches SGLang's children.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LaunchedServer:
+    def __init__(self, extra_args: list[str] | None = None, keep_dir: bool = False) -> None:
+        self.extra_args = list(extra_args or [])
+        self.keep_dir = keep_dir
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="april-bench-"))
+        self.log_path = self.dir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        args = [
+            sys.executable, "-m", "april_server",
+            "--port", str(self.port),
+            "--april-state-dir", str(self.dir / "state"),
+            "--log-level", "warning",
+            *self.extra_args,
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"april-server exited early; log tail:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"april-server not healthy after {timeout_s:.0f}s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(timeout=10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+            self.proc = None
+        if not self.keep_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> LaunchedServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,174 @@
+"""Metrics of one mode's run: per step, overall, latency percentiles.
+
+Definitions (also printed by `april-bench --help-metrics`):
+- rollout wall: submit of the step's requests -> the trainer holds K whole groups (abort and
+  drain included for APRIL). Training time and weight updates are outside it.
+- output_throughput: tokens of the *consumed* samples / rollout wall (tokens/s), APRIL's headline;
+  for APRIL the consumed tokens include ones generated in earlier steps (the partial buffer).
+- generated_throughput: tokens the engine generated during rollouts / rollout wall.
+- time to quota: submit -> the K-th whole group finished (sync: the last one).
+- mean running batch: time-weighted mean of SGLang's `num_running_reqs` during rollouts;
+  idle_frac: share of rollout time with none running; tail_frac: share with fewer than half the
+  step's consumed batch (K x n) running (the long-tail bubble).
+- off-policy fraction: consumed tokens generated under an older weight version than the one
+  current when the step was consumed / consumed tokens.
+- tokens wasted: generated - consumed - still buffered at the end (discarded work).
+- TTFT / TPOT / ITL / E2E follow sglang.bench_serving: TPOT = (E2E - TTFT) / (tokens - 1),
+  ITL = gaps between streamed chunks; `{mean,median,std,p90,p95,p99}_{name}_ms`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (90, 95, 99)
+LATENCY_NAMES = ("ttft", "tpot", "itl", "e2e_latency")
+
+
+@dataclass
+class Latencies:
+    """Per-request latencies in seconds (sync mode streams /generate to measure them)."""
+
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e_latency: list[float] = field(default_factory=list)
+
+    def add_request(self, start: float, chunk_times: Sequence[float], tokens: int) -> None:
+        if not chunk_times:
+            return
+        end = chunk_times[-1]
+        self.ttft.append(chunk_times[0] - start)
+        self.e2e_latency.append(end - start)
+        if tokens > 1:
+            self.tpot.append((end - chunk_times[0]) / (tokens - 1))
+        self.itl.extend(b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False))
+
+    def add_e2e(self, seconds: float) -> None:
+        self.e2e_latency.append(seconds)
+
+    def summary(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for name in LATENCY_NAMES:
+            vals = np.asarray(getattr(self, name), dtype=float) * 1000.0
+            have = vals.size > 0
+            out[f"mean_{name}_ms"] = float(vals.mean()) if have else None
+            out[f"median_{name}_ms"] = float(np.median(vals)) if have else None
+            out[f"std_{name}_ms"] = float(vals.std()) if have else None
+            for p in PERCENTILES:
+                out[f"p{p}_{name}_ms"] = float(np.percentile(vals, p)) if have else None
+        return out
+
+
+def timeline_stats(
+    samples: Sequence[tuple[float, int]], t0: float, t1: float, full_batch: int
+) -> tuple[float, float, float]:
+    """(time-weighted mean running, idle fraction, tail fraction) over [t0, t1], treating each
+    sample as holding until the next one."""
+    pts = [(t, r) for t, r in samples if t0 <= t <= t1]
+    before = [r for t, r in samples if t < t0]
+    if before:
+        pts.insert(0, (t0, before[-1]))
+    if t1 <= t0 or not pts:
+        return 0.0, 0.0, 0.0
+    total = idle = tail = area = 0.0
+    for i, (t, r) in enumerate(pts):
+        end = pts[i + 1][0] if i + 1 < len(pts) else t1
+        dt = max(0.0, end - max(t, t0))
+        total += dt
+        area += r * dt
+        idle += dt if r == 0 else 0.0
+        tail += dt if r < full_batch / 2 else 0.0
+    if total <= 0:
+        return float(pts[-1][1]), 0.0, 0.0
+    return area / total, idle / total, tail / total
+
+
+@dataclass
+class StepRecord:
+    step: int
+    wall_s: float
+    time_to_quota_s: float
+    consumed_samples: int
+    consumed_tokens: int
+    generated_tokens: int
+    offpolicy_tokens: int = 0
+    restored_kv_tokens: int = 0
+    recomputed_tokens: int = 0
+    resumed_samples: int = 0
+    buffered_groups: int = 0
+    mean_running: float = 0.0
+    idle_frac: float = 0.0
+    tail_frac: float = 0.0
+    max_budget: int = 0  # longest consumed sample (calibrates the simulator on sync steps)
+    weight_version: str = ""
+    t_start: float = 0.0  # seconds since the mode started
+    t_end: float = 0.0
+
+    @property
+    def output_throughput(self) -> float:
+        return self.consumed_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["output_throughput"] = round(self.output_throughput, 3)
+        return d
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    available: bool = True
+    reason: str | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+    latencies: Latencies = field(default_factory=Latencies)
+    group_latencies: list[float] = field(default_factory=list)  # submit -> group finished (s)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (s since start, running)
+    total_wall_s: float = 0.0
+    leftover_groups: int = 0
+    leftover_tokens: int = 0
+    checks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def totals(self) -> dict[str, Any]:
+        s = self.steps
+        wall = sum(r.wall_s for r in s)
+        consumed = sum(r.consumed_tokens for r in s)
+        generated = sum(r.generated_tokens for r in s)
+        samples = sum(r.consumed_samples for r in s)
+
+        def weighted(attr: str) -> float:
+            return sum(getattr(r, attr) * r.wall_s for r in s) / wall if wall else 0.0
+
+        g = np.asarray(self.group_latencies, dtype=float) * 1000.0
+        return {
+            "rollout_wall_s": round(wall, 4),
+            "total_wall_s": round(self.total_wall_s, 4),
+            "consumed_samples": samples,
+            "consumed_tokens": consumed,
+            "generated_tokens": generated,
+            "output_throughput": round(consumed / wall, 3) if wall else None,
+            "samples_per_s": round(samples / wall, 4) if wall else None,
+            "generated_throughput": round(generated / wall, 3) if wall else None,
+            "mean_time_to_quota_s": round(sum(r.time_to_quota_s for r in s) / len(s), 4)
+            if s
+            else None,
+            "mean_running": round(weighted("mean_running"), 3),
+            "idle_frac": round(weighted("idle_frac"), 4),
+            "tail_frac": round(weighted("tail_frac"), 4),
+            "offpolicy_frac": round(sum(r.offpolicy_tokens for r in s) / consumed, 4)
+            if consumed
+            else 0.0,
+            "tokens_wasted": generated - consumed - self.leftover_tokens,
+            "leftover_groups": self.leftover_groups,
+            "leftover_tokens": self.leftover_tokens,
+            "restored_kv_tokens": sum(r.restored_kv_tokens for r in s),
+            "recomputed_tokens": sum(r.recomputed_tokens for r in s),
+            "resumed_samples": sum(r.resumed_samples for r in s),
+            "median_group_latency_ms": float(np.median(g)) if g.size else None,
+            "p99_group_latency_ms": float(np.percentile(g, 99)) if g.size else None,
+        }

@@ -1,0 +1,162 @@
+"""Output of a run: the summary table (ratios vs sync), JSONL records and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from clients.bench.metrics import ModeResult
+
+
+def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str, Any]]:
+    """One JSON object per mode: run settings, overall figures, ratios, latencies, per step."""
+    sync = next((r for r in results if r.mode == "sync" and r.available and r.steps), None)
+    base = sync.totals() if sync else {}
+    out = []
+    for r in results:
+        rec: dict[str, Any] = {**run, "mode": r.mode, "available": r.available,
+                               "reason": r.reason}  # fmt: skip
+        if not r.available or not r.steps:
+            rec["output_throughput"] = None
+            out.append(rec)
+            continue
+        tot = r.totals()
+        rec.update(tot)
+        for key in ("output_throughput", "samples_per_s", "generated_throughput"):
+            b = base.get(key)
+            rec[f"{key}_vs_sync"] = round(tot[key] / b, 4) if b and tot[key] else None
+        rec.update(r.latencies.summary())
+        rec["checks_ok"] = not r.checks
+        rec["checks"] = r.checks
+        rec["notes"] = r.notes
+        rec["per_step"] = [s.to_json() for s in r.steps]
+        out.append(rec)
+    return out
+
+
+def write_jsonl(path: Path, recs: Sequence[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for rec in recs:
+            f.write(json.dumps(rec, sort_keys=False) + "\n")
+
+
+def _fmt(v: Any, spec: str = ".1f") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+COLUMNS = [  # (header, key, format)
+    ("mode", "mode", ""),
+    ("out tok/s", "output_throughput", ".1f"),
+    ("x sync", "output_throughput_vs_sync", ".2f"),
+    ("samples/s", "samples_per_s", ".2f"),
+    ("gen tok/s", "generated_throughput", ".1f"),
+    ("rollout s", "rollout_wall_s", ".1f"),
+    ("TTQ s", "mean_time_to_quota_s", ".2f"),
+    ("mean run", "mean_running", ".1f"),
+    ("idle %", "idle_frac", "pct"),
+    ("tail %", "tail_frac", "pct"),
+    ("offpol %", "offpolicy_frac", "pct"),
+    ("wasted", "tokens_wasted", ""),
+    ("leftover", "leftover_tokens", ""),
+    ("recomp", "recomputed_tokens", ""),
+    ("restored", "restored_kv_tokens", ""),
+    ("checks", "checks_ok", ""),
+]
+
+
+def summary_table(recs: Sequence[dict[str, Any]]) -> str:
+    rows = [[h for h, _, _ in COLUMNS]]
+    notes = []
+    for rec in recs:
+        if not rec.get("available") or rec.get("output_throughput") is None:
+            notes.append(f"{rec['mode']}: unavailable - {rec.get('reason')}")
+            continue
+        row = []
+        for _, key, spec in COLUMNS:
+            v = rec.get(key)
+            if spec == "pct" and v is not None:
+                row.append(f"{100 * v:.1f}")
+            elif key == "checks_ok":
+                row.append("ok" if v else "FAIL")
+            else:
+                row.append(_fmt(v, spec or ".1f"))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lat = [r for r in recs if r.get("median_e2e_latency_ms") is not None]
+    for r in lat:
+        lines.append(
+            f"{r['mode']} latency (ms, p50/p99): e2e {r['median_e2e_latency_ms']:.0f}/"
+            f"{r['p99_e2e_latency_ms']:.0f}  ttft {_fmt(r['median_ttft_ms'], '.0f')}/"
+            f"{_fmt(r['p99_ttft_ms'], '.0f')}  tpot {_fmt(r['median_tpot_ms'], '.1f')}/"
+            f"{_fmt(r['p99_tpot_ms'], '.1f')}  itl {_fmt(r['median_itl_ms'], '.1f')}/"
+            f"{_fmt(r['p99_itl_ms'], '.1f')}"
+        )
+    for r in recs:
+        if r.get("median_group_latency_ms") is not None:
+            lines.append(
+                f"{r['mode']} group finish latency (ms, p50/p99): "
+                f"{r['median_group_latency_ms']:.0f}/{r['p99_group_latency_ms']:.0f}"
+            )
+        for c in r.get("checks") or []:
+            lines.append(f"CHECK FAILED {r['mode']}: {c}")
+    return "\n".join(lines + notes)
+
+
+def plot(results: Sequence[ModeResult], plot_dir: Path, title: str) -> list[Path]:
+    """running_requests.png (one panel per mode) and step_throughput.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    shown = [r for r in results if r.available and r.steps]
+    if not shown:
+        return []
+    paths = []
+    fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.6 * len(shown) + 0.6), sharey=True,
+                             squeeze=False)  # fmt: skip
+    for ax, r in zip(axes[:, 0], shown, strict=True):
+        ts = [t for t, _ in r.timeline]
+        ax.step(ts, [n for _, n in r.timeline], where="post", label="running requests")
+        for i, s in enumerate(r.steps):
+            ax.axvspan(s.t_start, s.t_end, color="tab:green", alpha=0.08,
+                       label="rollout phase" if i == 0 else None)  # fmt: skip
+        full = r.steps[0].consumed_samples
+        ax.axhline(full, color="gray", ls="--", lw=0.8, label=f"K x n = {full}")
+        ax.set_title(f"{r.mode}: SGLang running batch over time")
+        ax.set_ylabel("running requests")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("time since mode start (s)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    paths.append(plot_dir / "running_requests.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for r in shown:
+        steps = [s.step + 1 for s in r.steps]
+        ax.plot(steps, [s.output_throughput for s in r.steps], marker="o", label=r.mode)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("training step")
+    ax.set_ylabel("consumed output tokens / rollout second (tok/s)")
+    ax.set_title("Per-step consumed-sample throughput")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    paths.append(plot_dir / "step_throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,122 @@
+"""The few server calls the benchmark makes besides generation: probing, load polling, weight
+version bumps and partial-buffer housekeeping. Plain httpx, so the bench has no other deps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+R = "/april/v1"
+
+
+class BenchError(RuntimeError):
+    """The run cannot go on (server refused something); the message says what to fix."""
+
+
+def check(resp: httpx.Response, what: str) -> Any:
+    if resp.status_code >= 400:
+        raise BenchError(f"{what}: HTTP {resp.status_code}: {resp.text[:500]}")
+    return resp.json()
+
+
+@dataclass
+class ServerInfo:
+    model_path: str
+    weight_version: str
+    vocab_size: int
+    has_tokenizer: bool
+    kv_snapshots: bool
+    kv_reason: str
+    sglang_version: str
+
+
+def kv_availability(stats: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the server keeps KV snapshots, from `/april/v1/stats` `kv_snapshots`."""
+    kv = stats.get("kv_snapshots")
+    if kv is None:
+        return False, "the server's /april/v1/stats does not report kv_snapshots"
+    if isinstance(kv, str):
+        ok = not kv.lower().startswith(("not available", "unavailable", "disabled"))
+        return ok, kv
+    if isinstance(kv, dict):
+        ok = bool(kv.get("available", kv.get("enabled", True)))
+        return ok, str(kv.get("reason", "")) if not ok else "available"
+    return bool(kv), "available" if kv else "kv_snapshots is false"
+
+
+async def probe(http: httpx.AsyncClient) -> ServerInfo:
+    info = check(await http.get("/model_info"), "GET /model_info")
+    stats = check(await http.get(R + "/stats"), "GET /april/v1/stats")
+    server = check(await http.get("/server_info"), "GET /server_info")
+    engine = stats.get("engine") or {}
+    ok, reason = kv_availability(stats)
+    return ServerInfo(
+        model_path=str(info.get("model_path") or server.get("model_path")),
+        weight_version=str(info.get("weight_version") or stats.get("weight_version")),
+        vocab_size=int(engine.get("vocab_size") or 512),
+        has_tokenizer=not bool(server.get("skip_tokenizer_init")),
+        kv_snapshots=ok,
+        kv_reason=reason,
+        sglang_version=str(server.get("version", "")),
+    )
+
+
+async def bump_version(http: httpx.AsyncClient, model_path: str, version: str) -> float:
+    """Reload the same weights under a new weight_version; returns the seconds it took."""
+    t0 = time.perf_counter()
+    body = {"model_path": model_path, "weight_version": version}
+    out = check(await http.post("/update_weights_from_disk", json=body), "weight update")
+    if isinstance(out, dict) and out.get("success") is False:
+        raise BenchError(f"weight update to {version!r} failed: {out.get('message')}")
+    return time.perf_counter() - t0
+
+
+async def buffered_groups(http: httpx.AsyncClient) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = check(await http.get(R + "/partials"), "GET partials")["groups"]
+    return groups
+
+
+async def delete_groups(http: httpx.AsyncClient, group_ids: list[str]) -> None:
+    for gid in group_ids:
+        check(await http.delete(f"{R}/partials/{gid}"), f"DELETE partials/{gid}")
+
+
+async def running_reqs(http: httpx.AsyncClient) -> int:
+    loads = (await http.get("/v1/loads")).json().get("loads", [])
+    return sum(int(x.get("num_running_reqs", 0)) for x in loads)
+
+
+class LoadPoller:
+    """Samples SGLang's running batch (`/v1/loads`) in the background at `hz`."""
+
+    def __init__(self, http: httpx.AsyncClient, hz: float, t0: float) -> None:
+        self.http = http
+        self.period = 1.0 / hz if hz > 0 else 0.0
+        self.t0 = t0
+        self.samples: list[tuple[float, int]] = []
+        self.errors = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t = time.perf_counter()
+            try:
+                running = await running_reqs(self.http)
+                self.samples.append((time.perf_counter() - self.t0, running))
+            except (httpx.HTTPError, ValueError):
+                self.errors += 1
+            await asyncio.sleep(max(0.0, self.period - (time.perf_counter() - t)))
+
+    def start(self) -> None:
+        if self.period > 0:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

@@ -1,0 +1,127 @@
+"""One benchmark session against one server: probe, warm up, run each mode in turn on the same
+workload stream, and cross-check the modes' sample accounting."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from clients.bench.accounting import Ledger, compare_modes
+from clients.bench.driver import BenchConfig, Mode, ModeRunner
+from clients.bench.metrics import ModeResult
+from clients.bench.server_api import BenchError, buffered_groups, check, delete_groups, probe
+from clients.bench.workload import Workload, load_lengths
+
+
+def make_workload(args: argparse.Namespace, cfg: BenchConfig, vocab: int) -> Workload:
+    lengths = []
+    if args.workload == "jsonl":
+        if args.lengths_file is None:
+            raise BenchError("--workload jsonl needs --lengths-file")
+        lengths = load_lengths(args.lengths_file)
+    return Workload(args.workload, cfg.n, cfg.max_tokens, seed=args.seed, vocab_size=vocab,
+                    lengths=lengths)  # fmt: skip
+
+
+async def warmup(http: httpx.AsyncClient, cfg: BenchConfig, wl: Workload, rounds: int) -> None:
+    """Short concurrent generations so first-call costs do not land in the first mode."""
+    g = wl.group(10**6)  # outside the measured stream
+    prompt = {"input_ids": list(g.input_ids)} if g.input_ids is not None else {"text": g.text}
+    params = {"max_new_tokens": 32, "ignore_eos": True, "temperature": cfg.temperature}
+    body = {**prompt, "sampling_params": params, "return_logprob": True}
+    for _ in range(rounds):
+        resps = await asyncio.gather(
+            *(http.post("/generate", json=body) for _ in range(cfg.groups * cfg.n))
+        )
+        for r in resps:
+            check(r, "warm-up /generate")
+
+
+async def run_modes(
+    url: str,
+    modes: list[str],
+    cfg: BenchConfig,
+    args: argparse.Namespace,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[ModeResult], dict[str, Any]]:
+    """Run `modes` in order against `url` (`transport` lets a test use an in-process app)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=4096)
+    timeout = httpx.Timeout(3600.0, connect=30.0)
+    async with httpx.AsyncClient(
+        base_url=url, timeout=timeout, limits=limits, transport=transport
+    ) as http:
+        info = await probe(http)
+        if args.workload == "natural" and not info.has_tokenizer:
+            raise BenchError("--workload natural needs a server with a tokenizer (--model smollm2)")
+        buffered = [g["group_id"] for g in await buffered_groups(http)]
+        if args.clear_buffer:
+            await delete_groups(http, buffered)
+        elif buffered and any(m != "sync" for m in modes):
+            raise BenchError(
+                f"the partial buffer holds {len(buffered)} group(s) (e.g. {buffered[0]!r}) that "
+                "APRIL modes would resume. Use a fresh server or --clear-buffer."
+            )
+        wl = make_workload(args, cfg, info.vocab_size)
+        await warmup(http, cfg, wl, args.warmup)
+        results: list[ModeResult] = []
+        ledgers: list[Ledger] = []
+        bar = tqdm(total=cfg.steps * cfg.groups * len(modes), unit="group", file=sys.stderr,
+                   disable=args.no_progress, desc="april-bench")  # fmt: skip
+        try:
+            for mode in modes:
+                # Same prompts in every mode: drop cached prefixes so no mode inherits them.
+                await http.post("/flush_cache")
+                info = await probe(http)
+                runner = ModeRunner(http, mode_of(mode), cfg, wl, info, bar)
+                res = await runner.run()
+                results.append(res)
+                if res.available:
+                    ledgers.append(runner.ledger)
+                else:
+                    bar.update(max(0, cfg.steps * cfg.groups - runner.ticks))
+        finally:
+            bar.close()
+    title = (
+        f"april-bench {cfg.steps} steps x {cfg.groups} groups x {cfg.n}, max {cfg.max_tokens} "
+        f"tokens, over-sampling {cfg.over_sampling}, {wl.kind} workload, seed {args.seed}"
+    )
+    meta = {
+        "run_id": cfg.run_tag,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "title": title,
+        "url": url,
+        "launched": args.url is None,
+        "model_path": info.model_path,
+        "sglang_version": info.sglang_version,
+        "workload": wl.describe(),
+        "steps": cfg.steps,
+        "groups": cfg.groups,
+        "n": cfg.n,
+        "over_sampling": cfg.over_sampling,
+        "max_tokens": cfg.max_tokens,
+        "train_time": cfg.train_time,
+        "bump_version": cfg.bump_version,
+        "max_inflight": cfg.max_inflight,
+        "max_staleness": cfg.max_staleness,
+        "stream_sync": cfg.stream_sync,
+        "poll_hz": cfg.poll_hz,
+        "seed": args.seed,
+        "mode_checks": compare_modes(ledgers),
+    }
+    return results, meta
+
+
+def mode_of(name: str) -> Mode:
+    if name == "sync":
+        return "sync"
+    if name == "april":
+        return "april"
+    if name == "april-kv":
+        return "april-kv"
+    raise BenchError(f"unknown mode {name!r}")

@@ -1,0 +1,39 @@
+"""april-bench against a real CPU server: two tiny steps of sync and APRIL with weight-version
+bumps write sound JSONL records and both plots. A benchmark, not a timing test: no timed asserts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from clients.bench import cli
+from tests.server_proc import ServerProc
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_path: Path) -> None:
+    out, plots = tmp_path / "bench.jsonl", tmp_path / "plots"
+    args = cli.parser().parse_args(
+        ["--url", tiny_server.url, "--modes", "sync,april", "--steps", "2", "--groups", "2",
+         "--n", "2", "--max-tokens", "48", "--bump-version", "--stream-sync", "--clear-buffer",
+         "--no-progress", "--json-out", str(out), "--plot-dir", str(plots)]
+    )  # fmt: skip
+    assert cli.run(args) == 0
+    recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == {"sync", "april"}
+    for r in recs.values():
+        assert r["available"] and r["checks_ok"], r["checks"]
+        assert r["output_throughput"] > 0 and r["mode_checks"] == []
+        assert [s["consumed_samples"] for s in r["per_step"]] == [4, 4]
+        assert r["tokens_wasted"] == 0
+    assert recs["sync"]["median_e2e_latency_ms"] is not None
+    assert recs["april"]["output_throughput_vs_sync"] is not None
+    for name in ("running_requests.png", "step_throughput.png"):
+        assert (plots / name).stat().st_size > 10_000
+    with tiny_server.client() as c:  # the leftover buffer was reported, then freed
+        ours = [g for g in c.get("/april/v1/partials").json()["groups"]
+                if g["group_id"].startswith(recs["april"]["run_id"])]  # fmt: skip
+        assert ours == []

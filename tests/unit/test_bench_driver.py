@@ -1,0 +1,171 @@
+"""april-bench end to end against an in-process fake server (httpx ASGI transport): the driver's
+accounting holds for sync and APRIL, outputs are written, a faulty server is caught, and
+april-kv is refused unless the server really keeps KV snapshots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from clients.bench import cli
+
+
+class FakeServer:
+    """Native /generate plus a minimal APRIL rollout: the K groups with the least work left
+    finish; everything else advances by as many tokens and is buffered."""
+
+    def __init__(
+        self, duplicate: bool = False, kv: Any = "not available", effective: str = ""
+    ) -> None:
+        self.version = "default"
+        self.buffer: dict[str, dict[str, Any]] = {}
+        self.duplicate, self.kv, self.effective = duplicate, kv, effective
+        self.returned: list[dict[str, Any]] = []
+        self.app = FastAPI()
+        get, post = self.app.get, self.app.post
+        get("/model_info")(lambda: {"model_path": "/fake", "weight_version": self.version})
+        get("/server_info")(lambda: {"skip_tokenizer_init": True, "version": "fake"})
+        get("/v1/loads")(lambda: {"loads": [{"num_running_reqs": 3}]})
+        get("/april/v1/partials")(lambda: {"groups": list(self.buffer.values())})
+        post("/flush_cache")(lambda: Response())
+        get("/april/v1/stats")(
+            lambda: {
+                "weight_version": self.version,
+                "kv_snapshots": self.kv,
+                "engine": {"vocab_size": 100},
+            }  # fmt: skip
+        )
+        self.app.delete("/april/v1/partials/{gid}")(lambda gid: {"deleted": self.buffer.pop(gid)})
+        post("/update_weights_from_disk")(self.update)
+        post("/generate")(self.generate)
+        post("/april/v1/rollouts")(self.rollouts)
+
+    async def update(self, request: Request) -> dict[str, Any]:
+        self.version = (await request.json())["weight_version"]
+        return {"success": True}
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        k = body["sampling_params"]["max_new_tokens"]
+        out = {"output_ids": [7] * k, "meta_info": {"completion_tokens": k,
+               "finish_reason": {"type": "length"}, "weight_version": self.version}}  # fmt: skip
+        if not body.get("stream"):
+            return JSONResponse(out)
+        chunks = [f"data: {json.dumps(out)}\n\n", "data: [DONE]\n\n"]
+        return StreamingResponse(iter(chunks), media_type="text/event-stream")
+
+    def sample(self, gid: str, j: int, budget: int) -> dict[str, Any]:
+        return {"sample_id": f"{gid}/{j}", "group_id": gid, "index": j, "status": "partial",
+                "output_ids": [], "segments": [], "max_new_tokens": budget}  # fmt: skip
+
+    async def rollouts(self, request: Request) -> Response:
+        body = await request.json()
+        pool = list(self.buffer.values())
+        for g in body["groups"]:
+            gid, params = g["group_id"], g["member_params"]
+            members = [self.sample(gid, j, p["max_new_tokens"]) for j, p in enumerate(params)]
+            pool.append({"group_id": gid, "samples": members})
+
+        def left(g: dict[str, Any]) -> int:
+            return max(s["max_new_tokens"] - len(s["output_ids"]) for s in g["samples"])
+
+        k = body["target_groups"]
+        take = sorted(pool, key=left)[:k]
+        horizon, produced = left(take[-1]), 0
+        for g in pool:
+            for s in g["samples"]:
+                gain = min(horizon, s["max_new_tokens"] - len(s["output_ids"]))
+                if gain:
+                    start = len(s["output_ids"])
+                    s["output_ids"] += [7] * gain
+                    seg = {"start": start, "end": start + gain, "kv": "fresh"}
+                    s["segments"].append({**seg, "weight_version": self.version})
+                    produced += gain
+                if len(s["output_ids"]) == s["max_new_tokens"]:
+                    s["status"] = "truncated"
+        ids = {g["group_id"] for g in take}
+        if self.duplicate and self.returned:
+            take[0] = self.returned[0]  # a buggy server: an old group again, a new one lost
+        self.returned += take
+        self.buffer = {g["group_id"]: g for g in pool if g["group_id"] not in ids}
+        stats = {"weight_version": self.version, "output_tokens": produced, "recomputed_tokens": 0,
+                 "restored_kv_tokens": 0, "resumed_samples": 0,
+                 "on_quota_effective": self.effective or body["on_quota"]}  # fmt: skip
+        events = [{"event": "group_finished", "group": g} for g in take]
+        events.append({"event": "done", "stats": stats, "buffered_group_ids": list(self.buffer)})
+        return StreamingResponse(
+            iter([json.dumps(e) + "\n" for e in events]), media_type="application/x-ndjson"
+        )
+
+
+def bench(server: FakeServer, tmp_path: Path, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+    out = tmp_path / "bench.jsonl"
+    args = cli.parser().parse_args(
+        ["--url", "http://fake", "--steps", "3", "--groups", "2", "--n", "3", "--max-tokens", "64",
+         "--no-progress", "--warmup", "0", "--poll-hz", "50", "--json-out", str(out),
+         "--plot-dir", str(tmp_path / "plots"), *extra]
+    )  # fmt: skip
+    rc = cli.run(args, transport=httpx.ASGITransport(app=server.app))
+    lines = out.read_text().splitlines() if out.exists() else []
+    return rc, [json.loads(line) for line in lines]
+
+
+def test_sync_and_april_consume_the_same_samples_and_lose_none(tmp_path: Path) -> None:
+    server = FakeServer()
+    rc, recs = bench(server, tmp_path, "--bump-version", "--stream-sync")
+    assert rc == 0
+    by_mode = {r["mode"]: r for r in recs}
+    assert set(by_mode) == {"sync", "april", "april-kv"}
+    sync, april, kv = by_mode["sync"], by_mode["april"], by_mode["april-kv"]
+    for r in (sync, april):
+        assert r["checks_ok"] and r["checks"] == [] and r["mode_checks"] == []
+        assert [s["consumed_samples"] for s in r["per_step"]] == [6, 6, 6]
+        assert r["output_throughput"] > 0 and r["tokens_wasted"] == 0
+    assert sync["output_throughput_vs_sync"] == 1.0 and sync["offpolicy_frac"] == 0.0
+    assert sync["median_ttft_ms"] is not None  # streamed sync measures latencies
+    assert april["offpolicy_frac"] > 0  # weight bumps make buffered tokens stale
+    assert april["leftover_groups"] > 0 and april["leftover_tokens"] > 0
+    assert server.buffer == {}  # the leftover was reported, then freed
+    assert kv["available"] is False and kv["output_throughput"] is None
+    assert "no KV snapshots" in kv["reason"]
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert plots == ["running_requests.png", "step_throughput.png"]
+
+
+def test_a_server_that_duplicates_a_group_fails_the_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, recs = bench(FakeServer(duplicate=True), tmp_path, "--modes", "april")
+    assert rc == 1
+    problems = "\n".join(recs[0]["checks"])
+    assert "consumed twice" in problems and "lost" in problems
+    assert "CHECK FAILED april" in capsys.readouterr().out
+
+
+def test_april_kv_runs_only_when_snapshots_really_happen(tmp_path: Path) -> None:
+    rc, recs = bench(FakeServer(kv={"available": True}), tmp_path, "--modes", "april-kv")
+    assert rc == 0 and recs[0]["available"] is True and recs[0]["checks_ok"]
+    rc, recs = bench(
+        FakeServer(kv={"available": True}, effective="tokens"), tmp_path / "b", "--modes",
+        "april-kv",
+    )  # fmt: skip
+    assert (
+        recs[0]["available"] is False and "ran on_quota=snapshot as 'tokens'" in recs[0]["reason"]
+    )
+
+
+def test_a_non_empty_buffer_is_refused_unless_cleared(tmp_path: Path) -> None:
+    server = FakeServer()
+    server.buffer["someone-else"] = {"group_id": "someone-else", "samples": []}
+    rc, _ = bench(server, tmp_path, "--modes", "sync")
+    assert rc == 0  # sync does not touch the buffer
+    rc, recs = bench(server, tmp_path / "x", "--modes", "april")
+    assert rc == 2 and recs == []  # refused before running anything
+    rc, _ = bench(server, tmp_path / "y", "--modes", "april", "--clear-buffer")
+    assert rc == 0
