@@ -13,16 +13,23 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from april_server.auth import AuthPolicy
+from april_server.config import AprilConfig
 from april_server.errors import ApiError, not_found
 from april_server.manager import RolloutManager
 from april_server.protocol import (
     AbortReq,
+    AbortResp,
+    DeleteResp,
     DoneEvent,
     ErrorDetail,
     ErrorResp,
+    Group,
     GroupFinishedEvent,
     PartialsResp,
     RejectReq,
@@ -63,15 +70,34 @@ async def decode(request: Request, typ: type[T]) -> T:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {exc}") from None
 
 
-def create_router(get_manager: Callable[[], RolloutManager]) -> APIRouter:
+def check_limits(req: RolloutReq, config: AprilConfig) -> None:
+    if len(req.groups) > config.max_groups_per_call:
+        raise ApiError(
+            413, "too_many_groups", f"at most {config.max_groups_per_call} groups per call"
+        )
+    for g in req.groups:
+        if g.n > config.max_n:
+            raise ApiError(400, "invalid_n", f"group {g.group_id!r}: n is at most {config.max_n}")
+
+
+def create_router(
+    get_manager: Callable[[], RolloutManager],
+    config: AprilConfig | None = None,
+    auth: AuthPolicy | None = None,
+) -> APIRouter:
     """Routes over a manager that may be built lazily (SGLang starts its engine first)."""
     router = APIRouter()
+    config = config or AprilConfig()
+    auth = auth or AuthPolicy()
 
     def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-        # One place turns ApiError into the contract's error body.
+        # One place checks the caller and turns ApiError into the contract's error body.
         @functools.wraps(fn)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
+                request = kwargs.get("request")
+                header = None if request is None else request.headers.get("authorization")
+                auth.require_user(header)
                 return await fn(*args, **kwargs)
             except ApiError as exc:
                 return error_response(exc.status, exc.code, exc.message)
@@ -83,6 +109,7 @@ def create_router(get_manager: Callable[[], RolloutManager]) -> APIRouter:
     async def rollouts(request: Request) -> Response:
         """Batch-quota rollout (the APRIL step)."""
         req = await decode(request, RolloutReq)
+        check_limits(req, config)
         mgr = get_manager()
         if not req.stream:
             return json_response(await rollout(mgr, req))
@@ -103,7 +130,10 @@ def create_router(get_manager: Callable[[], RolloutManager]) -> APIRouter:
     @guarded
     async def abort(request: Request) -> Response:
         """Stop generation in scope; returns when nothing in scope is generating."""
-        return json_response(await get_manager().abort(await decode(request, AbortReq)))
+        req = await decode(request, AbortReq)
+        if req.all:
+            auth.require_admin(request.headers.get("authorization"), "abort with all=true")
+        return json_response(await get_manager().abort(req))
 
     @router.post(PREFIX + "/resume")
     @guarded
@@ -114,7 +144,7 @@ def create_router(get_manager: Callable[[], RolloutManager]) -> APIRouter:
 
     @router.get(PREFIX + "/partials")
     @guarded
-    async def partials() -> Response:
+    async def partials(request: Request) -> Response:
         mgr = get_manager()
         groups = mgr.idle_groups()
         await mgr.snapshots.refresh([s for g in groups for s in g.samples])
@@ -122,18 +152,19 @@ def create_router(get_manager: Callable[[], RolloutManager]) -> APIRouter:
 
     @router.get(PREFIX + "/partials/{group_id}")
     @guarded
-    async def partial(group_id: str) -> Response:
+    async def partial(group_id: str, request: Request) -> Response:
         mgr = get_manager()
         return json_response(mgr.listed(mgr.group(group_id)))
 
     @router.delete(PREFIX + "/partials/{group_id}")
     @guarded
-    async def delete_partial(group_id: str) -> Response:
+    async def delete_partial(group_id: str, request: Request) -> Response:
+        auth.require_admin(request.headers.get("authorization"), "deleting buffered groups")
         return json_response(await get_manager().delete(group_id))
 
     @router.get(PREFIX + "/stats")
     @guarded
-    async def stats() -> Response:
+    async def stats(request: Request) -> Response:
         return json_response(await get_manager().stats())
 
     return router
@@ -177,3 +208,77 @@ async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
                 await asyncio.gather(task, return_exceptions=True)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+# Request and response types of each route, exported into /openapi.json (for clients and
+# fuzzers): the routes decode bodies with msgspec, so FastAPI cannot see these types itself.
+ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
+    ("post", PREFIX + "/rollouts"): (RolloutReq, RolloutResp),
+    ("post", PREFIX + "/rollouts/{batch_id}/reject"): (RejectReq, dict),
+    ("post", PREFIX + "/abort"): (AbortReq, AbortResp),
+    ("post", PREFIX + "/resume"): (ResumeReq, ResumeResp),
+    ("get", PREFIX + "/partials"): (None, PartialsResp),
+    ("get", PREFIX + "/partials/{group_id}"): (None, Group),
+    ("delete", PREFIX + "/partials/{group_id}"): (None, DeleteResp),
+    ("get", PREFIX + "/stats"): (None, dict),
+}
+
+
+def extend_app(app: FastAPI) -> None:
+    """What the routes need from the app they are mounted on: the contract's error body for
+    routing errors under our prefix (unknown path, wrong method), and our schemas."""
+    previous = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        if request.url.path.startswith(PREFIX + "/") and isinstance(exc, StarletteHTTPException):
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            return error_response(
+                exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"
+            )
+        return await previous(request, exc)  # type: ignore[no-any-return]
+
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    extend_openapi(app)
+
+
+def extend_openapi(app: FastAPI) -> None:
+    """Put our msgspec schemas into the app's OpenAPI document (once, lazily)."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema and app.openapi_schema.get("x-april"):
+            return app.openapi_schema
+        doc = original()
+        types = [t for pair in ROUTE_TYPES.values() for t in pair if t not in (None, dict)]
+        types.append(ErrorResp)
+        schemas, components = msgspec.json.schema_components(
+            types, ref_template="#/components/schemas/{name}"
+        )
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        by_type = dict(zip(types, schemas, strict=True))
+        error = {"content": {"application/json": {"schema": by_type[ErrorResp]}}}
+        for (method, path), (req_t, resp_t) in ROUTE_TYPES.items():
+            op = doc.get("paths", {}).get(path, {}).get(method)
+            if op is None:
+                continue
+            if req_t is not None:
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": by_type[req_t]}},
+                }
+            ok_schema = by_type.get(resp_t, {"type": "object"})
+            op["responses"] = {
+                "200": {
+                    "description": "OK",
+                    "content": {"application/json": {"schema": ok_schema}},
+                },
+                **{
+                    code: {"description": "error", **error}
+                    for code in ("400", "401", "403", "404", "409", "413", "422")
+                },
+            }
+        doc["x-april"] = True
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -17,9 +17,17 @@ class AprilConfig:
     # Reuse a KV snapshot from an older weight version when the sample's max_staleness allows.
     allow_stale_kv: bool = False
 
+    # Request limits: each violation is a clear 4xx, never work started.
+    max_groups_per_call: int = 4096
+    max_n: int = 1024
+
     def __post_init__(self) -> None:
         if self.kv_host_bytes < 0:
             raise ValueError("kv_host_bytes must be >= 0")
+        if self.max_groups_per_call < 1:
+            raise ValueError("max_groups_per_call must be >= 1")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
 
     @property
     def buffer_path(self) -> Path | None:

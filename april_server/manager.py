@@ -315,9 +315,7 @@ class RolloutManager:
                 S.append_context(self.sample(sid), ids, self.engine.context_len)
             tally = CallTally()
             tasks = [
-                self.start_sample(
-                    s, owner, tally, req.max_staleness, req.sampling_params, req.kv
-                )
+                self.start_sample(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
                 for s in chosen
                 if S.remaining_budget(s) > 0 and not S.is_finished(s)
             ]

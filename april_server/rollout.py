@@ -146,9 +146,7 @@ class RolloutCall:
         mgr, req = self.mgr, self.req
         t0 = time.perf_counter()
         limit = (
-            len(self.group_ids)
-            if req.max_inflight_groups == "auto"
-            else req.max_inflight_groups
+            len(self.group_ids) if req.max_inflight_groups == "auto" else req.max_inflight_groups
         )
         pending = deque(self.group_ids)
         tasks: dict[asyncio.Task[None], str] = {}
@@ -276,7 +274,9 @@ class RolloutCall:
         resp = RolloutResp(
             batch_id=self.batch_id, groups=groups, buffered_group_ids=buffered, stats=stats
         )
-        call = None if req.request_id is None or not deliver else (req.request_id, _enc.encode(resp))
+        call = (
+            None if req.request_id is None or not deliver else (req.request_id, _enc.encode(resp))
+        )
         mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
         mgr.counters.returned_groups += len(returned)
         mgr.counters.dropped_groups += len(dropped)

@@ -30,7 +30,5 @@ class ManagerHolder:
             self._manager = RolloutManager(
                 self.make_engine(), store, allow_stale_kv=self.config.allow_stale_kv
             )
-            logger.info(
-                "april: partial buffer %s with %d groups", path, len(self._manager.groups)
-            )
+            logger.info("april: partial buffer %s with %d groups", path, len(self._manager.groups))
         return self._manager

@@ -168,7 +168,8 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
-    from april_server.app import create_router
+    from april_server.app import create_router, extend_app
+    from april_server.auth import AuthPolicy
     from april_server.server import ManagerHolder
 
     load_plugins()
@@ -182,5 +183,7 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
         return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0)
 
     holder = ManagerHolder(config, make_engine)
-    http_server.app.include_router(create_router(holder.get))
+    auth = AuthPolicy(server_args.api_key, getattr(server_args, "admin_api_key", None))
+    http_server.app.include_router(create_router(holder.get, config, auth))
+    extend_app(http_server.app)
     http_server.launch_server(server_args)

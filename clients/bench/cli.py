@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -21,11 +22,15 @@ from clients.bench import simulate as sim
 from clients.bench.driver import MODES, BenchConfig
 from clients.bench.launcher import LaunchedServer
 from clients.bench.metrics import ModeResult
+from clients.bench.metrics import __doc__ as metrics_doc
 from clients.bench.report import plot, records, summary_table, write_jsonl
 from clients.bench.server_api import BenchError
 from clients.bench.session import run_modes
 
-QUICK = {"steps": 6, "groups": 8, "n": 4, "max_tokens": 512, "over_sampling": 2.0}
+QUICK: dict[str, Any] = {
+    "steps": 6, "groups": 8, "n": 4, "max_tokens": 512, "over_sampling": 2.0,
+    "bump_version": True,
+}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,7 +84,14 @@ def parser() -> argparse.ArgumentParser:
     a("--plot-dir", type=Path, help="write running_requests.png and step_throughput.png")
     a("--clear-buffer", action="store_true", help="delete every buffered group first")
     a("--keep-buffer", action="store_true", help="leave the leftover partial buffer in place")
+    a(
+        "--interleave",
+        action="store_true",
+        help="alternate the modes step by step (sync and ONE APRIL mode: APRIL modes would resume "
+        "each other's buffered groups), so background load hits both alike",
+    )
     a("--no-progress", action="store_true")
+    a("--help-metrics", action="store_true", help="print how every figure is defined")
     g = p.add_argument_group("simulation")
     g.add_argument(
         "--simulate",
@@ -108,6 +120,7 @@ def config(args: argparse.Namespace) -> BenchConfig:
         bump_version=args.bump_version, max_inflight=args.max_inflight,
         max_staleness=args.max_staleness, stream_sync=args.stream_sync, poll_hz=args.poll_hz,
         run_tag=f"bench{uuid.uuid4().hex[:6]}", keep_buffer=args.keep_buffer,
+        interleave=args.interleave,
     )  # fmt: skip
 
 
@@ -142,8 +155,11 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if cfg.interleave and sum(m != "sync" for m in modes) > 1:
+        raise SystemExit("--interleave takes sync and one APRIL mode: APRIL modes share the buffer")
     server: LaunchedServer | None = None
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     try:
         url = args.url
         if url is None:
@@ -161,11 +177,18 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
     finally:
         if server is not None:
             server.stop()
-    run_info: dict[str, Any] = {**meta, "wall_clock_s": round(time.perf_counter() - t0, 1)}
+    load = (round(load0, 2), round(os.getloadavg()[0], 2))
+    run_info: dict[str, Any] = {
+        **meta, "wall_clock_s": round(time.perf_counter() - t0, 1), "cpu_count": os.cpu_count(),
+        "loadavg_1m_start_end": load,
+    }  # fmt: skip
     recs = records(results, run_info)
     print(f"\n{meta['title']}")
     print(summary_table(recs))
-    print(f"total time {run_info['wall_clock_s']:.0f}s (server start-up included)")
+    print(
+        f"total time {run_info['wall_clock_s']:.0f}s (server start-up included); 1-min load "
+        f"average {load[0]} -> {load[1]} on {os.cpu_count()} CPUs (other work skews figures)"
+    )
     if args.json_out:
         write_jsonl(args.json_out, recs)
         print(f"wrote {args.json_out}")
@@ -179,6 +202,9 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.help_metrics:
+        print(metrics_doc)
+        return
     if args.simulate and args.url is None and not args.launch and not args.quick:
         config(args)
         simulation(args, None)

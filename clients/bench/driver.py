@@ -28,7 +28,6 @@ from clients.bench.server_api import (
     R,
     ServerInfo,
     buffered_groups,
-    bump_version,
     check,
     delete_groups,
 )
@@ -59,6 +58,7 @@ class BenchConfig:
     poll_hz: float = 20.0
     run_tag: str = "bench"
     keep_buffer: bool = False
+    interleave: bool = False  # step s of every mode, then step s+1 (one APRIL mode at most)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class ModeRunner:
         self.next_index = 0
         self.version = info.weight_version
         self.buffered: list[str] = []
-        self.t0 = 0.0
+        self.windows: list[tuple[float, float, float]] = []  # (session start, end, local start)
         self.ticks = 0
 
     def gid(self, g: WorkGroup) -> str:
@@ -101,57 +101,41 @@ class ModeRunner:
     def prompt(self, g: WorkGroup) -> dict[str, Any]:
         return {"input_ids": list(g.input_ids)} if g.input_ids is not None else {"text": g.text}
 
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
     def tick(self, step: int) -> None:
         self.ticks += 1
         if self.progress is not None:
             self.progress.update(1)
             self.progress.set_postfix_str(f"{self.mode} step {step + 1}/{self.cfg.steps}")
 
-    async def run(self) -> ModeResult:
-        cfg = self.cfg
+    def check_available(self) -> bool:
         if self.mode == "april-kv" and not self.info.kv_snapshots:
             self.result.available = False
             self.result.reason = f"no KV snapshots on this server: {self.info.kv_reason}"
-            return self.result
-        if self.mode != "sync":
-            foreign = [g["group_id"] for g in await buffered_groups(self.http)]
-            if foreign:
-                raise BenchError(
-                    f"the partial buffer holds {len(foreign)} group(s) (e.g. {foreign[0]!r}); "
-                    "resume_first would resume them. Use a fresh server or --clear-buffer."
-                )
-        self.t0 = time.perf_counter()
-        poller = LoadPoller(self.http, cfg.poll_hz, self.t0)
-        poller.start()
-        try:
-            for step in range(cfg.steps):
-                t_start = self.now()
-                if self.mode == "sync":
-                    out = await self.sync_step(step)
-                else:
-                    out = await self.april_step(step)
-                    if self.result.reason is not None:
-                        break
-                rec = out.record
-                rec.t_start, rec.t_end = t_start, t_start + rec.wall_s
-                rec.mean_running, rec.idle_frac, rec.tail_frac = timeline_stats(
-                    poller.samples, rec.t_start, rec.t_end, cfg.groups * cfg.n
-                )
-                rec.max_budget = max((c.tokens for c in out.consumed), default=0)
-                self.ledger.consume(step, out.consumed)
-                self.result.steps.append(rec)
-                if cfg.train_time > 0:
-                    await asyncio.sleep(cfg.train_time)
-                if cfg.bump_version and step + 1 < cfg.steps:
-                    self.version = f"{cfg.run_tag}-{self.mode}-v{step + 1}"
-                    await bump_version(self.http, self.info.model_path, self.version)
-        finally:
-            await poller.stop()
-            self.result.timeline = poller.samples
-            self.result.total_wall_s = self.now()
+        return self.result.available
+
+    async def step(self, step: int, poller: LoadPoller) -> None:
+        """Run one step and record it; `poller` times are seconds since the session began."""
+        a0 = time.perf_counter() - poller.t0
+        out = await (self.sync_step(step) if self.mode == "sync" else self.april_step(step))
+        if not self.result.available:
+            return
+        rec = out.record
+        local = self.result.steps[-1].t_end if self.result.steps else 0.0
+        rec.t_start, rec.t_end = local, local + rec.wall_s
+        self.windows.append((a0, a0 + rec.wall_s, local))
+        rec.mean_running, rec.idle_frac, rec.tail_frac = timeline_stats(
+            poller.samples, a0, a0 + rec.wall_s, self.cfg.groups * self.cfg.n
+        )
+        rec.max_budget = max((c.tokens for c in out.consumed), default=0)
+        self.ledger.consume(step, out.consumed)
+        self.result.steps.append(rec)
+
+    async def finish(self, poller: LoadPoller) -> ModeResult:
+        """Mode-local timeline (this mode's rollout phases only, end to end), leftover, checks."""
+        self.result.timeline = [
+            (local + t - a0, r) for a0, a1, local in self.windows for t, r in poller.samples
+            if a0 <= t <= a1
+        ]  # fmt: skip
         await self.collect_leftover()
         self.result.checks = self.ledger.check()
         return self.result

@@ -1,6 +1,6 @@
 """Metrics of one mode's run: per step, overall, latency percentiles.
 
-Definitions (also printed by `april-bench --help-metrics`):
+Definitions (printed by `april-bench --help-metrics`):
 - rollout wall: submit of the step's requests -> the trainer holds K whole groups (abort and
   drain included for APRIL). Training time and weight updates are outside it.
 - output_throughput: tokens of the *consumed* samples / rollout wall (tokens/s), APRIL's headline;
@@ -128,7 +128,6 @@ class ModeResult:
     latencies: Latencies = field(default_factory=Latencies)
     group_latencies: list[float] = field(default_factory=list)  # submit -> group finished (s)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (s since start, running)
-    total_wall_s: float = 0.0
     leftover_groups: int = 0
     leftover_tokens: int = 0
     checks: list[str] = field(default_factory=list)
@@ -147,7 +146,6 @@ class ModeResult:
         g = np.asarray(self.group_latencies, dtype=float) * 1000.0
         return {
             "rollout_wall_s": round(wall, 4),
-            "total_wall_s": round(self.total_wall_s, 4),
             "consumed_samples": samples,
             "consumed_tokens": consumed,
             "generated_tokens": generated,

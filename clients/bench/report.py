@@ -137,7 +137,7 @@ def plot(results: Sequence[ModeResult], plot_dir: Path, title: str) -> list[Path
         ax.set_title(f"{r.mode}: SGLang running batch over time")
         ax.set_ylabel("running requests")
         ax.legend(loc="upper right", fontsize=8)
-    axes[-1, 0].set_xlabel("time since mode start (s)")
+    axes[-1, 0].set_xlabel("rollout time of this mode (s): training, updates, other modes cut out")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     paths.append(plot_dir / "running_requests.png")

@@ -75,6 +75,13 @@ async def bump_version(http: httpx.AsyncClient, model_path: str, version: str) -
     return time.perf_counter() - t0
 
 
+async def flush_cache(http: httpx.AsyncClient) -> None:
+    """Empty SGLang's prefix cache (its answer is plain text, so only the status is checked)."""
+    resp = await http.post("/flush_cache")
+    if resp.status_code >= 400:
+        raise BenchError(f"POST /flush_cache: HTTP {resp.status_code}: {resp.text[:200]}")
+
+
 async def buffered_groups(http: httpx.AsyncClient) -> list[dict[str, Any]]:
     groups: list[dict[str, Any]] = check(await http.get(R + "/partials"), "GET partials")["groups"]
     return groups

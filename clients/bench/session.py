@@ -6,16 +6,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from datetime import datetime, timezone
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from clients.bench.accounting import Ledger, compare_modes
+from clients.bench.accounting import compare_modes
 from clients.bench.driver import BenchConfig, Mode, ModeRunner
 from clients.bench.metrics import ModeResult
-from clients.bench.server_api import BenchError, buffered_groups, check, delete_groups, probe
+from clients.bench.server_api import (
+    BenchError,
+    LoadPoller,
+    ServerInfo,
+    buffered_groups,
+    bump_version,
+    check,
+    delete_groups,
+    flush_cache,
+    probe,
+)
 from clients.bench.workload import Workload, load_lengths
 
 
@@ -41,6 +52,42 @@ async def warmup(http: httpx.AsyncClient, cfg: BenchConfig, wl: Workload, rounds
         )
         for r in resps:
             check(r, "warm-up /generate")
+
+
+async def drive(
+    runners: list[ModeRunner],
+    cfg: BenchConfig,
+    http: httpx.AsyncClient,
+    info: ServerInfo,
+    poller: LoadPoller,
+) -> None:
+    """Interleaved: step s of every mode, then (training, weight bump) once for all. Otherwise
+    mode after mode, each starting with an empty prefix cache and its own bumps."""
+
+    async def between(step: int, group: list[ModeRunner], tag: str) -> None:
+        if cfg.train_time > 0:
+            await asyncio.sleep(cfg.train_time)
+        if cfg.bump_version and step + 1 < cfg.steps:
+            version = f"{tag}-v{step + 1}"
+            await bump_version(http, info.model_path, version)
+            for r in group:
+                r.version = version
+
+    if cfg.interleave:
+        for step in range(cfg.steps):
+            for r in runners:
+                if r.result.available:
+                    await r.step(step, poller)
+            await between(step, runners, cfg.run_tag)
+        return
+    for r in runners:
+        await flush_cache(http)
+        r.version = (await probe(http)).weight_version
+        for step in range(cfg.steps):
+            await r.step(step, poller)
+            if not r.result.available:
+                break
+            await between(step, [r], f"{cfg.run_tag}-{r.mode}")
 
 
 async def run_modes(
@@ -69,27 +116,26 @@ async def run_modes(
             )
         wl = make_workload(args, cfg, info.vocab_size)
         await warmup(http, cfg, wl, args.warmup)
-        results: list[ModeResult] = []
-        ledgers: list[Ledger] = []
         bar = tqdm(total=cfg.steps * cfg.groups * len(modes), unit="group", file=sys.stderr,
                    disable=args.no_progress, desc="april-bench")  # fmt: skip
+        runners = [ModeRunner(http, mode_of(m), cfg, wl, info, bar) for m in modes]
+        poller = LoadPoller(http, cfg.poll_hz, time.perf_counter())
+        poller.start()
         try:
-            for mode in modes:
-                # Same prompts in every mode: drop cached prefixes so no mode inherits them.
-                await http.post("/flush_cache")
-                info = await probe(http)
-                runner = ModeRunner(http, mode_of(mode), cfg, wl, info, bar)
-                res = await runner.run()
-                results.append(res)
-                if res.available:
-                    ledgers.append(runner.ledger)
-                else:
-                    bar.update(max(0, cfg.steps * cfg.groups - runner.ticks))
+            await drive([r for r in runners if r.check_available()], cfg, http, info, poller)
         finally:
-            bar.close()
+            await poller.stop()
+        results: list[ModeResult] = []
+        for r in runners:
+            results.append(await r.finish(poller))
+            bar.update(max(0, cfg.steps * cfg.groups - r.ticks))
+        bar.close()
+        ledgers = [r.ledger for r in runners if r.result.available]
+    order = "interleaved" if cfg.interleave else "sequential"
     title = (
-        f"april-bench {cfg.steps} steps x {cfg.groups} groups x {cfg.n}, max {cfg.max_tokens} "
-        f"tokens, over-sampling {cfg.over_sampling}, {wl.kind} workload, seed {args.seed}"
+        f"april-bench ({order}) {cfg.steps} steps x {cfg.groups} groups x {cfg.n}, max "
+        f"{cfg.max_tokens} tokens, over-sampling {cfg.over_sampling}, {wl.kind} workload, "
+        f"seed {args.seed}"
     )
     meta = {
         "run_id": cfg.run_tag,
@@ -111,6 +157,7 @@ async def run_modes(
         "max_staleness": cfg.max_staleness,
         "stream_sync": cfg.stream_sync,
         "poll_hz": cfg.poll_hz,
+        "interleave": cfg.interleave,
         "seed": args.seed,
         "mode_checks": compare_modes(ledgers),
     }

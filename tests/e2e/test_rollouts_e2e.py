@@ -227,7 +227,9 @@ def test_crash_restart_keeps_acknowledged_partials(tmp_path: Any) -> None:
             strip = [{**g, "age_s": 0} for g in before]
             assert [{**g, "age_s": 0} for g in after] == strip
             r = ok(c.post(R + "/rollouts", json={"groups": [], "target_groups": 2}))
-            lens = {g["group_id"]: [len(s["output_ids"]) for s in g["samples"]] for g in r["groups"]}
+            lens = {
+                g["group_id"]: [len(s["output_ids"]) for s in g["samples"]] for g in r["groups"]
+            }
             assert lens == {"p": [4, 400], "q": [500]}
     finally:
         srv.stop()

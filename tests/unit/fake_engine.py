@@ -16,7 +16,12 @@ from april_server.samples import SegmentResult
 
 EOS = 2
 KNOWN_PARAMS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "ignore_eos",
+    "stop_token_ids",
     "sampling_seed",
 }
 

@@ -12,6 +12,8 @@ import pytest
 from fastapi import FastAPI
 
 from april_server.app import create_router
+from april_server.auth import AuthPolicy
+from april_server.config import AprilConfig
 from april_server.errors import ApiError
 from april_server.manager import RolloutManager
 from april_server.protocol import RejectReq, RolloutReq
@@ -92,7 +94,11 @@ def test_reject_uncounts_a_finished_group() -> None:
     async def go() -> None:
         _, mgr = app_and_manager(delay_s=0.002)
         req = msgspec.convert(
-            {"groups": [group("a", [2]), group("b", [60]), group("c", [400])], "stream": True, "reject_grace_s": 5.0},
+            {
+                "groups": [group("a", [2]), group("b", [60]), group("c", [400])],
+                "stream": True,
+                "reject_grace_s": 5.0,
+            },
             RolloutReq,
         )
         events: asyncio.Queue[Any] = asyncio.Queue()
@@ -125,5 +131,50 @@ def test_partials_get_delete_and_stats() -> None:
             assert (await c.delete(R + "/partials/b")).json() == {"group_id": "b", "deleted": True}
             assert (await c.delete(R + "/partials/b")).status_code == 404
         mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_api_key_and_admin_scope() -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        app = FastAPI()
+        app.include_router(create_router(lambda: mgr, auth=AuthPolicy("user-k", "admin-k")))
+        user = {"Authorization": "Bearer user-k"}
+        admin = {"Authorization": "Bearer admin-k"}
+        body = {"groups": [group("a", [2]), group("b", [50])]}
+        async with await _client(app) as c:
+            r = await c.post(R + "/rollouts", json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+            r = await c.post(R + "/rollouts", json=body, headers={"Authorization": "Bearer x"})
+            assert r.status_code == 401
+            assert (await c.post(R + "/rollouts", json=body, headers=user)).status_code == 200
+            assert (await c.get(R + "/partials", headers=admin)).status_code == 200
+            r = await c.post(R + "/abort", json={"all": True}, headers=user)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+            assert (
+                await c.post(R + "/abort", json={"all": True}, headers=admin)
+            ).status_code == 200
+            assert (await c.post(R + "/abort", json={"group_ids": ["b"]}, headers=user)).is_success
+            assert (await c.delete(R + "/partials/b", headers=user)).status_code == 403
+            assert (await c.delete(R + "/partials/b", headers=admin)).status_code == 200
+
+    asyncio.run(go())
+
+
+def test_limits_are_clear_4xx() -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        app = FastAPI()
+        cfg = AprilConfig(max_groups_per_call=2, max_n=4)
+        app.include_router(create_router(lambda: mgr, config=cfg))
+        async with await _client(app) as c:
+            many = {"groups": [group(f"g{i}", [1]) for i in range(3)]}
+            r = await c.post(R + "/rollouts", json=many)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_groups"
+            wide = {"groups": [group("w", [1] * 5)]}
+            r = await c.post(R + "/rollouts", json=wide)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_n"
+            assert mgr.groups == {}
 
     asyncio.run(go())

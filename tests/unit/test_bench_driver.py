@@ -169,3 +169,15 @@ def test_a_non_empty_buffer_is_refused_unless_cleared(tmp_path: Path) -> None:
     assert rc == 2 and recs == []  # refused before running anything
     rc, _ = bench(server, tmp_path / "y", "--modes", "april", "--clear-buffer")
     assert rc == 0
+
+
+def test_interleaved_modes_share_one_weight_bump_per_step(tmp_path: Path) -> None:
+    server = FakeServer()
+    rc, recs = bench(server, tmp_path, "--modes", "sync,april", "--interleave", "--bump-version")
+    assert rc == 0 and [r["mode"] for r in recs] == ["sync", "april"]
+    versions = [[s["weight_version"] for s in r["per_step"]] for r in recs]
+    run_id = recs[0]["run_id"]
+    assert versions[0] == versions[1] == ["default", f"{run_id}-v1", f"{run_id}-v2"]
+    assert all(r["checks_ok"] and r["interleave"] for r in recs)
+    with pytest.raises(SystemExit, match="one APRIL mode"):
+        bench(server, tmp_path / "b", "--interleave")

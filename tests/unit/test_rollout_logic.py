@@ -257,16 +257,24 @@ def test_engine_error_keeps_the_sample() -> None:
         (RolloutReq(groups=[GroupSpec("a", input_ids=[])]), 400, "empty_prompt"),
         (RolloutReq(groups=[GroupSpec("a")]), 400, "invalid_prompt"),
         (
-            RolloutReq(groups=[GroupSpec("a", input_ids=[1], sampling_params={"max_new_tokens": -1})]),
+            RolloutReq(
+                groups=[GroupSpec("a", input_ids=[1], sampling_params={"max_new_tokens": -1})]
+            ),
             400,
             "invalid_budget",
         ),
         (
-            RolloutReq(groups=[GroupSpec("a", input_ids=[1], sampling_params={"max_new_tokens": 999})]),
+            RolloutReq(
+                groups=[GroupSpec("a", input_ids=[1], sampling_params={"max_new_tokens": 999})]
+            ),
             400,
             "context_overflow",
         ),
-        (RolloutReq(groups=[GroupSpec("a", input_ids=[1])], target_groups=2), 400, "invalid_target"),
+        (
+            RolloutReq(groups=[GroupSpec("a", input_ids=[1])], target_groups=2),
+            400,
+            "invalid_target",
+        ),
         (
             RolloutReq(groups=[GroupSpec("a", input_ids=[1]), GroupSpec("a", input_ids=[1])]),
             400,

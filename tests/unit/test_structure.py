@@ -23,8 +23,7 @@ def test_the_door_package_is_the_only_importer_of_sglang() -> None:
     offenders = [
         str(p.relative_to(ROOT))
         for p in sorted((ROOT / "april_server").rglob("*.py"))
-        if DOOR not in p.parents
-        and any(m.split(".")[0] == "sglang" for m in imported_modules(p))
+        if DOOR not in p.parents and any(m.split(".")[0] == "sglang" for m in imported_modules(p))
     ]
     assert offenders == []
     assert any(m.startswith("sglang") for m in imported_modules(DOOR / "engine.py"))
