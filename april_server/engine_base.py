@@ -39,6 +39,11 @@ class BaseEngine(ABC):
         """Ask the engine to stop `rid`. Fire and forget: a request the engine has not seen
         yet may miss it, so callers repeat until the generate call has returned."""
 
+    async def step_curve(self) -> dict[int, float]:
+        """Mean seconds per decode step by running-batch size, as measured by the engine
+        (empty when it measures nothing: the in-flight policy then uses its prior)."""
+        return {}
+
     def engine_stats(self) -> dict[str, Any]:
         """Engine-side figures for /stats (free KV tokens, running requests...)."""
         return {}

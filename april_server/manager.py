@@ -20,6 +20,7 @@ from typing import Any
 from april_server import samples as S
 from april_server.engine_base import BaseEngine
 from april_server.errors import ApiError, bad_request, conflict, not_found
+from april_server.inflight import InflightDecision, StepCurve, choose_running_target
 from april_server.protocol import (
     AbortReq,
     AbortResp,
@@ -91,6 +92,7 @@ class RolloutManager:
         self.finished_batches: set[str] = set()
         self.version_history: list[str] = []
         self.counters = Counters()
+        self.last_inflight: tuple[InflightDecision, StepCurve] | None = None
 
     # ---- lookups -----------------------------------------------------------------------------
 
@@ -338,6 +340,22 @@ class RolloutManager:
             await self.snapshots.forget(s)
         return DeleteResp(group_id=group_id, deleted=True)
 
+    def _inflight_stats(self) -> dict[str, Any]:
+        if self.last_inflight is None:
+            return {"last_target": None}
+        decision, curve = self.last_inflight
+        return {
+            "last_target": decision.running_target,
+            "reason": decision.reason,
+            "step_time_s_by_batch": {str(b): round(t, 6) for b, t in sorted(curve.points.items())},
+        }
+
+    async def inflight_decision(self, demand: int, cap: int) -> InflightDecision:
+        curve = StepCurve.smoothed(await self.engine.step_curve())
+        decision = choose_running_target(curve, demand, cap)
+        self.last_inflight = (decision, curve)
+        return decision
+
     # ---- integrity ---------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -375,4 +393,5 @@ class RolloutManager:
             **kv,
             **{k: getattr(c, k) for k in c.__dataclass_fields__},
             "engine": self.engine.engine_stats(),
+            "inflight_policy": self._inflight_stats(),
         }

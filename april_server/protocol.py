@@ -140,6 +140,10 @@ class RolloutStats(_Resp):
     num_dropped_groups: int = 0
     time_to_quota_s: float | None = None
     on_quota_effective: str = "tokens"
+    # Running samples the adaptive policy aimed for (null when max_inflight_groups is pinned).
+    inflight_target: int | None = None
+    # offpolicy_tokens / all output tokens of the returned groups.
+    offpolicy_fraction: float = 0.0
     notes: list[str] = []
 
 

@@ -101,6 +101,7 @@ class RolloutCall:
         self.started: set[str] = set()
         self.stopped = False
         self.wakeup = asyncio.Event()
+        self.inflight_target: int | None = None
 
     def prepare(self) -> None:
         """Steps 1-2: validation and claiming. Raises ApiError before anything starts."""
@@ -145,9 +146,7 @@ class RolloutCall:
         """Steps 3-7. `prepare()` must have succeeded."""
         mgr, req = self.mgr, self.req
         t0 = time.perf_counter()
-        limit = (
-            len(self.group_ids) if req.max_inflight_groups == "auto" else req.max_inflight_groups
-        )
+        limit, sample_target = await self._inflight_limits()
         pending = deque(self.group_ids)
         tasks: dict[asyncio.Task[None], str] = {}
         active: dict[str, int] = {}
@@ -178,7 +177,12 @@ class RolloutCall:
                     continue
                 grace_until = None  # a reject re-opened the quota
                 time_to_quota = None
-                while pending and len(active) < limit and not self.quota.met:
+                while (
+                    pending
+                    and len(active) < limit
+                    and len(tasks) < sample_target
+                    and not self.quota.met
+                ):
                     gid = pending.popleft()
                     started = self._start_group(gid, tasks)
                     if started:
@@ -203,6 +207,22 @@ class RolloutCall:
         if cancelled:
             raise asyncio.CancelledError
         return resp
+
+    async def _inflight_limits(self) -> tuple[int, int]:
+        """(max groups, max running samples) for this call. An integer pins the groups;
+        "auto" sizes the running batch from the engine's measured step-time curve."""
+        req, mgr = self.req, self.mgr
+        if req.max_inflight_groups != "auto":
+            self.inflight_target = None
+            return req.max_inflight_groups, 1 << 30
+        unfinished = [
+            sum(not S.is_finished(s) for s in mgr.groups[g].samples) for g in self.group_ids
+        ]
+        sizes = sorted(len(mgr.groups[g].samples) for g in self.group_ids)
+        demand = sum(sizes[-req.target_groups :])  # what a synchronous step would run
+        decision = await mgr.inflight_decision(demand, max(sum(unfinished), 1))
+        self.inflight_target = decision.running_target
+        return len(self.group_ids), decision.running_target
 
     def _collect(
         self, done: set[Any], tasks: dict[asyncio.Task[None], str], active: dict[str, int]
@@ -269,6 +289,12 @@ class RolloutCall:
             num_dropped_groups=len(dropped) - len(self.quota.rejected),
             time_to_quota_s=None if time_to_quota is None else round(time_to_quota, 4),
             on_quota_effective=on_quota,
+            inflight_target=self.inflight_target,
+            offpolicy_fraction=round(
+                sum(S.offpolicy_tokens(g, version) for g in groups)
+                / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),
+                4,
+            ),
             notes=notes,
         )
         resp = RolloutResp(

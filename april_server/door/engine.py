@@ -103,6 +103,10 @@ class SGLangEngine(SnapshotEngine):
     async def snapshot_stats(self) -> dict[str, Any]:
         return (await self._kv("stats"))[1]
 
+    async def step_curve(self) -> dict[int, float]:
+        ok, payload = await self._kv("curve")
+        return {int(b): float(t) for b, t in payload.items()} if ok else {}
+
     def weight_version(self) -> str:
         return str(self.tm.config_value("weight_version"))
 

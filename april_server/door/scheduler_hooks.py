@@ -44,6 +44,9 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.flush_cache", _after_flush, HookType.AFTER
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch", _around_run_batch, HookType.AROUND
+    )
 
 
 def _after_init_dispatcher(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,6 +76,40 @@ def _after_flush(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw: Any) -> Any:
+    if _active is not None:
+        try:
+            _active.steps.on_batch(batch)
+        except Exception:  # measurement must never break a step
+            logger.exception("april: step timing failed")
+    return original(scheduler, batch, *args, **kw)
+
+
+class StepTimer:
+    """Decode step time by running-batch size: the gap between consecutive decode steps
+    (it includes scheduling overhead, which is a real per-step cost)."""
+
+    MAX_GAP_S = 2.0  # a longer gap means the engine idled or prefilled in between
+
+    def __init__(self) -> None:
+        self.sums: dict[int, list[float]] = {}  # batch size -> [count, total seconds]
+        self.last: tuple[float, int] | None = None
+
+    def on_batch(self, batch: Any) -> None:
+        now = time.perf_counter()
+        if batch is None or not batch.forward_mode.is_decode():
+            self.last = None
+            return
+        if self.last is not None and now - self.last[0] < self.MAX_GAP_S:
+            acc = self.sums.setdefault(self.last[1], [0.0, 0.0])
+            acc[0] += 1
+            acc[1] += now - self.last[0]
+        self.last = (now, int(batch.batch_size()))
+
+    def curve(self, min_count: int = 3) -> dict[str, float]:
+        return {str(b): t / n for b, (n, t) in sorted(self.sums.items()) if n >= min_count}
+
+
 class SchedulerKv:
     def __init__(self, scheduler: Any) -> None:
         self.sched = scheduler
@@ -80,6 +117,7 @@ class SchedulerKv:
         self.marked: OrderedDict[str, str] = OrderedDict()  # rid -> snapshot key
         self.locks: dict[str, Any] = {}  # key -> TreeLock holding a restored prefix
         self.rank0 = getattr(scheduler, "tp_rank", 0) == 0
+        self.steps = StepTimer()
 
     # ---- messages ----------------------------------------------------------------------------
 
@@ -117,6 +155,9 @@ class SchedulerKv:
             "restore_locks": len(self.locks),
             "pending_marks": len(self.marked),
         }
+
+    def op_curve(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        return True, self.steps.curve()
 
     def op_unlock(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         lock = self.locks.pop(req.key, None)

@@ -1,0 +1,89 @@
+"""The adaptive in-flight policy on synthetic step-time curves, and in a rollout."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from april_server.inflight import StepCurve, choose_running_target
+from april_server.manager import RolloutManager
+from april_server.protocol import GroupSpec, RolloutReq
+from april_server.rollout import rollout
+from april_server.store import BufferStore
+from tests.unit.fake_engine import FakeEngine
+
+SIZES = [1, 2, 4, 8, 16, 32]
+
+
+def curve(fn: Any) -> StepCurve:
+    return StepCurve({b: fn(b) for b in SIZES})
+
+
+def test_flat_step_time_overprovisions_to_the_cap() -> None:
+    # Memory-bound decode: a step costs the same at any batch size.
+    d = choose_running_target(curve(lambda b: 0.01), demand=32, cap=64)
+    assert d.running_target >= 0.95 * 64  # within EPS of the best: as good as all of it
+
+
+def test_linear_cost_never_goes_beyond_the_quota() -> None:
+    # Compute-bound: throughput is flat, extra concurrency only adds stale tokens.
+    d = choose_running_target(curve(lambda b: 0.002 * b), demand=32, cap=64)
+    assert d.running_target == 32
+
+
+def test_saturating_curve_stops_at_the_knee() -> None:
+    # t(b) = a + c b: throughput b / (a + c b) reaches 95 % of its best near 19 a / c = 19.
+    d = choose_running_target(curve(lambda b: 0.019 + 0.001 * b), demand=8, cap=200)
+    assert 8 < d.running_target < 64
+    thr = StepCurve({b: 0.019 + 0.001 * b for b in SIZES}).throughput
+    assert thr(d.running_target) >= 0.95 * max(thr(b) for b in range(1, 65))
+
+
+def test_prior_without_measurements_runs_everything() -> None:
+    d = choose_running_target(StepCurve({}), demand=4, cap=40)
+    assert d.running_target == 40 and "prior" in d.reason
+
+
+class CurveEngine(FakeEngine):
+    def __init__(self, points: dict[int, float]) -> None:
+        super().__init__(delay_s=0.001)
+        self.points = points
+        self.max_active = 0
+
+    async def step_curve(self) -> dict[int, float]:
+        return self.points
+
+    async def generate(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> Any:
+        self.max_active = max(self.max_active, len(self.active) + 1)
+        return await super().generate(rid, input_ids, params)
+
+
+def test_auto_refills_up_to_the_target_and_never_beyond_what_was_sent() -> None:
+    async def go() -> None:
+        eng = CurveEngine({b: 0.002 * b for b in SIZES})  # linear cost: target = demand
+        mgr = RolloutManager(eng, BufferStore(None))
+        groups = [
+            GroupSpec(
+                group_id=f"g{i}", n=2, input_ids=[1, 2],
+                sampling_params={"ignore_eos": True, "max_new_tokens": 5 + 20 * (i % 3)},
+            )
+            for i in range(10)
+        ]  # fmt: skip
+        r = await rollout(mgr, RolloutReq(groups=groups, target_groups=3))
+        assert r.stats.inflight_target == 6  # 3 groups x 2 samples
+        assert eng.max_active <= 6
+        started = {c[0].split("@")[0].split("/")[0] for c in eng.calls}
+        assert started <= {g.group_id for g in groups}
+        assert len(r.groups) == 3
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_smoothing_removes_dips_and_keeps_monotone_curves() -> None:
+    raw = {1: 0.01, 2: 0.012, 4: 0.30, 8: 0.02, 16: 0.03}
+    fit = StepCurve.smoothed(raw).points
+    assert list(fit) == [1, 2, 4, 8, 16]
+    assert all(fit[a] <= fit[b] for a, b in zip([1, 2, 4, 8], [2, 4, 8, 16], strict=True))
+    mono = {1: 0.01, 2: 0.02, 4: 0.03}
+    assert StepCurve.smoothed(mono).points == mono
