@@ -46,6 +46,7 @@ class Running:
     rid: str
     task: asyncio.Task[None]
     keep: OnQuota = "tokens"
+    marked: bool = False  # a snapshot was requested from the scheduler
 
 
 @dataclass
@@ -198,16 +199,19 @@ class RolloutManager:
             result = S.SegmentResult([], [], None, self.engine.weight_version(), error=str(exc))
         run = self.running.pop(sample.sample_id, None)
         keep = "tokens" if run is None else run.keep
+        marked = run is not None and run.marked
         natural = result.finish_reason in ("stop", "length")
         if keep == "drop" and not natural:
-            await self.snapshots.after_segment(sample, restored, False, False)
+            await self.snapshots.after_segment(sample, restored, False, False, marked)
             S.reset_output(sample)
             return
         before = len(sample.output_ids)
         kv = "restored" if restored > 0 else cont.kv
         S.apply_segment(sample, result, kv)
+        # "Interrupted" means still unfinished: an abort that lands on the last budgeted
+        # token ends a finished sample, whose snapshot would never be used.
         await self.snapshots.after_segment(
-            sample, restored, result.finish_reason == "abort", keep == "snapshot"
+            sample, restored, sample.status == "partial", keep == "snapshot", marked
         )
         produced = len(sample.output_ids) - before
         tally.output_tokens += produced
@@ -228,8 +232,9 @@ class RolloutManager:
             for r in runs:
                 r.keep = keep
         for r in runs:
-            if r.keep == "snapshot" and not r.task.done():
+            if r.keep == "snapshot" and not r.task.done() and not r.marked:
                 self.snapshots.mark(r.rid, r.sample)  # ordered before the abort below
+                r.marked = self.snapshots.enabled
         pending = {r.task for r in runs if not r.task.done()}
         while pending:
             for r in runs:

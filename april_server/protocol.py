@@ -152,6 +152,8 @@ class RolloutResp(_Resp):
     groups: list[Group]
     buffered_group_ids: list[str]
     stats: RolloutStats
+    # Groups this call discarded: rejected ones and, with on_quota=drop, started stragglers.
+    dropped_group_ids: list[str] = []
 
 
 class AbortResp(_Resp):

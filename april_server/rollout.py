@@ -102,6 +102,7 @@ class RolloutCall:
         self.stopped = False
         self.wakeup = asyncio.Event()
         self.inflight_target: int | None = None
+        self.discarded: list[Group] = []
 
     def prepare(self) -> None:
         """Steps 1-2: validation and claiming. Raises ApiError before anything starts."""
@@ -204,6 +205,9 @@ class RolloutCall:
             keep: OnQuota | None = "snapshot" if req.on_quota == "snapshot" else None
             await asyncio.shield(mgr.stop_running(runs, keep))
         resp = self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
+        for g in self.discarded:  # their KV snapshots go with them
+            for sample in g.samples:
+                await asyncio.shield(mgr.snapshots.forget(sample))
         if cancelled:
             raise asyncio.CancelledError
         return resp
@@ -298,11 +302,17 @@ class RolloutCall:
             notes=notes,
         )
         resp = RolloutResp(
-            batch_id=self.batch_id, groups=groups, buffered_group_ids=buffered, stats=stats
+            batch_id=self.batch_id,
+            groups=groups,
+            buffered_group_ids=buffered,
+            stats=stats,
+            dropped_group_ids=dropped,
         )
         call = (
             None if req.request_id is None or not deliver else (req.request_id, _enc.encode(resp))
         )
+        # Dropped groups and returned ones leave the server: so do their KV snapshots.
+        self.discarded = [mgr.groups[g] for g in dropped + returned]
         mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
         mgr.counters.returned_groups += len(returned)
         mgr.counters.dropped_groups += len(dropped)

@@ -54,26 +54,28 @@ class SnapshotPolicy:
         return await self.engine.restore_snapshot(sample.sample_id)
 
     async def after_segment(
-        self, sample: Sample, restored: int, interrupted: bool, snapshot_wanted: bool
+        self, sample: Sample, restored: int, interrupted: bool, wanted: bool, marked: bool
     ) -> None:
-        """Release what the restore held; record the new snapshot or forget the old one."""
+        """Release what the restore held; record the new snapshot or forget any old one.
+        `marked`: a snapshot was requested for this segment, so the scheduler may hold one
+        even if the caller changed its mind (a later abort with another `keep`)."""
         if self.engine is None:
             return
         if restored:
             await self.engine.release_snapshot(sample.sample_id)
         info = None
-        if interrupted and snapshot_wanted:
+        if interrupted and wanted:
             info = await self.engine.snapshot_info(sample.sample_id)
         if info is None:
-            await self.forget(sample)
+            await self.forget(sample, force=marked)
         else:
             sample.snapshot_bytes = int(info["bytes"])
             sample.snapshot_weight_version = (
                 sample.segments[-1].weight_version if sample.segments else None
             )
 
-    async def forget(self, sample: Sample) -> None:
-        if self.engine is not None and sample.snapshot_bytes > 0:
+    async def forget(self, sample: Sample, force: bool = False) -> None:
+        if self.engine is not None and (force or sample.snapshot_bytes > 0):
             await self.engine.drop_snapshot(sample.sample_id)
         sample.snapshot_bytes = 0
         sample.snapshot_weight_version = None

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from april_server import env
+from april_server.door.deterministic import register_deterministic_hooks
 from april_server.door.ipc import AprilKvReq, AprilKvResp
 from april_server.kv_store import HostKvStore, Snapshot
 from kernels.kv_copy import mha_kv_buffers, restore_kv, save_kv
@@ -32,6 +33,8 @@ _active: SchedulerKv | None = None  # one scheduler per process; the release hoo
 
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    register_deterministic_hooks()  # no-op off SGLang's CPU engine; see door/deterministic.py
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",

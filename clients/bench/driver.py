@@ -65,7 +65,6 @@ class BenchConfig:
 class StepOutcome:
     record: StepRecord
     consumed: list[Consumed] = field(default_factory=list)
-    buffered_ids: list[str] = field(default_factory=list)
 
 
 class ModeRunner:
@@ -87,6 +86,7 @@ class ModeRunner:
         self.buffered: list[str] = []
         self.windows: list[tuple[float, float, float]] = []  # (session start, end, local start)
         self.ticks = 0
+        self.finished = False
 
     def gid(self, g: WorkGroup) -> str:
         return f"{self.cfg.run_tag}-{self.mode}-g{g.index:06d}"
@@ -131,13 +131,18 @@ class ModeRunner:
         self.result.steps.append(rec)
 
     async def finish(self, poller: LoadPoller) -> ModeResult:
-        """Mode-local timeline (this mode's rollout phases only, end to end), leftover, checks."""
+        """Mode-local timeline (this mode's rollout phases only, end to end), leftover, checks.
+        Idempotent; must run before another APRIL mode starts (it frees this mode's buffer)."""
+        if self.finished:
+            return self.result
+        self.finished = True
         self.result.timeline = [
             (local + t - a0, r) for a0, a1, local in self.windows for t, r in poller.samples
             if a0 <= t <= a1
         ]  # fmt: skip
         await self.collect_leftover()
-        self.result.checks = self.ledger.check()
+        # A mode found unavailable mid-step did not record what it received: nothing to check.
+        self.result.checks = self.ledger.check() if self.result.available else []
         return self.result
 
     # ---- sync ---------------------------------------------------------------------------------
@@ -266,7 +271,7 @@ class ModeRunner:
             resumed_samples=int(stats.get("resumed_samples", 0)),
             buffered_groups=len(buffered), weight_version=version,
         )  # fmt: skip
-        return StepOutcome(rec, consumed, buffered)
+        return StepOutcome(rec, consumed)
 
     async def collect_leftover(self) -> None:
         """Report (not lose) what is still buffered, then free it unless asked to keep it."""

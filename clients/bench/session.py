@@ -88,6 +88,7 @@ async def drive(
             if not r.result.available:
                 break
             await between(step, [r], f"{cfg.run_tag}-{r.mode}")
+        await r.finish(poller)  # its leftover must leave the buffer before the next mode
 
 
 async def run_modes(

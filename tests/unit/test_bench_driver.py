@@ -181,3 +181,10 @@ def test_interleaved_modes_share_one_weight_bump_per_step(tmp_path: Path) -> Non
     assert all(r["checks_ok"] and r["interleave"] for r in recs)
     with pytest.raises(SystemExit, match="one APRIL mode"):
         bench(server, tmp_path / "b", "--interleave")
+
+
+def test_sequential_april_modes_do_not_resume_each_others_groups(tmp_path: Path) -> None:
+    server = FakeServer(kv={"available": True})
+    rc, recs = bench(server, tmp_path, "--modes", "april,april-kv")
+    assert rc == 0 and all(r["checks_ok"] for r in recs), [r["checks"] for r in recs]
+    assert all(r["leftover_groups"] > 0 for r in recs) and server.buffer == {}

@@ -37,6 +37,10 @@ def test_bookkeeping_is_plain_python() -> None:
 
 def test_no_pickle_or_eval_of_request_data() -> None:
     for p in sorted((ROOT / "april_server").rglob("*.py")):
-        src = p.read_text()
         assert "pickle" not in imported_modules(p), p
-        assert "eval(" not in src and "exec(" not in src, p
+        calls = {
+            n.func.id
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        assert not calls & {"eval", "exec", "compile", "__import__"}, p

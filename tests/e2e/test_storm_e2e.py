@@ -1,0 +1,136 @@
+"""A seeded storm of random operations from concurrent clients against one CPU server.
+
+Checks: no 5xx, no stuck request (every call returns within its timeout), every group ends in
+exactly one place (returned once, dropped/rejected/deleted, or still buffered), the KV pool's
+free tokens back at baseline, snapshot bytes equal to the live snapshots.
+Size: APRIL_STORM_OPS (default 1000) operations over 4 clients; `make soak` runs more.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+
+from april_server.models import ensure_tiny_model
+from tests.e2e.test_rollouts_e2e import R, clear_buffer, group
+from tests.server_proc import ServerProc
+
+pytestmark = pytest.mark.e2e
+NUM_OPS = int(os.environ.get("APRIL_STORM_OPS", "1000"))
+CLIENTS = 4
+SEED = int(os.environ.get("APRIL_STORM_SEED", "1234"))
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.created: list[str] = []
+        self.returned: Counter[str] = Counter()
+        self.gone: set[str] = set()  # deleted, dropped or rejected
+        self.statuses: Counter[int] = Counter()
+        self.errors: list[str] = []
+
+
+def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -> None:
+    op = rng.choices(
+        ["rollout", "rollout_snap", "abort", "resume", "delete", "bump", "drop_call"],
+        weights=[30, 25, 10, 15, 10, 1, 5],
+    )[0]
+    if op.startswith("rollout") or op == "drop_call":
+        gids = [f"c{who}-{k}-{i}" for i in range(rng.randint(0, 3))]
+        groups = [group(g, [rng.randint(1, 300)], [rng.randint(1, 40) for _ in range(2)])
+                  for g in gids]  # fmt: skip
+        with led.lock:
+            led.created += gids
+            idle = len(c.get(R + "/partials").json()["groups"])
+        body = {
+            "groups": groups,
+            "target_groups": max(1, min(len(gids) + idle, rng.randint(1, 3))),
+            "on_quota": {"rollout": "tokens", "rollout_snap": "snapshot"}.get(op, "drop"),
+        }
+        r = c.post(R + "/rollouts", json=body)
+        led.statuses[r.status_code] += 1
+        if r.status_code == 200:
+            with led.lock:
+                for g in r.json()["groups"]:
+                    led.returned[g["group_id"]] += 1
+                led.gone.update(r.json()["dropped_group_ids"])
+        elif r.status_code == 400 and r.json()["error"]["code"] == "invalid_target":
+            with led.lock:  # another client claimed the idle groups first
+                led.gone.update(gids)  # never created on the server
+        else:
+            led.errors.append(f"rollout {r.status_code} {r.text[:200]}")
+    elif op == "abort":
+        r = c.post(R + "/abort", json={"all": True, "keep": rng.choice(["tokens", "snapshot"])})
+        led.statuses[r.status_code] += 1
+    elif op in ("resume", "delete"):
+        parts = c.get(R + "/partials").json()["groups"]
+        if not parts:
+            return
+        g = rng.choice(parts)
+        if op == "delete":
+            r = c.delete(f"{R}/partials/{g['group_id']}")
+            if r.status_code == 200:
+                with led.lock:
+                    led.gone.add(g["group_id"])
+        else:
+            s = rng.choice(g["samples"])
+            kv = rng.choice(["auto", "recompute"])
+            r = c.post(R + "/resume", json={"sample_ids": [s["sample_id"]], "kv": kv})
+        led.statuses[r.status_code] += 1
+        if r.status_code not in (200, 404, 409):  # 404/409: another client got there first
+            led.errors.append(f"{op} {r.status_code} {r.text[:200]}")
+    elif op == "bump":
+        body = {"model_path": str(ensure_tiny_model()), "weight_version": f"storm-{who}-{k}"}
+        r = c.post("/update_weights_from_disk", json=body)
+        led.statuses[r.status_code] += 1
+
+
+def test_storm(tiny_server: ServerProc) -> None:
+    led = Ledger()
+    with tiny_server.client(timeout=120) as c:
+        clear_buffer(c)
+        assert c.post("/flush_cache").status_code == 200
+        base = c.get(R + "/stats").json()
+
+    def client(who: int) -> None:
+        rng = random.Random(SEED * 100 + who)
+        with tiny_server.client(timeout=120) as c:
+            for k in range(NUM_OPS // CLIENTS):
+                try:
+                    one_op(c, rng, k, who, led)
+                except httpx.TimeoutException as exc:
+                    led.errors.append(f"stuck: {exc!r}")
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not led.errors, led.errors[:5]
+    assert not [s for s in led.statuses if s >= 500], led.statuses
+    with tiny_server.client(timeout=120) as c:
+        stats = c.get(R + "/stats").json()
+        assert stats["running_samples"] == 0 and stats["active_calls"] == 0
+        buffered = {g["group_id"]: g for g in c.get(R + "/partials").json()["groups"]}
+        live_bytes = sum(s["snapshot_bytes"] for g in buffered.values() for s in g["samples"])
+        assert stats["snapshot_bytes_used"] == live_bytes
+        # Every group in exactly one place.
+        assert all(n == 1 for n in led.returned.values()), led.returned.most_common(3)
+        for gid in led.created:
+            places = (gid in led.returned) + (gid in led.gone) + (gid in buffered)
+            assert places == 1, (gid, gid in led.returned, gid in led.gone, gid in buffered)
+        # Nothing leaked from the pool: what isn't free is cached and evictable.
+        assert stats["restore_locks"] == 0 and stats["protected_tokens"] == 0
+        baseline = base["free_tokens"] + base["evictable_tokens"]
+        assert stats["free_tokens"] + stats["evictable_tokens"] == baseline
+        clear_buffer(c)
+        end = c.get(R + "/stats").json()
+        assert end["snapshot_bytes_used"] == 0
+    print(f"storm: {sum(led.statuses.values())} calls, statuses {dict(led.statuses)}")
