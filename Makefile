@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo test test-fast check bench-kv
+.PHONY: demo test test-fast check bench-kv bench-resume soak
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -18,3 +18,9 @@ check:  ## format, lint, types
 
 bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
 	@V=$(VENV) && $$V/bin/python -m kernels.bench_kv_copy --quick
+
+bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (tiny, SmolLM2)
+	@V=$(VENV) && $$V/bin/python -m kernels.bench_resume
+
+soak:  ## the storm test at 10x its CI size
+	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py

@@ -5,29 +5,38 @@ is a hash of (seed, absolute position, token id) (`layers/sampler.py: multinomia
 so a request resumed by re-prefilling `prompt + output[:c]` draws exactly the noise of the
 original step c. As shipped it does not start on CPU; three things stand in the way:
 
-1. Server-argument resolution rejects `torch_native` attention (ValueError from
-   `arg_groups/overrides.py: _deterministic_attention_backend`, the only backend that runs on
-   CPU). SGLang's own seam for out-of-tree platforms, `add_deterministic_attention_backend_
-   choices`, declares it allowed. torch_native attends one request at a time with SDPA, so its
-   result does not depend on the batch. It stays out of the radix-compatible list, so SGLang
-   disables the prefix cache in this mode (a prefix-cache hit would skip the re-prefill whose
-   bits we rely on only approximately anyway).
-2. `ModelRunner.maybe_enable_batch_invariant_mode` registers SGLang's Triton matmul /
+1. Server-argument resolution rejects `torch_native` attention, the one backend that runs on
+   CPU (ValueError from `arg_groups/overrides.py: _deterministic_attention_backend`). SGLang's
+   seam for out-of-tree platforms, `add_deterministic_attention_backend_choices`, allows it.
+   torch_native attends one request at a time (SDPA), so its result does not depend on the
+   batch. It stays out of the radix-compatible list, so SGLang disables the prefix cache in
+   this mode by itself (a prefix hit would replace the re-prefill by KV of another origin).
+2. `ModelRunner.maybe_enable_batch_invariant_mode` installs SGLang's Triton matmul /
    log_softmax / mean kernels as the aten implementations for the accelerator's dispatch key;
    on CPU `get_dispatch_device_backend()` raises "No supported accelerator (CUDA/XPU)
-   available" and there are no Triton kernels to run. An AROUND hook skips it on a CPU model
-   runner: aten's CPU kernels stay, so logits are reproducible for the same batch shapes but not
-   batch-invariant in the last bits (prefill vs decode of the same token differs by ~5e-7 in
-   fp32). Sampling flips only at genuine near-ties of the noisy scores (tests/e2e/
-   test_seeded_e2e.py checks exactly that).
-3. The hash itself: `murmur_hash32` calls `torch.ops.sgl_kernel.murmur_hash32_cpu` for CPU
-   tensors. april-server's CPU `sgl_kernel` shim defines it in torch, bit-identical to the C++
-   CPU kernel and the Triton kernel (april_server/cpu_shim/sgl_kernel).
+   available", and there is no Triton driver to run them. An AROUND hook skips it on a CPU
+   model runner: aten's CPU kernels stay, so logits are reproducible run to run but not
+   batch-invariant in the last bits (a re-prefilled token's logprobs differ from the decoded
+   one's by ~5e-7 in fp32). A seeded sample then flips only where two tokens' noisy scores are
+   that close: a genuine near-tie (tests/e2e/test_seeded_e2e.py checks exactly that).
+3. The hash: `murmur_hash32` calls `torch.ops.sgl_kernel.murmur_hash32_cpu` for CPU tensors;
+   april-server's CPU `sgl_kernel` shim defines it in torch, bit-identical to SGLang's C++ CPU
+   kernel and its Triton kernel (april_server/cpu_shim/sgl_kernel).
 
-Everything here is a no-op unless the process runs SGLang's CPU engine, and the hook of 2 only
-acts when deterministic inference is enabled; 1 only widens a list consulted in that mode. So
-`register_deterministic_hooks()` is safe to call from every process, always: on a GPU machine it
-does nothing and SGLang's own deterministic path is untouched.
+One more hook makes a seeded token independent of the rest of the batch, which resumption needs
+(a sample resumes next to other requests than it started with). SGLang picks the sampling path
+per *batch*: `simple_sampling_case` is false as soon as any request in the batch is greedy or
+uses top-k / top-p / min-p, and that filtered path draws the noise by *rank* in the sorted
+distribution instead of by token id. So a plain seeded request drew other tokens when a greedy
+request shared its batch (measured: from its second token on).
+4. An AROUND hook on `Sampler._sample_from_probs` samples the plain rows of such a batch as
+   they are sampled alone (`sampling_from_probs_torch`: noise by token id); filtered rows keep
+   SGLang's result, so every row's token depends on its own parameters, seed and position only.
+
+All of it is registered only on SGLang's CPU engine, and acts only in deterministic mode: 1
+widens a list consulted in that mode only, 2 checks it, 4 needs batch seeds, which only that
+mode sets. So `register_deterministic_hooks()` is called from every process, always; on a GPU
+machine it does nothing and SGLang's own deterministic path is untouched.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +81,11 @@ def register_deterministic_hooks() -> None:
         _around_batch_invariant_mode,
         HookType.AROUND,
     )
+    HookRegistry.register(
+        "sglang.srt.layers.sampler.Sampler._sample_from_probs",
+        _around_sample_from_probs,
+        HookType.AROUND,
+    )
 
 
 def deterministic_enabled() -> bool:
@@ -77,7 +93,7 @@ def deterministic_enabled() -> bool:
 
     try:
         return bool(get_exec().deterministic.enable_deterministic_inference)
-    except ValueError:  # no published config (bare construction)
+    except ValueError:  # no published config (a bare construction)
         return False
 
 
@@ -85,7 +101,55 @@ def _around_batch_invariant_mode(original: Any, runner: Any, *args: Any, **kwarg
     if str(getattr(runner, "device", "")).startswith("cpu") and deterministic_enabled():
         logger.warning(
             "april: deterministic inference on CPU: SGLang's Triton batch-invariant kernels are "
-            "skipped (aten CPU kernels stay; seeded sampling stays reproducible)"
+            "skipped; aten's CPU kernels stay (seeded sampling stays reproducible)"
         )
         return None
     return original(runner, *args, **kwargs)
+
+
+def plain_rows(sampling_info: Any) -> torch.Tensor:
+    """Rows SGLang samples on its simple path when they are alone in a batch: the whole
+    vocabulary, no top-k (greedy is top_k 1), top-p or min-p (`SamplingBatchInfo`'s flags)."""
+    from sglang.srt.sampling.sampling_params import TOP_K_ALL
+
+    return (
+        (sampling_info.top_ks == TOP_K_ALL)
+        & (sampling_info.top_ps == 1.0)
+        & (sampling_info.min_ps <= 0.0)
+    )
+
+
+def _around_sample_from_probs(
+    original: Any,
+    sampler: Any,
+    probs: torch.Tensor,
+    sampling_info: Any,
+    positions: torch.Tensor,
+    simple_sampling_case: bool,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    def call() -> Any:
+        return original(
+            sampler, probs, sampling_info, positions, simple_sampling_case, *args, **kwargs
+        )
+
+    seeds = sampling_info.sampling_seed
+    if simple_sampling_case or seeds is None:
+        return call()
+    if sampling_info.sampling_mask_batch_indices is not None:
+        return call()  # the sampling-mask capture describes SGLang's own choice: leave it whole
+    plain = plain_rows(sampling_info)
+    if not bool(plain.any()):
+        return call()
+    from sglang.srt.layers.sampler import sampling_from_probs_torch
+
+    rows = plain.nonzero().view(-1)
+    # Before the original runs: it must not see (or may modify) these rows' probs first.
+    alone = sampling_from_probs_torch(
+        probs.index_select(0, rows), seeds.index_select(0, rows), positions.index_select(0, rows)
+    )
+    ids, capture = call()
+    ids = ids.clone()
+    ids[rows] = alone.to(ids.dtype)
+    return ids, capture

@@ -209,27 +209,3 @@ def test_bad_input_gets_contract_error(
     err = r.json()["error"]
     assert set(err) == {"code", "message"} and err["code"] and err["message"]
     assert ok(http.get(R + "/partials"))["groups"] == []  # bad input changes nothing
-
-
-def test_crash_restart_keeps_acknowledged_partials(tmp_path: Any) -> None:
-    srv = ServerProc(state_dir=tmp_path)
-    srv.start()
-    try:
-        with srv.client() as c:
-            groups = [group("done", [3], [4]), group("p", [8, 9], [4, 400]), group("q", [7], [500])]
-            r = ok(c.post(R + "/rollouts", json={"groups": groups, "target_groups": 1}))
-            assert sorted(r["buffered_group_ids"]) == ["p", "q"]
-            before = ok(c.get(R + "/partials"))["groups"]
-        srv.kill9()
-        srv.start()
-        with srv.client() as c:
-            after = ok(c.get(R + "/partials"))["groups"]
-            strip = [{**g, "age_s": 0} for g in before]
-            assert [{**g, "age_s": 0} for g in after] == strip
-            r = ok(c.post(R + "/rollouts", json={"groups": [], "target_groups": 2}))
-            lens = {
-                g["group_id"]: [len(s["output_ids"]) for s in g["samples"]] for g in r["groups"]
-            }
-            assert lens == {"p": [4, 400], "q": [500]}
-    finally:
-        srv.stop()

@@ -105,7 +105,9 @@ def murmur_hash32_reference(
     if seed.dtype != torch.uint64:
         raise TypeError(f"seed must have dtype torch.uint64, not {seed.dtype}")
     if positions.dtype not in (torch.int64, torch.uint64):
-        raise TypeError(f"positions must have dtype torch.int64 or torch.uint64, not {positions.dtype}")
+        raise TypeError(
+            f"positions must have dtype torch.int64 or torch.uint64, not {positions.dtype}"
+        )
     if col_indices.dtype != torch.int64:
         raise TypeError(f"col_indices must have dtype torch.int64, not {col_indices.dtype}")
     s = seed.contiguous().view(torch.int64)
