@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -177,7 +178,8 @@ async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
     task = loop.create_task(rollout(mgr, req, events, ready))
-    await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
+    waiters: list[asyncio.Future[Any]] = [ready, task]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         task.result()  # validation failed: raises the ApiError
 
@@ -235,7 +237,8 @@ def extend_app(app: FastAPI) -> None:
             return error_response(
                 exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"
             )
-        return await previous(request, exc)  # type: ignore[no-any-return]
+        result = previous(request, exc)
+        return await result if inspect.isawaitable(result) else result
 
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     extend_openapi(app)

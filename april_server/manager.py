@@ -386,8 +386,9 @@ class RolloutManager:
         idle = self.idle_groups()
         c = self.counters
         kv: dict[str, Any] = {"kv_snapshots": "disabled"}
-        if self.snapshots.engine is not None:
-            kv = {"kv_snapshots": "enabled", **await self.snapshots.engine.snapshot_stats()}
+        snap_engine = self.snapshots.engine
+        if snap_engine is not None:
+            kv = {"kv_snapshots": "enabled", **await snap_engine.snapshot_stats()}
         return {
             "weight_version": self.current_version(),
             "buffered_groups": len(idle),

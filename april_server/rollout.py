@@ -82,7 +82,9 @@ def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
             raise bad_request(
                 "invalid_prompt", f"group {spec.group_id!r}: give exactly one of input_ids, text"
             )
-        prompt = spec.input_ids if spec.input_ids is not None else mgr.engine.tokenize(spec.text)
+        prompt = spec.input_ids
+        if prompt is None:
+            prompt = mgr.engine.tokenize(spec.text or "")
         for params in [spec.sampling_params, *(spec.member_params or [])]:
             mgr.engine.check_sampling_params({k: v for k, v in params.items()})
         built.append(S.build_group(spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size))

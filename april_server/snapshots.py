@@ -20,8 +20,9 @@ from april_server.samples import version_lag
 
 class SnapshotPolicy:
     def __init__(self, engine: BaseEngine, allow_stale: bool) -> None:
-        ok = isinstance(engine, SnapshotEngine) and engine.snapshots_enabled
-        self.engine = engine if ok else None
+        self.engine: SnapshotEngine | None = None
+        if isinstance(engine, SnapshotEngine) and engine.snapshots_enabled:
+            self.engine = engine
         self.allow_stale = allow_stale
 
     @property

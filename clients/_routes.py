@@ -244,9 +244,7 @@ def abort(
         all=all_,
         keep=keep,
     )
-    return Call(
-        "POST", f"{PREFIX}/abort", _abort_decoder.decode, _encode_req(req), idempotent=True
-    )
+    return Call("POST", f"{PREFIX}/abort", _abort_decoder.decode, _encode_req(req), idempotent=True)
 
 
 def resume(

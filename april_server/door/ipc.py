@@ -10,7 +10,7 @@ from __future__ import annotations
 from sglang.srt.managers.io_struct import BaseReq
 
 
-class AprilKvReq(BaseReq, kw_only=True):
+class AprilKvReq(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
     """`op`: mark (snapshot `key` when request `target` ends by abort) | restore | unlock |
     drop | info | stats. `call_id` pairs the answer with its caller."""
 
@@ -20,7 +20,7 @@ class AprilKvReq(BaseReq, kw_only=True):
     target: str = ""
 
 
-class AprilKvResp(BaseReq, kw_only=True):
+class AprilKvResp(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
     call_id: int
     ok: bool
     payload: str = "{}"  # JSON

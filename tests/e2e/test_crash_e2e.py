@@ -92,7 +92,9 @@ def test_crash_during_and_after_calls(tmp_path: Path) -> None:
             assert r1 == r2  # idempotent: the second answer is the stored first one
             got = sorted(g["group_id"] for g in r1["groups"])
             assert got == ["new1", "new2", "p", "q"]
-            lens = {g["group_id"]: [len(s["output_ids"]) for s in g["samples"]] for g in r1["groups"]}
+            lens = {
+                g["group_id"]: [len(s["output_ids"]) for s in g["samples"]] for g in r1["groups"]
+            }
             assert lens["p"] == [4, 400] and lens["q"] == [500]
             assert partials(c) == []
     finally:

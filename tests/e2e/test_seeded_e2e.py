@@ -274,6 +274,23 @@ def test_seeded_interrupt_resume_equals_uninterrupted(
     assert s["segments"][0]["kv"] == "fresh"
     assert all(seg["kv"] == "recomputed" for seg in s["segments"][1:])
     got, lps = s["output_ids"], s["output_logprobs"]
-    print("CASE", budget, cuts, len(prompt), [(g["start"], g["end"], g["kv"]) for g in s["segments"]], got == want, max(abs(a - b) for a, (b, *_r) in zip(lps, [[float(lp) for lp, tid, *_ in top[i] if int(tid) == t] for i, t in enumerate(want)])))
+    print(
+        "CASE",
+        budget,
+        cuts,
+        len(prompt),
+        [(g["start"], g["end"], g["kv"]) for g in s["segments"]],
+        got == want,
+        max(
+            abs(a - b)
+            for a, (b, *_r) in zip(
+                lps,
+                [
+                    [float(lp) for lp, tid, *_ in top[i] if int(tid) == t]
+                    for i, t in enumerate(want)
+                ],
+            )
+        ),
+    )
     assert_same_or_near_tie(got, lps, want, top, seed, len(prompt), vocab)
     clear_buffer(http)

@@ -12,7 +12,6 @@ import os
 import random
 import threading
 from collections import Counter
-from typing import Any
 
 import httpx
 import pytest
