@@ -14,6 +14,9 @@ from april_server.samples import SegmentResult
 class BaseEngine(ABC):
     context_len: int
     vocab_size: int | None
+    # Seeded mode: the engine gives every unseeded request the same default seed, so the
+    # server assigns one per group (else all members of a group would be identical).
+    assigns_seeds: bool = False
 
     @abstractmethod
     def weight_version(self) -> str:

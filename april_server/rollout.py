@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections import deque
@@ -85,6 +86,8 @@ def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
         prompt = spec.input_ids
         if prompt is None:
             prompt = mgr.engine.tokenize(spec.text or "")
+        if spec.seed is None and mgr.engine.assigns_seeds:
+            spec = msgspec.structs.replace(spec, seed=secrets.randbelow(2**31 - 2**16))
         for params in [spec.sampling_params, *(spec.member_params or [])]:
             mgr.engine.check_sampling_params({k: v for k, v in params.items()})
         built.append(S.build_group(spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size))

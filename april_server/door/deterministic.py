@@ -33,9 +33,15 @@ request shared its batch (measured: from its second token on).
    they are sampled alone (`sampling_from_probs_torch`: noise by token id); filtered rows keep
    SGLang's result, so every row's token depends on its own parameters, seed and position only.
 
+5. An AFTER hook on `SamplingParams.verify` rejects `min_p > 0` in this mode (a 400 from
+   /generate and from april's routes): every request carries a seed there (SGLang defaults it
+   to 42), and SGLang's seeded filtered sampler asserts `sampling_seed is None` when min-p is
+   on ("With sampling seed, multinomial_with_seed will provide wrong results"), which killed
+   the scheduler, i.e. the whole server, on the first such request.
+
 All of it is registered only on SGLang's CPU engine, and acts only in deterministic mode: 1
-widens a list consulted in that mode only, 2 checks it, 4 needs batch seeds, which only that
-mode sets. So `register_deterministic_hooks()` is called from every process, always; on a GPU
+widens a list consulted in that mode only, 2 and 5 check it, 4 needs batch seeds, which only
+that mode sets. So `register_deterministic_hooks()` is called from every process, always; on a GPU
 machine it does nothing and SGLang's own deterministic path is untouched.
 """
 
@@ -86,6 +92,11 @@ def register_deterministic_hooks() -> None:
         _around_sample_from_probs,
         HookType.AROUND,
     )
+    HookRegistry.register(
+        "sglang.srt.sampling.sampling_params.SamplingParams.verify",
+        _after_verify,
+        HookType.AFTER,
+    )
 
 
 def deterministic_enabled() -> bool:
@@ -93,8 +104,19 @@ def deterministic_enabled() -> bool:
 
     try:
         return bool(get_exec().deterministic.enable_deterministic_inference)
-    except ValueError:  # no published config (a bare construction)
-        return False
+    except ValueError:  # not published in this process: resolution exported it to the env
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get())
+
+
+def _after_verify(result: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    if params.min_p > 0 and deterministic_enabled():
+        raise ValueError(
+            "min_p is not supported with --enable-deterministic-inference (SGLang's seeded "
+            "sampler cannot apply it)"
+        )
+    return result
 
 
 def _around_batch_invariant_mode(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -112,11 +134,12 @@ def plain_rows(sampling_info: Any) -> torch.Tensor:
     vocabulary, no top-k (greedy is top_k 1), top-p or min-p (`SamplingBatchInfo`'s flags)."""
     from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
-    return (
+    plain: torch.Tensor = (
         (sampling_info.top_ks == TOP_K_ALL)
         & (sampling_info.top_ps == 1.0)
         & (sampling_info.min_ps <= 0.0)
     )
+    return plain
 
 
 def _around_sample_from_probs(
@@ -145,7 +168,7 @@ def _around_sample_from_probs(
     from sglang.srt.layers.sampler import sampling_from_probs_torch
 
     rows = plain.nonzero().view(-1)
-    # Before the original runs: it must not see (or may modify) these rows' probs first.
+    # Taken before the original runs: it may modify `probs` in place.
     alone = sampling_from_probs_torch(
         probs.index_select(0, rows), seeds.index_select(0, rows), positions.index_select(0, rows)
     )

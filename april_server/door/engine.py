@@ -54,6 +54,9 @@ class SGLangEngine(SnapshotEngine):
         self.context_len = int(tokenizer_manager.context_len)
         self.vocab_size = int(tokenizer_manager.model_config.vocab_size)
         self.snapshots_enabled = snapshots_enabled
+        self.assigns_seeds = bool(
+            getattr(tokenizer_manager.server_args, "enable_deterministic_inference", False)
+        )
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
         self.tm._result_dispatcher += TypeBasedDispatcher([(AprilKvResp, self._on_kv_resp)])

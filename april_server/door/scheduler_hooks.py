@@ -182,6 +182,10 @@ class SchedulerKv:
         if snap is None:
             return False, {"reason": "no snapshot (never taken, evicted or dropped)"}
         alloc, tree = self.sched.token_to_kv_pool_allocator, self.sched.tree_cache
+        if getattr(tree, "disable", False):
+            # No radix cache (--disable-radix-cache, deterministic mode): nothing could match
+            # or own the restored slots, so they would leak. The continuation re-prefills.
+            return False, {"reason": "the radix cache is disabled"}
         page = int(alloc.page_size)
         n = len(snap.tokens) - len(snap.tokens) % page  # the radix tree keys whole pages only
         if n == 0:

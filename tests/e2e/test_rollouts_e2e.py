@@ -122,7 +122,11 @@ def test_greedy_interrupt_resume_equals_uninterrupted(
     budget, cuts, prompt = case
     clear_buffer(http)
     want, top2 = reference(http, prompt, budget)
-    body: dict[str, Any] = {"groups": [group("x", prompt, [budget])], "target_groups": 1}
+    body: dict[str, Any] = {  # tokens only: this is the re-prefill path (restore: test_kv_*)
+        "groups": [group("x", prompt, [budget])],
+        "target_groups": 1,
+        "on_quota": "tokens",
+    }
     s: dict[str, Any] | None = None
     prev = 0
     for k, cut in enumerate(cuts):  # cuts are absolute positions; triggers run the increments
@@ -130,7 +134,7 @@ def test_greedy_interrupt_resume_equals_uninterrupted(
         prev = cut
         r = ok(http.post(R + "/rollouts", json=body))
         http.delete(f"{R}/partials/trigger{k}")
-        body = {"groups": [], "target_groups": 1}
+        body = {"groups": [], "target_groups": 1, "on_quota": "tokens"}
         if r["groups"][0]["group_id"] == "x":  # x won the race: it is finished, stop cutting
             s = r["groups"][0]["samples"][0]
             break

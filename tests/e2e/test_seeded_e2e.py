@@ -153,7 +153,6 @@ def assert_same_or_near_tie(
         if got_lps is not None:  # same token, same distribution: its logprob agrees
             assert abs(got_lps[i] - lp_want[g]) < NEAR_TIE, (i, got_lps[i], lp_want[g])
         if g != w:
-            print("DIVERGENCE", i, g, w)
             s = noisy_scores(want_top[i], seed, prompt_len + i - 1, vocab)
             best = max(s.values())
             assert 0 <= s[w] - s[g] < NEAR_TIE and best - s[w] < NEAR_TIE, (
@@ -215,31 +214,34 @@ def test_group_members_get_their_own_seeds(http: httpx.Client) -> None:
         assert outs[0][i] == generate(http, [3, 4], 24, 1000 + i)["output_ids"]
 
 
-@st.composite
-def interruptions(draw: st.DrawFn) -> tuple[int, list[int], list[int], int]:
-    budget = draw(st.integers(10, 120))
-    cuts = draw(st.lists(st.integers(1, budget - 5), min_size=1, max_size=3, unique=True))
-    prompt = draw(st.lists(st.integers(0, 300), min_size=1, max_size=6))
-    seed = draw(st.integers(0, 2**62))
-    return budget, sorted(cuts), prompt, seed
+def test_unseeded_groups_get_a_seed_so_members_differ(http: httpx.Client) -> None:
+    """SGLang gives every unseeded request the same default seed in this mode; the server
+    assigns each unseeded group one, or its members would all be identical."""
+    spec = {"input_ids": [3, 4], "n": 3, "sampling_params": {**SAMPLED, "max_new_tokens": 24}}
+    body = {"groups": [{**spec, "group_id": "unseeded"}], "target_groups": 1}
+    samples = ok(http.post(R + "/rollouts", json=body))["groups"][0]["samples"]
+    assert all(s["seed"] is not None for s in samples)
+    assert [s["seed"] - samples[0]["seed"] for s in samples] == [0, 1, 2]
+    assert len({tuple(s["output_ids"]) for s in samples}) == 3
 
 
-@settings(
-    max_examples=6,
-    deadline=None,
-    derandomize=True,  # seeded: a failure replays in CI
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(case=interruptions())
-def test_seeded_interrupt_resume_equals_uninterrupted(
-    http: httpx.Client, vocab: int, case: tuple[int, list[int], list[int], int]
-) -> None:
-    """Interrupt a seeded temperature-1 sample at several points (a short greedy trigger group
-    meets the quota first; on_quota=tokens), resume it by re-prefill each time, and compare
-    with one uninterrupted seeded run."""
-    budget, cuts, prompt, seed = case
-    clear_buffer(http)
-    want, top = reference(http, prompt, budget, seed, vocab)
+def test_min_p_is_refused_not_fatal(http: httpx.Client) -> None:
+    """SGLang's seeded sampler asserts on min-p, which killed the scheduler: a 400 instead."""
+    sp = {**SAMPLED, "min_p": 0.1, "max_new_tokens": 4}
+    assert (
+        http.post("/generate", json={"input_ids": [1, 2], "sampling_params": sp}).status_code == 400
+    )
+    body = {"groups": [{"group_id": "m", "input_ids": [1, 2], "sampling_params": sp}]}
+    r = http.post(R + "/rollouts", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sampling_params"
+    assert generate(http, [1, 2], 4, 1)["output_ids"]  # still serving
+
+
+def interrupted_run(
+    http: httpx.Client, prompt: list[int], budget: int, cuts: list[int], seed: int
+) -> dict[str, Any]:
+    """Sample x (seeded, temperature 1) interrupted near each cut: a short greedy trigger group
+    meets the quota first (on_quota=tokens); then resumed by re-prefill until finished."""
     x = {
         "group_id": "x",
         "input_ids": prompt,
@@ -266,31 +268,68 @@ def test_seeded_interrupt_resume_equals_uninterrupted(
             break
     if s is None:
         s = ok(http.get(R + "/partials/x"))["samples"][0]
-    if s["status"] == "partial":
-        out = ok(http.post(R + "/resume", json={"sample_ids": ["x/0"], "kv": "recompute"}))
-        s = out["samples"][0]
-    assert s["seed"] == seed
-    assert len(s["segments"]) >= 2  # x starts with the first trigger, which is shorter
+    if s["status"] == "partial":  # else x finished before the abort reached it
+        s = ok(http.post(R + "/resume", json={"sample_ids": ["x/0"], "kv": "recompute"}))
+        s = s["samples"][0]
+    assert s["seed"] == seed and s["status"] != "partial"
     assert s["segments"][0]["kv"] == "fresh"
     assert all(seg["kv"] == "recomputed" for seg in s["segments"][1:])
+    return s
+
+
+def test_seeded_resume_after_two_interrupts(http: httpx.Client, vocab: int) -> None:
+    """A fixed case with wide margins, so that the interrupt path surely runs (the abort can
+    land a few tokens after the trigger finished, too late for a cut near the end)."""
+    prompt, budget, seed = [11, 12, 13, 14], 90, 31337
+    want, top = reference(http, prompt, budget, seed, vocab)
+    s = interrupted_run(http, prompt, budget, [10, 40], seed)
+    assert len(s["segments"]) == 3
+    assert_same_or_near_tie(s["output_ids"], s["output_logprobs"], want, top, seed, 4, vocab)
+
+
+@st.composite
+def interruptions(draw: st.DrawFn) -> tuple[int, list[int], list[int], int]:
+    budget = draw(st.integers(10, 120))
+    cuts = draw(st.lists(st.integers(1, budget - 5), min_size=1, max_size=3, unique=True))
+    prompt = draw(st.lists(st.integers(0, 300), min_size=1, max_size=6))
+    seed = draw(st.integers(0, 2**62))
+    return budget, sorted(cuts), prompt, seed
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,  # seeded: a failure replays in CI
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=interruptions())
+def test_seeded_interrupt_resume_equals_uninterrupted(
+    http: httpx.Client, vocab: int, case: tuple[int, list[int], list[int], int]
+) -> None:
+    """Interrupted at several points and resumed by re-prefill each time, a seeded
+    temperature-1 sample equals one uninterrupted seeded run (or flips at a near-tie)."""
+    budget, cuts, prompt, seed = case
+    clear_buffer(http)
+    want, top = reference(http, prompt, budget, seed, vocab)
+    s = interrupted_run(http, prompt, budget, cuts, seed)
     got, lps = s["output_ids"], s["output_logprobs"]
-    print(
-        "CASE",
-        budget,
-        cuts,
-        len(prompt),
-        [(g["start"], g["end"], g["kv"]) for g in s["segments"]],
-        got == want,
-        max(
-            abs(a - b)
-            for a, (b, *_r) in zip(
-                lps,
-                [
-                    [float(lp) for lp, tid, *_ in top[i] if int(tid) == t]
-                    for i, t in enumerate(want)
-                ],
-            )
-        ),
-    )
     assert_same_or_near_tie(got, lps, want, top, seed, len(prompt), vocab)
+    clear_buffer(http)
+
+
+def test_snapshot_resume_falls_back_to_recompute_without_radix_cache(http: httpx.Client) -> None:
+    """This mode disables SGLang's radix cache, so a restored prefix could not be matched:
+    the restore is refused (no leak, no crash) and the continuation re-prefills."""
+    clear_buffer(http)
+    groups = [
+        {"group_id": "s", "input_ids": [5, 6], "n": 1, "seed": 7,
+         "sampling_params": {**SAMPLED, "max_new_tokens": 200}},
+        {"group_id": "t", "input_ids": [1], "n": 1, "seed": 7,
+         "sampling_params": {**SAMPLED, "max_new_tokens": 3}},
+    ]  # fmt: skip
+    ok(http.post(R + "/rollouts", json={"groups": groups, "on_quota": "snapshot"}))
+    out = ok(http.post(R + "/resume", json={"sample_ids": ["s/0"], "kv": "auto"}))
+    s = out["samples"][0]
+    assert s["status"] == "truncated" and s["segments"][-1]["kv"] == "recomputed"
+    assert ok(http.get(R + "/stats"))["restore_locks"] == 0
     clear_buffer(http)
