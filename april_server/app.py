@@ -206,8 +206,8 @@ async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
             yield _enc.encode(done) + b"\n"
         finally:
             if not task.done():  # the client went away: stop the call, keep everything
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                task.cancel()  # the call winds down by itself (rollout.py), even if we are
+                await asyncio.wait([task])  # cancelled again while waiting here
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

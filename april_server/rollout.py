@@ -203,16 +203,18 @@ class RolloutCall:
                 self._collect(done, tasks, active)
         except asyncio.CancelledError:
             cancelled = True  # the caller went away: keep everything, acknowledge nothing
-        finally:
-            # Step 5, also on cancellation: nothing of this call may keep generating.
-            self.stopped = True
-            runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
-            keep: OnQuota | None = "snapshot" if req.on_quota == "snapshot" else None
-            await asyncio.shield(mgr.stop_running(runs, keep))
-        resp = self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
-        for g in self.discarded:  # their KV snapshots go with them
-            for sample in g.samples:
-                await asyncio.shield(mgr.snapshots.forget(sample))
+        # Steps 5-7 run to the end even if we are cancelled again meanwhile (a client that
+        # disconnects can cancel more than once): half a wind-down would leave requests
+        # generating or a buffer that differs from the disk.
+        wind_down = asyncio.ensure_future(self._wind_down(t0, time_to_quota, cancelled))
+        while True:
+            try:
+                resp = await asyncio.shield(wind_down)
+                break
+            except asyncio.CancelledError:
+                if wind_down.done() and wind_down.cancelled():
+                    raise
+                cancelled = True
         if cancelled:
             raise asyncio.CancelledError
         return resp
@@ -232,6 +234,21 @@ class RolloutCall:
         decision = await mgr.inflight_decision(demand, max(sum(unfinished), 1))
         self.inflight_target = decision.running_target
         return len(self.group_ids), decision.running_target
+
+    async def _wind_down(
+        self, t0: float, time_to_quota: float | None, cancelled: bool
+    ) -> RolloutResp:
+        mgr = self.mgr
+        self.stopped = True
+        # Step 5: nothing of this call may keep generating.
+        runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
+        keep: OnQuota | None = "snapshot" if self.req.on_quota == "snapshot" else None
+        await mgr.stop_running(runs, keep)
+        resp = self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
+        for g in self.discarded:  # their KV snapshots go with them
+            for sample in g.samples:
+                await mgr.snapshots.forget(sample)
+        return resp
 
     def _collect(
         self, done: set[Any], tasks: dict[asyncio.Task[None], str], active: dict[str, int]

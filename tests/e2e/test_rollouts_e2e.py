@@ -213,3 +213,26 @@ def test_bad_input_gets_contract_error(
     err = r.json()["error"]
     assert set(err) == {"code", "message"} and err["code"] and err["message"]
     assert ok(http.get(R + "/partials"))["groups"] == []  # bad input changes nothing
+
+
+def test_dropped_stream_keeps_stragglers_and_leaks_nothing(http: httpx.Client) -> None:
+    body = {
+        "groups": [group("fast", [3], [2]), group("slow", [4], [3000, 3000])],
+        "target_groups": 2,
+        "stream": True,
+        "on_quota": "snapshot",
+    }
+    with http.stream("POST", R + "/rollouts", json=body) as r:
+        for line in r.iter_lines():
+            if line:  # the first group_finished event: then the client goes away
+                break
+    deadline = time.monotonic() + 30
+    while ok(http.get(R + "/stats"))["active_calls"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = ok(http.get(R + "/stats"))
+    assert st["active_calls"] == 0 and st["running_samples"] == 0
+    kept = {g["group_id"]: g for g in ok(http.get(R + "/partials"))["groups"]}
+    assert set(kept) == {"fast", "slow"}  # nothing acknowledged: everything kept
+    assert all(0 < len(s["output_ids"]) < 3000 for s in kept["slow"]["samples"])
+    live = sum(s["snapshot_bytes"] for g in kept.values() for s in g["samples"])
+    assert st["snapshot_bytes_used"] == live
