@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.e2e.test_rollouts_e2e import clear_buffer, ok
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
@@ -81,11 +82,6 @@ def noisy_scores(top: list[Any], seed: int, pos: int, vocab: int) -> dict[int, f
     return {int(tid): float(lp) + g[int(tid)] for lp, tid, *_ in top}
 
 
-def ok(resp: httpx.Response) -> Any:
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 @pytest.fixture(scope="module")
 def seeded_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
     srv = ServerProc(
@@ -109,11 +105,6 @@ def http(seeded_server: ServerProc) -> httpx.Client:
         yield c
         c.post(R + "/abort", json={"all": True})
         clear_buffer(c)
-
-
-def clear_buffer(c: httpx.Client) -> None:
-    for g in c.get(R + "/partials").json()["groups"]:
-        assert c.delete(f"{R}/partials/{g['group_id']}").status_code == 200
 
 
 def generate(
