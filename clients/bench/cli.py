@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
     a(
         "--quick",
         action="store_true",
-        help="small comparison of all modes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
+        help="small comparison of all modes (explicit flags still win): "
+        + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
     )
     a("--steps", type=int, default=4)
     a("--groups", type=int, default=8, help="K: groups consumed per step")
@@ -65,8 +66,10 @@ def parser() -> argparse.ArgumentParser:
     a("--train-time", type=float, default=0.0, help="simulated training seconds per step")
     a(
         "--bump-version",
-        action="store_true",
-        help="reload the same weights under a new weight_version after each step",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="reload the same weights under a new weight_version after each step (stale KV "
+        "snapshots are then not restored unless the server allows stale reuse)",
     )
     a("--seed", type=int, default=0)
     a("--workload", choices=["longtail", "jsonl", "natural"], default="longtail")
@@ -108,10 +111,15 @@ def parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`--quick` changes the defaults; flags given explicitly still win."""
+    p = parser()
+    if p.parse_args(argv).quick:
+        p.set_defaults(**QUICK)
+    return p.parse_args(argv)
+
+
 def config(args: argparse.Namespace) -> BenchConfig:
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
     if args.max_inflight not in ("all", "auto") and not args.max_inflight.isdigit():
         raise SystemExit("--max-inflight must be all, auto or a positive integer")
     return BenchConfig(
@@ -124,16 +132,25 @@ def config(args: argparse.Namespace) -> BenchConfig:
     )  # fmt: skip
 
 
-def simulation(args: argparse.Namespace, measured: list[ModeResult] | None) -> None:
+def simulation(
+    args: argparse.Namespace, measured: list[ModeResult], meta: dict[str, Any] | None
+) -> None:
     modes = ["sync", "april", "april-kv"]
-    sync = next((r for r in measured or [] if r.mode == "sync" and r.steps), None)
-    if sync is not None:
-        cost, fit = sim.calibrate(sync.steps)
+    probed = (meta or {}).get("cost_model")
+    if probed:
+        cost = sim.CostModel(**{**probed, "assumptions": tuple(probed["assumptions"])})
         local = sim.SimSetup(steps=args.steps, groups=args.groups, n=args.n,
                              over_sampling=args.over_sampling, max_tokens=args.max_tokens,
                              engines=1, prompt_len=40, seed=args.seed)  # fmt: skip
-        print(f"\n== simulated replay of this run's setup ({fit}) ==")
+        print("\n== simulated replay of this run's setup, cost model measured on its server ==")
         print(sim.report(local, cost, modes))
+        recs = records(measured, {})
+        seen = ", ".join(f"{r['mode']} x{r['output_throughput_vs_sync']}" for r in recs
+                         if r.get("output_throughput_vs_sync"))  # fmt: skip
+        print(f"measured in this run (vs sync): {seen or 'n/a'}")
+        sync = next((r for r in measured if r.mode == "sync" and r.steps), None)
+        if sync is not None:
+            print(f"cross-check, fit to the sync steps' walls: {sim.calibrate(sync.steps)[1]}")
     cost = sim.H200_8B
     if args.sim_a_ms is not None or args.sim_c_ms is not None:
         cost = sim.CostModel(
@@ -196,18 +213,18 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
         for path in plot(results, args.plot_dir, meta["title"]):
             print(f"wrote {path}")
     if args.simulate:
-        simulation(args, results)
+        simulation(args, results, meta)
     return 1 if any(r.checks for r in results) or meta["mode_checks"] else 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = parse_args(argv)
     if args.help_metrics:
         print(metrics_doc)
         return
     if args.simulate and args.url is None and not args.launch and not args.quick:
         config(args)
-        simulation(args, None)
+        simulation(args, [], None)
         return
     sys.exit(run(args))
 

@@ -28,6 +28,7 @@ class ServerInfo:
     model_path: str
     weight_version: str
     vocab_size: int
+    context_len: int
     has_tokenizer: bool
     kv_snapshots: bool
     kv_reason: str
@@ -58,6 +59,7 @@ async def probe(http: httpx.AsyncClient) -> ServerInfo:
         model_path=str(info.get("model_path") or server.get("model_path")),
         weight_version=str(info.get("weight_version") or stats.get("weight_version")),
         vocab_size=int(engine.get("vocab_size") or 512),
+        context_len=int(engine.get("context_len") or 4096),
         has_tokenizer=not bool(server.get("skip_tokenizer_init")),
         kv_snapshots=ok,
         kv_reason=reason,

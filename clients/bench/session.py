@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from datetime import datetime, timezone
@@ -14,6 +15,7 @@ import httpx
 from tqdm import tqdm
 
 from clients.bench.accounting import compare_modes
+from clients.bench.calibrate import measure_cost_model
 from clients.bench.driver import BenchConfig, Mode, ModeRunner
 from clients.bench.metrics import ModeResult
 from clients.bench.server_api import (
@@ -44,7 +46,8 @@ async def warmup(http: httpx.AsyncClient, cfg: BenchConfig, wl: Workload, rounds
     """Short concurrent generations so first-call costs do not land in the first mode."""
     g = wl.group(10**6)  # outside the measured stream
     prompt = {"input_ids": list(g.input_ids)} if g.input_ids is not None else {"text": g.text}
-    params = {"max_new_tokens": 32, "ignore_eos": True, "temperature": cfg.temperature}
+    budget = min(128, cfg.max_tokens)
+    params = {"max_new_tokens": budget, "ignore_eos": True, "temperature": cfg.temperature}
     body = {**prompt, "sampling_params": params, "return_logprob": True}
     for _ in range(rounds):
         resps = await asyncio.gather(
@@ -132,6 +135,11 @@ async def run_modes(
             bar.update(max(0, cfg.steps * cfg.groups - r.ticks))
         bar.close()
         ledgers = [r.ledger for r in runners if r.result.available]
+        cost = None
+        if args.simulate:
+            print("measuring the cost model for --simulate ...", file=sys.stderr, flush=True)
+            model, _ = await measure_cost_model(http, info.vocab_size, info.context_len)
+            cost = dataclasses.asdict(model)
     order = "interleaved" if cfg.interleave else "sequential"
     title = (
         f"april-bench ({order}) {cfg.steps} steps x {cfg.groups} groups x {cfg.n}, max "
@@ -161,6 +169,7 @@ async def run_modes(
         "interleave": cfg.interleave,
         "seed": args.seed,
         "mode_checks": compare_modes(ledgers),
+        "cost_model": cost,
     }
     return results, meta
 

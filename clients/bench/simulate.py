@@ -48,7 +48,8 @@ H200_8B = CostModel(
         "~3.4 TB/s, plus its share of compute; c does not grow with context length here",
         "prefill 40 us/token: 2 x 8e9 FLOP per token at ~400 TFLOP/s effective",
         "restore 2.6 us/token: 128 KiB/token over PCIe Gen5 at ~50 GB/s",
-        "no KV-capacity limit, retraction, chunked-prefill overlap or router imbalance",
+        "no KV-capacity limit, retraction, chunked-prefill overlap or router imbalance; no "
+        "request submission, abort/drain or training-side cost",
     ),
 )  # fmt: skip
 

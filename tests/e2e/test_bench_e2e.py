@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_path: Path) -> None:
     out, plots = tmp_path / "bench.jsonl", tmp_path / "plots"
-    args = cli.parser().parse_args(
+    args = cli.parse_args(
         ["--url", tiny_server.url, "--modes", "sync,april", "--steps", "2", "--groups", "2",
          "--n", "2", "--max-tokens", "48", "--bump-version", "--stream-sync", "--clear-buffer",
          "--no-progress", "--json-out", str(out), "--plot-dir", str(plots)]

@@ -106,7 +106,7 @@ class FakeServer:
 
 def bench(server: FakeServer, tmp_path: Path, *extra: str) -> tuple[int, list[dict[str, Any]]]:
     out = tmp_path / "bench.jsonl"
-    args = cli.parser().parse_args(
+    args = cli.parse_args(
         ["--url", "http://fake", "--steps", "3", "--groups", "2", "--n", "3", "--max-tokens", "64",
          "--no-progress", "--warmup", "0", "--poll-hz", "50", "--json-out", str(out),
          "--plot-dir", str(tmp_path / "plots"), *extra]
@@ -188,3 +188,23 @@ def test_sequential_april_modes_do_not_resume_each_others_groups(tmp_path: Path)
     rc, recs = bench(server, tmp_path, "--modes", "april,april-kv")
     assert rc == 0 and all(r["checks_ok"] for r in recs), [r["checks"] for r in recs]
     assert all(r["leftover_groups"] > 0 for r in recs) and server.buffer == {}
+
+
+def test_quick_sets_defaults_that_explicit_flags_override() -> None:
+    quick = cli.parse_args(["--quick"])
+    assert (quick.steps, quick.groups, quick.n, quick.max_tokens) == (6, 8, 4, 512)
+    assert quick.bump_version is True and quick.over_sampling == 2.0
+    assert cli.parse_args(["--quick", "--steps", "9"]).steps == 9
+    assert cli.parse_args([]).bump_version is False
+    assert cli.parse_args(["--quick", "--no-bump-version"]).bump_version is False
+
+
+def test_simulate_after_a_run_measures_its_cost_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, recs = bench(FakeServer(), tmp_path, "--modes", "sync,april", "--simulate",
+                     "--sim-steps", "2", "--sim-groups", "2", "--sim-n", "2")  # fmt: skip
+    assert rc == 0 and recs[0]["cost_model"]["assumptions"]
+    out = capsys.readouterr().out
+    assert "simulated replay of this run's setup" in out and "measured in this run" in out
+    assert "projection at scale" in out
