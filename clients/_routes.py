@@ -113,7 +113,7 @@ class RetryPolicy:
         retryable = isinstance(exc, TransportError | ServerError)
         if not (call.idempotent and retryable and attempt < self.retries):
             return None
-        delay = min(self.backoff_s * 2**attempt, MAX_BACKOFF_S)
+        delay = min(self.backoff_s * 2.0**attempt, MAX_BACKOFF_S)
         logger.warning(
             "retry %d/%d of %s %s (rid=%s) in %.2fs after %s: %s",
             attempt + 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -236,3 +237,24 @@ def test_dropped_stream_keeps_stragglers_and_leaks_nothing(http: httpx.Client) -
     assert all(0 < len(s["output_ids"]) < 3000 for s in kept["slow"]["samples"])
     live = sum(s["snapshot_bytes"] for g in kept.values() for s in g["samples"])
     assert st["snapshot_bytes_used"] == live
+
+
+def test_typed_client_against_the_real_server(http: httpx.Client, tiny_server: ServerProc) -> None:
+    from clients import AprilClient, AsyncAprilClient, NotFound
+
+    with AprilClient(tiny_server.url) as c:
+        r = c.rollout([group("ca", [3], [4]), group("cb", [5], [300])], 1, on_quota="tokens")
+        assert [g.group_id for g in r.groups] == ["ca"] and r.buffered_group_ids == ["cb"]
+        assert [g.group_id for g in c.partials()] == ["cb"]
+        out = c.resume(["cb/0"])
+        assert len(out.samples[0].output_ids) == 300
+        with pytest.raises(NotFound):
+            c.partial("nope")
+        assert c.delete_partial("cb").deleted
+
+    async def go() -> None:
+        async with AsyncAprilClient(tiny_server.url) as c:
+            events = [e async for e in c.rollout_stream([group("cs", [2], [3])], 1)]
+            assert [type(e).__name__ for e in events] == ["GroupFinishedEvent", "DoneEvent"]
+
+    asyncio.run(go())
