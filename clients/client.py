@@ -1,19 +1,25 @@
-"""Typed clients for april-server: `AprilClient` (sync) and `AsyncAprilClient` (async).
+"""Typed clients for april-server: `AprilClient` (sync) and `AsyncAprilClient` (asyncio).
 
-Each public method builds a `Call` (`clients/_routes.py`: path, body, parser, idempotency)
-and sends it; the two clients differ only in how they send. Needs only httpx and msgspec.
-Errors: see `clients/_errors.py` (a tree of `AprilError`).
+Both speak the contract in `docs/api.md` (routes under `/april/v1`) plus the SGLang native
+routes a trainer needs (`/generate`, `/update_weights_from_disk`, `/flush_cache`, `/health`,
+`/metrics`). Each owns one httpx client; use it as a context manager or call `close()`.
 
-    with AprilClient("http://127.0.0.1:30000") as c:
-        resp = c.rollout(groups, target_groups=4, request_id="step-1")
-        for g in resp.groups: ...
+    with AprilClient("http://127.0.0.1:30000") as client:
+        resp = client.rollout([{"group_id": "q17", "input_ids": [1, 2, 3], "n": 8}], 1)
+        for event in client.rollout_stream(groups, 32):
+            ...
+
+What a route sends and how its answer is read lives in `clients/_routes.py`, shared by both
+clients; here each method is one line, plus one generic send (with opt-in retries) per client.
+Errors are the `clients._errors` hierarchy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -24,7 +30,6 @@ from april_server.protocol import (
     DeleteResp,
     DoneEvent,
     Group,
-    GroupFinishedEvent,
     GroupSpec,
     KvMode,
     OnQuota,
@@ -32,112 +37,239 @@ from april_server.protocol import (
     RolloutResp,
 )
 from clients import _routes as routes
-from clients._errors import AprilError, TransportError
+from clients._errors import AprilError, ServerError, TransportError
+from clients._routes import Call, Event, EventReader, RetryPolicy
 
 T = TypeVar("T")
-Event = GroupFinishedEvent | DoneEvent
-# Generations can take minutes: a long read timeout, short connect/write/pool ones.
-DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=1800.0, write=60.0, pool=60.0)
+R = TypeVar("R")
+
+# NOTE: read is the longest wait for the next bytes of an answer: a whole non-streamed rollout,
+# or one group of a streamed one. A rollout of long generations takes minutes; an hour is an
+# upper bound that still ends a hung call.
+DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=3600.0, write=60.0, pool=60.0)
+
 GroupArg = Sequence[GroupSpec | Mapping[str, Any]]
+_UNHEALTHY = (ServerError, TransportError)  # starting (503) or not listening: not an error
 
 
-def _rollout_call(
-    groups: GroupArg,
-    target_groups: int,
-    resume_first: bool,
-    on_quota: OnQuota,
-    max_staleness: int | None,
-    max_inflight_groups: int | Literal["auto"],
-    request_id: str | None,
-    stream: bool,
-) -> routes.Call[RolloutResp]:
-    return routes.rollout(
-        groups,
-        target_groups,
-        resume_first=resume_first,
-        on_quota=on_quota,
-        max_staleness=max_staleness,
-        max_inflight_groups=max_inflight_groups,
-        request_id=request_id,
-        stream=stream,
-    )
+class _StreamBase:
+    """State shared by both stream iterators: the request, the reader, and what it has seen."""
+
+    def __init__(self, call: Call[Any], url: str) -> None:
+        self._call = call
+        self._reader = EventReader(url)
+        self._pending: deque[Event] = deque()
+        self._closed = False
+
+    @property
+    def groups(self) -> list[Group]:
+        """Finished groups received so far, in finish order."""
+        return self._reader.groups
+
+    @property
+    def done(self) -> DoneEvent | None:
+        """The final event (batch_id, buffered_group_ids, stats) once received."""
+        return self._reader.done
+
+    @property
+    def batch_id(self) -> str | None:
+        # NOTE: the contract sends the batch id only in the done event.
+        return None if self._reader.done is None else self._reader.done.batch_id
 
 
-class _Base:
+class RolloutStream(_StreamBase):
+    """Iterator over a streamed rollout: `GroupFinishedEvent`s as groups finish, then one
+    `DoneEvent`. The request goes out on the first `next()` (or `with`); errors of the call
+    (e.g. `InvalidRequest`) are raised there. Closing early ends the HTTP response, which the
+    server treats as a client disconnect."""
+
+    def __init__(self, client: AprilClient, call: Call[Any]) -> None:
+        super().__init__(call, client._url(call))
+        self._client = client
+        self._response: httpx.Response | None = None
+        self._chunks: Iterator[bytes] | None = None
+
+    def __iter__(self) -> RolloutStream:
+        return self
+
+    def __next__(self) -> Event:
+        while not self._pending:
+            if self._closed:
+                raise StopIteration
+            try:
+                self._pending.extend(self._read_more())
+            except BaseException:
+                self.close()
+                raise
+        event = self._pending.popleft()
+        if isinstance(event, DoneEvent):
+            self.close()
+        return event
+
+    def _read_more(self) -> list[Event]:
+        if self._chunks is None:
+            self._response = self._client._open_stream(self._call)
+            self._chunks = self._response.iter_bytes()
+        try:
+            chunk = next(self._chunks)
+        except StopIteration:
+            self._closed = True
+            return self._reader.end()
+        except httpx.RequestError as exc:
+            raise TransportError(exc, method=self._call.method, url=self._reader.url) from exc
+        return self._reader.feed(chunk)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._response is not None:
+            self._response.close()
+
+    def __enter__(self) -> RolloutStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRolloutStream(_StreamBase):
+    """Async iterator twin of `RolloutStream`; close it with `aclose()` or `async with`."""
+
+    def __init__(self, client: AsyncAprilClient, call: Call[Any]) -> None:
+        super().__init__(call, client._url(call))
+        self._client = client
+        self._response: httpx.Response | None = None
+        self._chunks: AsyncIterator[bytes] | None = None
+
+    def __aiter__(self) -> AsyncRolloutStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self._pending:
+            if self._closed:
+                raise StopAsyncIteration
+            try:
+                self._pending.extend(await self._read_more())
+            except BaseException:
+                await self.aclose()
+                raise
+        event = self._pending.popleft()
+        if isinstance(event, DoneEvent):
+            await self.aclose()
+        return event
+
+    async def _read_more(self) -> list[Event]:
+        if self._chunks is None:
+            self._response = await self._client._open_stream(self._call)
+            self._chunks = self._response.aiter_bytes()
+        try:
+            chunk = await anext(self._chunks)
+        except StopAsyncIteration:
+            self._closed = True
+            return self._reader.end()
+        except httpx.RequestError as exc:
+            raise TransportError(exc, method=self._call.method, url=self._reader.url) from exc
+        return self._reader.feed(chunk)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._response is not None:
+            await self._response.aclose()
+
+    async def __aenter__(self) -> AsyncRolloutStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class _ClientBase:
     def __init__(
         self,
         base_url: str,
-        *,
         api_key: str | None,
-        timeout: httpx.Timeout | float,
+        headers: Mapping[str, str] | None,
         retries: int,
         retry_backoff_s: float,
-        headers: Mapping[str, str] | None,
     ) -> None:
         self.base_url = routes.check_base_url(base_url)
-        self.retry = routes.RetryPolicy(retries, retry_backoff_s)
         self._headers = routes.client_headers(api_key, headers)
-        self._timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self._retry = RetryPolicy(retries, retry_backoff_s)
 
-    def _url(self, call: routes.Call[Any]) -> str:
+    def _url(self, call: Call[Any]) -> str:
         return self.base_url + call.path
 
+    def _transport_error(self, call: Call[Any], exc: httpx.RequestError) -> TransportError:
+        return TransportError(exc, method=call.method, url=self._url(call))
 
-class AprilClient(_Base):
-    """Synchronous client; owns one `httpx.Client` (use it as a context manager)."""
+
+class AprilClient(_ClientBase):
+    """Blocking client over one `httpx.Client`.
+
+    `retries` (default 0) retries idempotent calls only (GETs, `abort`, `rollout` with a
+    `request_id`) after a transport error or a 5xx, waiting `retry_backoff_s * 2**k`.
+    `transport` replaces the network, e.g. with `httpx.MockTransport` in tests.
+    """
 
     def __init__(
         self,
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
         retries: int = 0,
         retry_backoff_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(
-            base_url,
-            api_key=api_key,
-            timeout=timeout,
-            retries=retries,
-            retry_backoff_s=retry_backoff_s,
-            headers=headers,
+        super().__init__(base_url, api_key, headers, retries, retry_backoff_s)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
         )
-        self._http = httpx.Client(headers=self._headers, timeout=self._timeout, transport=transport)
 
-    def __enter__(self) -> AprilClient:
-        return self
+    # ---- sending -----------------------------------------------------------------------------
 
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._http.close()
-
-    def _send(self, call: routes.Call[T]) -> T:
-        attempt = 0
+    def _retrying(self, call: Call[Any], attempt: Callable[[], R]) -> R:
+        n = 0
         while True:
-            url = self._url(call)
             try:
-                try:
-                    r = self._http.request(
-                        call.method, url, content=call.body, headers=call.headers
-                    )
-                except httpx.RequestError as exc:
-                    raise TransportError(exc, method=call.method, url=url) from exc
-                return routes.finish(call, url, r.status_code, r.content)
+                return attempt()
             except AprilError as exc:
-                delay = self.retry.next_delay(call, exc, attempt)
+                delay = self._retry.next_delay(call, exc, n)
                 if delay is None:
                     raise
-                time.sleep(delay)
-                attempt += 1
+            time.sleep(delay)
+            n += 1
 
-    # ---- april routes --------------------------------------------------------------------
+    def _send_once(self, call: Call[T]) -> T:
+        try:
+            r = self._http.request(call.method, call.path, content=call.body, headers=call.headers)
+        except httpx.RequestError as exc:
+            raise self._transport_error(call, exc) from exc
+        return routes.finish(call, self._url(call), r.status_code, r.content)
+
+    def _send(self, call: Call[T]) -> T:
+        return self._retrying(call, lambda: self._send_once(call))
+
+    def _open_stream_once(self, call: Call[Any]) -> httpx.Response:
+        request = self._http.build_request(
+            call.method, call.path, content=call.body, headers=call.headers
+        )
+        try:
+            response = self._http.send(request, stream=True)
+            if not response.is_success:
+                try:
+                    content = response.read()
+                finally:
+                    response.close()
+                routes.check_status(call, self._url(call), response.status_code, content)
+        except httpx.RequestError as exc:
+            raise self._transport_error(call, exc) from exc
+        return response
+
+    def _open_stream(self, call: Call[Any]) -> httpx.Response:
+        return self._retrying(call, lambda: self._open_stream_once(call))
+
+    # ---- april routes ------------------------------------------------------------------------
 
     def rollout(
         self,
@@ -150,17 +282,18 @@ class AprilClient(_Base):
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
     ) -> RolloutResp:
+        """POST /rollouts: run until `target_groups` groups finish; the rest is buffered."""
         return self._send(
-            _rollout_call(
+            routes.rollout(
                 groups,
                 target_groups,
-                resume_first,
-                on_quota,
-                max_staleness,
-                max_inflight_groups,
-                request_id,
-                False,
-            )  # fmt: skip
+                resume_first=resume_first,
+                on_quota=on_quota,
+                max_staleness=max_staleness,
+                max_inflight_groups=max_inflight_groups,
+                request_id=request_id,
+                stream=False,
+            )
         )
 
     def rollout_stream(
@@ -173,47 +306,44 @@ class AprilClient(_Base):
         max_staleness: int | None = None,
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
-    ) -> Iterator[Event]:
-        """NDJSON events: `group_finished` as groups finish, then `done`."""
-        call = _rollout_call(
-            groups, target_groups, resume_first, on_quota, max_staleness,
-            max_inflight_groups, request_id, True,
-        )  # fmt: skip
-        url = self._url(call)
-        reader = routes.EventReader(url)
-        try:
-            with self._http.stream(call.method, url, content=call.body, headers=call.headers) as r:
-                if not 200 <= r.status_code < 300:
-                    r.read()
-                    routes.check_status(call, url, r.status_code, r.content)
-                for chunk in r.iter_bytes():
-                    yield from reader.feed(chunk)
-        except httpx.RequestError as exc:
-            raise TransportError(exc, method=call.method, url=url) from exc
-        yield from reader.end()
+    ) -> RolloutStream:
+        """POST /rollouts with `stream: true`: iterate the events as groups finish."""
+        call = routes.rollout(
+            groups,
+            target_groups,
+            resume_first=resume_first,
+            on_quota=on_quota,
+            max_staleness=max_staleness,
+            max_inflight_groups=max_inflight_groups,
+            request_id=request_id,
+            stream=True,
+        )
+        return RolloutStream(self, call)
 
     def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
+        """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""
         return self._send(routes.reject(batch_id, group_ids))
 
     def abort(
         self,
-        *,
         batch_id: str | None = None,
+        *,
         group_ids: Sequence[str] | None = None,
         sample_ids: Sequence[str] | None = None,
-        all: bool = False,  # noqa: A002 - the contract's field name
+        all: bool = False,
         keep: OnQuota = "tokens",
     ) -> AbortResp:
+        """Stop generation in scope; returns once nothing in scope is generating."""
         return self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))
 
     def resume(
         self,
         sample_ids: Sequence[str],
-        *,
         append_ids: Mapping[str, Sequence[int]] | None = None,
         kv: KvMode = "auto",
         sampling_params: Mapping[str, Any] | None = None,
     ) -> ResumeResp:
+        """Continue buffered samples; returns once they finish."""
         return self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
 
     def partials(self) -> list[Group]:
@@ -228,27 +358,27 @@ class AprilClient(_Base):
     def stats(self) -> dict[str, Any]:
         return self._send(routes.stats())
 
-    # ---- SGLang native routes a trainer needs --------------------------------------------
+    # ---- SGLang native routes ----------------------------------------------------------------
 
     def metrics(self) -> str:
+        """Prometheus text exposition."""
         return self._send(routes.metrics())
 
     def health(self) -> bool:
+        """True when /health answers 2xx; False on a 5xx or no connection (starting, down)."""
         try:
             self._send(routes.health())
-        except AprilError:
+        except _UNHEALTHY:
             return False
         return True
 
-    def flush_cache(self) -> None:
-        self._send(routes.flush_cache())
-
     def generate(
         self,
-        input_ids: Sequence[int] | None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
         sampling_params: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> Any:
+        """POST /generate (SGLang's answer: a dict, or a list of dicts for a batch)."""
         return self._send(routes.generate(input_ids, sampling_params, extra))
 
     def update_weights_from_disk(
@@ -256,62 +386,92 @@ class AprilClient(_Base):
     ) -> dict[str, Any]:
         return self._send(routes.update_weights_from_disk(model_path, weight_version, extra))
 
+    def flush_cache(self) -> None:
+        """POST /flush_cache; SGLang answers 400 (`InvalidRequest`) while requests run."""
+        self._send(routes.flush_cache())
 
-class AsyncAprilClient(_Base):
-    """Asynchronous client; owns one `httpx.AsyncClient` (use `async with`)."""
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AprilClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncAprilClient(_ClientBase):
+    """Asyncio twin of `AprilClient`, over one `httpx.AsyncClient`; same arguments."""
 
     def __init__(
         self,
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
         retries: int = 0,
         retry_backoff_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        super().__init__(
-            base_url,
-            api_key=api_key,
-            timeout=timeout,
-            retries=retries,
-            retry_backoff_s=retry_backoff_s,
-            headers=headers,
-        )
+        super().__init__(base_url, api_key, headers, retries, retry_backoff_s)
         self._http = httpx.AsyncClient(
-            headers=self._headers, timeout=self._timeout, transport=transport
+            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
         )
 
-    async def __aenter__(self) -> AsyncAprilClient:
-        return self
+    # ---- sending -----------------------------------------------------------------------------
 
-    async def __aexit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def _send(self, call: routes.Call[T]) -> T:
-        attempt = 0
+    async def _retrying(self, call: Call[Any], attempt: Callable[[], Awaitable[R]]) -> R:
+        n = 0
         while True:
-            url = self._url(call)
             try:
-                try:
-                    r = await self._http.request(
-                        call.method, url, content=call.body, headers=call.headers
-                    )
-                except httpx.RequestError as exc:
-                    raise TransportError(exc, method=call.method, url=url) from exc
-                return routes.finish(call, url, r.status_code, r.content)
+                return await attempt()
             except AprilError as exc:
-                delay = self.retry.next_delay(call, exc, attempt)
+                delay = self._retry.next_delay(call, exc, n)
                 if delay is None:
                     raise
-                await asyncio.sleep(delay)
-                attempt += 1
+            await asyncio.sleep(delay)
+            n += 1
+
+    async def _send_once(self, call: Call[T]) -> T:
+        try:
+            r = await self._http.request(
+                call.method, call.path, content=call.body, headers=call.headers
+            )
+        except httpx.RequestError as exc:
+            raise self._transport_error(call, exc) from exc
+        return routes.finish(call, self._url(call), r.status_code, r.content)
+
+    async def _send(self, call: Call[T]) -> T:
+        return await self._retrying(call, lambda: self._send_once(call))
+
+    async def _open_stream_once(self, call: Call[Any]) -> httpx.Response:
+        request = self._http.build_request(
+            call.method, call.path, content=call.body, headers=call.headers
+        )
+        try:
+            response = await self._http.send(request, stream=True)
+            if not response.is_success:
+                try:
+                    content = await response.aread()
+                finally:
+                    await response.aclose()
+                routes.check_status(call, self._url(call), response.status_code, content)
+        except httpx.RequestError as exc:
+            raise self._transport_error(call, exc) from exc
+        return response
+
+    async def _open_stream(self, call: Call[Any]) -> httpx.Response:
+        return await self._retrying(call, lambda: self._open_stream_once(call))
+
+    # ---- april routes ------------------------------------------------------------------------
 
     async def rollout(
         self,
@@ -324,20 +484,21 @@ class AsyncAprilClient(_Base):
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
     ) -> RolloutResp:
+        """POST /rollouts: run until `target_groups` groups finish; the rest is buffered."""
         return await self._send(
-            _rollout_call(
+            routes.rollout(
                 groups,
                 target_groups,
-                resume_first,
-                on_quota,
-                max_staleness,
-                max_inflight_groups,
-                request_id,
-                False,
-            )  # fmt: skip
+                resume_first=resume_first,
+                on_quota=on_quota,
+                max_staleness=max_staleness,
+                max_inflight_groups=max_inflight_groups,
+                request_id=request_id,
+                stream=False,
+            )
         )
 
-    async def rollout_stream(
+    def rollout_stream(
         self,
         groups: GroupArg,
         target_groups: int,
@@ -347,50 +508,44 @@ class AsyncAprilClient(_Base):
         max_staleness: int | None = None,
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
-    ) -> AsyncIterator[Event]:
-        call = _rollout_call(
-            groups, target_groups, resume_first, on_quota, max_staleness,
-            max_inflight_groups, request_id, True,
-        )  # fmt: skip
-        url = self._url(call)
-        reader = routes.EventReader(url)
-        try:
-            async with self._http.stream(
-                call.method, url, content=call.body, headers=call.headers
-            ) as r:
-                if not 200 <= r.status_code < 300:
-                    await r.aread()
-                    routes.check_status(call, url, r.status_code, r.content)
-                async for chunk in r.aiter_bytes():
-                    for ev in reader.feed(chunk):
-                        yield ev
-        except httpx.RequestError as exc:
-            raise TransportError(exc, method=call.method, url=url) from exc
-        for ev in reader.end():
-            yield ev
+    ) -> AsyncRolloutStream:
+        """POST /rollouts with `stream: true`: `async for` the events as groups finish."""
+        call = routes.rollout(
+            groups,
+            target_groups,
+            resume_first=resume_first,
+            on_quota=on_quota,
+            max_staleness=max_staleness,
+            max_inflight_groups=max_inflight_groups,
+            request_id=request_id,
+            stream=True,
+        )
+        return AsyncRolloutStream(self, call)
 
     async def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
+        """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""
         return await self._send(routes.reject(batch_id, group_ids))
 
     async def abort(
         self,
-        *,
         batch_id: str | None = None,
+        *,
         group_ids: Sequence[str] | None = None,
         sample_ids: Sequence[str] | None = None,
-        all: bool = False,  # noqa: A002 - the contract's field name
+        all: bool = False,
         keep: OnQuota = "tokens",
     ) -> AbortResp:
+        """Stop generation in scope; returns once nothing in scope is generating."""
         return await self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))
 
     async def resume(
         self,
         sample_ids: Sequence[str],
-        *,
         append_ids: Mapping[str, Sequence[int]] | None = None,
         kv: KvMode = "auto",
         sampling_params: Mapping[str, Any] | None = None,
     ) -> ResumeResp:
+        """Continue buffered samples; returns once they finish."""
         return await self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
 
     async def partials(self) -> list[Group]:
@@ -405,28 +560,50 @@ class AsyncAprilClient(_Base):
     async def stats(self) -> dict[str, Any]:
         return await self._send(routes.stats())
 
+    # ---- SGLang native routes ----------------------------------------------------------------
+
     async def metrics(self) -> str:
+        """Prometheus text exposition."""
         return await self._send(routes.metrics())
 
     async def health(self) -> bool:
+        """True when /health answers 2xx; False on a 5xx or no connection (starting, down)."""
         try:
             await self._send(routes.health())
-        except AprilError:
+        except _UNHEALTHY:
             return False
         return True
 
-    async def flush_cache(self) -> None:
-        await self._send(routes.flush_cache())
-
     async def generate(
         self,
-        input_ids: Sequence[int] | None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
         sampling_params: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> Any:
+        """POST /generate (SGLang's answer: a dict, or a list of dicts for a batch)."""
         return await self._send(routes.generate(input_ids, sampling_params, extra))
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, **extra: Any
     ) -> dict[str, Any]:
         return await self._send(routes.update_weights_from_disk(model_path, weight_version, extra))
+
+    async def flush_cache(self) -> None:
+        """POST /flush_cache; SGLang answers 400 (`InvalidRequest`) while requests run."""
+        await self._send(routes.flush_cache())
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAprilClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
