@@ -199,7 +199,8 @@ async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
             resp: RolloutResp = task.result()
             for g in resp.groups:  # a replayed (idempotent) call emits its stored groups
                 if g.group_id not in sent:
-                    yield _enc.encode(GroupFinishedEvent(group=g)) + b"\n"
+                    event = GroupFinishedEvent(group=g, batch_id=resp.batch_id)
+                    yield _enc.encode(event) + b"\n"
             done = DoneEvent(
                 batch_id=resp.batch_id, buffered_group_ids=resp.buffered_group_ids, stats=resp.stats
             )

@@ -184,6 +184,7 @@ class ErrorResp(_Resp):
 
 class GroupFinishedEvent(_Resp, tag_field="event", tag="group_finished"):
     group: Group
+    batch_id: str = ""  # so a trainer can reject while the stream runs
 
 
 class DoneEvent(_Resp, tag_field="event", tag="done"):

@@ -146,7 +146,8 @@ class RolloutCall:
     def _emit_finished(self, gid: str) -> None:
         self.quota.finish(gid)
         if self.events is not None and len(self.quota.accepted) <= self.quota.target:
-            self.events.put_nowait(GroupFinishedEvent(group=self.mgr.groups[gid]))
+            event = GroupFinishedEvent(group=self.mgr.groups[gid], batch_id=self.batch_id)
+            self.events.put_nowait(event)
 
     async def run(self) -> RolloutResp:
         """Steps 3-7. `prepare()` must have succeeded."""

@@ -1,22 +1,10 @@
-"""Clients of april-server; importable with only httpx and msgspec installed.
+"""Clients of april-server: the typed HTTP client (`client.py`) and `april-bench` (`bench/`).
 
-`AprilClient`/`AsyncAprilClient` cover every `/april/v1` route and the SGLang routes a trainer
-needs; the wire types are re-exported from `april_server.protocol` (which imports only msgspec).
+Importing this package needs only httpx and msgspec: `AprilClient`/`AsyncAprilClient` cover
+every `/april/v1` route and the SGLang routes a trainer needs; their wire types are in
+`april_server.protocol`, which imports only msgspec.
 """
 
-from april_server.protocol import (
-    AbortResp,
-    DeleteResp,
-    DoneEvent,
-    Group,
-    GroupFinishedEvent,
-    GroupSpec,
-    ResumeResp,
-    RolloutResp,
-    RolloutStats,
-    Sample,
-    Segment,
-)
 from clients._errors import (
     AprilError,
     Conflict,
@@ -28,37 +16,20 @@ from clients._errors import (
     TransportError,
     Unauthorized,
 )
-from clients.client import (
-    DEFAULT_TIMEOUT,
-    AprilClient,
-    AsyncAprilClient,
-    AsyncRolloutStream,
-    RolloutStream,
-)
+from clients._stream import AsyncRolloutStream, RolloutStream
+from clients.client import AprilClient, AsyncAprilClient
 
 __all__ = [
-    "AbortResp",
     "AprilClient",
     "AprilError",
     "AsyncAprilClient",
     "AsyncRolloutStream",
     "Conflict",
-    "DEFAULT_TIMEOUT",
-    "DeleteResp",
-    "DoneEvent",
-    "Group",
-    "GroupFinishedEvent",
-    "GroupSpec",
     "InvalidRequest",
     "NotFound",
     "ProtocolError",
     "RequestRejected",
-    "ResumeResp",
-    "RolloutResp",
-    "RolloutStats",
     "RolloutStream",
-    "Sample",
-    "Segment",
     "ServerError",
     "TransportError",
     "Unauthorized",

@@ -186,6 +186,17 @@ def group_specs(groups: Sequence[GroupSpec | Mapping[str, Any]]) -> list[GroupSp
     return out
 
 
+def _ids(name: str, ids: Sequence[str]) -> list[str]:
+    # NOTE: list("g/0") would silently send ["g", "/", "0"].
+    if isinstance(ids, str | bytes):
+        raise ValueError(f"{name} must be a list of ids, not the string {ids!r}")
+    return list(ids)
+
+
+def _opt_ids(name: str, ids: Sequence[str] | None) -> list[str] | None:
+    return None if ids is None else _ids(name, ids)
+
+
 def _seg(value: str) -> str:
     return quote(value, safe="")
 
@@ -226,7 +237,7 @@ def rollout(
 
 
 def reject(batch_id: str, group_ids: Sequence[str]) -> Call[dict[str, Any]]:
-    body = _encode_req(RejectReq(group_ids=list(group_ids)))
+    body = _encode_req(RejectReq(group_ids=_ids("group_ids", group_ids)))
     return Call("POST", f"{PREFIX}/rollouts/{_seg(batch_id)}/reject", _dict_decoder.decode, body)
 
 
@@ -239,8 +250,8 @@ def abort(
 ) -> Call[AbortResp]:
     req = AbortReq(
         batch_id=batch_id,
-        group_ids=None if group_ids is None else list(group_ids),
-        sample_ids=None if sample_ids is None else list(sample_ids),
+        group_ids=_opt_ids("group_ids", group_ids),
+        sample_ids=_opt_ids("sample_ids", sample_ids),
         all=all_,
         keep=keep,
     )
@@ -254,7 +265,7 @@ def resume(
     sampling_params: Mapping[str, Any] | None,
 ) -> Call[ResumeResp]:
     req = ResumeReq(
-        sample_ids=list(sample_ids),
+        sample_ids=_ids("sample_ids", sample_ids),
         append_ids=None if append_ids is None else {k: list(v) for k, v in append_ids.items()},
         kv=kv,
         sampling_params=None if sampling_params is None else dict(sampling_params),

@@ -4,22 +4,22 @@ Both speak the contract in `docs/api.md` (routes under `/april/v1`) plus the SGL
 routes a trainer needs (`/generate`, `/update_weights_from_disk`, `/flush_cache`, `/health`,
 `/metrics`). Each owns one httpx client; use it as a context manager or call `close()`.
 
-    with AprilClient("http://127.0.0.1:30000") as client:
-        resp = client.rollout([{"group_id": "q17", "input_ids": [1, 2, 3], "n": 8}], 1)
-        for event in client.rollout_stream(groups, 32):
+    specs = [{"group_id": "q17", "input_ids": [1, 2, 3], "n": 8}]
+    with AprilClient("http://127.0.0.1:30000", retries=2) as client:
+        resp = client.rollout(specs, 1, request_id="step-17")  # idempotent: may be retried
+        for event in client.rollout_stream(specs, 1):  # GroupFinishedEvent..., DoneEvent
             ...
 
 What a route sends and how its answer is read lives in `clients/_routes.py`, shared by both
 clients; here each method is one line, plus one generic send (with opt-in retries) per client.
-Errors are the `clients._errors` hierarchy.
+Streamed rollouts are iterators from `clients/_stream.py`; errors are `clients/_errors.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -28,7 +28,6 @@ import httpx
 from april_server.protocol import (
     AbortResp,
     DeleteResp,
-    DoneEvent,
     Group,
     GroupSpec,
     KvMode,
@@ -38,7 +37,8 @@ from april_server.protocol import (
 )
 from clients import _routes as routes
 from clients._errors import AprilError, ServerError, TransportError
-from clients._routes import Call, Event, EventReader, RetryPolicy
+from clients._routes import Call, RetryPolicy
+from clients._stream import AsyncRolloutStream, RolloutStream
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -52,136 +52,6 @@ GroupArg = Sequence[GroupSpec | Mapping[str, Any]]
 _UNHEALTHY = (ServerError, TransportError)  # starting (503) or not listening: not an error
 
 
-class _StreamBase:
-    """State shared by both stream iterators: the request, the reader, and what it has seen."""
-
-    def __init__(self, call: Call[Any], url: str) -> None:
-        self._call = call
-        self._reader = EventReader(url)
-        self._pending: deque[Event] = deque()
-        self._closed = False
-
-    @property
-    def groups(self) -> list[Group]:
-        """Finished groups received so far, in finish order."""
-        return self._reader.groups
-
-    @property
-    def done(self) -> DoneEvent | None:
-        """The final event (batch_id, buffered_group_ids, stats) once received."""
-        return self._reader.done
-
-    @property
-    def batch_id(self) -> str | None:
-        # NOTE: the contract sends the batch id only in the done event.
-        return None if self._reader.done is None else self._reader.done.batch_id
-
-
-class RolloutStream(_StreamBase):
-    """Iterator over a streamed rollout: `GroupFinishedEvent`s as groups finish, then one
-    `DoneEvent`. The request goes out on the first `next()` (or `with`); errors of the call
-    (e.g. `InvalidRequest`) are raised there. Closing early ends the HTTP response, which the
-    server treats as a client disconnect."""
-
-    def __init__(self, client: AprilClient, call: Call[Any]) -> None:
-        super().__init__(call, client._url(call))
-        self._client = client
-        self._response: httpx.Response | None = None
-        self._chunks: Iterator[bytes] | None = None
-
-    def __iter__(self) -> RolloutStream:
-        return self
-
-    def __next__(self) -> Event:
-        while not self._pending:
-            if self._closed:
-                raise StopIteration
-            try:
-                self._pending.extend(self._read_more())
-            except BaseException:
-                self.close()
-                raise
-        event = self._pending.popleft()
-        if isinstance(event, DoneEvent):
-            self.close()
-        return event
-
-    def _read_more(self) -> list[Event]:
-        if self._chunks is None:
-            self._response = self._client._open_stream(self._call)
-            self._chunks = self._response.iter_bytes()
-        try:
-            chunk = next(self._chunks)
-        except StopIteration:
-            self._closed = True
-            return self._reader.end()
-        except httpx.RequestError as exc:
-            raise TransportError(exc, method=self._call.method, url=self._reader.url) from exc
-        return self._reader.feed(chunk)
-
-    def close(self) -> None:
-        self._closed = True
-        if self._response is not None:
-            self._response.close()
-
-    def __enter__(self) -> RolloutStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AsyncRolloutStream(_StreamBase):
-    """Async iterator twin of `RolloutStream`; close it with `aclose()` or `async with`."""
-
-    def __init__(self, client: AsyncAprilClient, call: Call[Any]) -> None:
-        super().__init__(call, client._url(call))
-        self._client = client
-        self._response: httpx.Response | None = None
-        self._chunks: AsyncIterator[bytes] | None = None
-
-    def __aiter__(self) -> AsyncRolloutStream:
-        return self
-
-    async def __anext__(self) -> Event:
-        while not self._pending:
-            if self._closed:
-                raise StopAsyncIteration
-            try:
-                self._pending.extend(await self._read_more())
-            except BaseException:
-                await self.aclose()
-                raise
-        event = self._pending.popleft()
-        if isinstance(event, DoneEvent):
-            await self.aclose()
-        return event
-
-    async def _read_more(self) -> list[Event]:
-        if self._chunks is None:
-            self._response = await self._client._open_stream(self._call)
-            self._chunks = self._response.aiter_bytes()
-        try:
-            chunk = await anext(self._chunks)
-        except StopAsyncIteration:
-            self._closed = True
-            return self._reader.end()
-        except httpx.RequestError as exc:
-            raise TransportError(exc, method=self._call.method, url=self._reader.url) from exc
-        return self._reader.feed(chunk)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        if self._response is not None:
-            await self._response.aclose()
-
-    async def __aenter__(self) -> AsyncRolloutStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
 class _ClientBase:
     def __init__(
         self,
@@ -193,7 +63,12 @@ class _ClientBase:
     ) -> None:
         self.base_url = routes.check_base_url(base_url)
         self._headers = routes.client_headers(api_key, headers)
-        self._retry = RetryPolicy(retries, retry_backoff_s)
+        self.retry = RetryPolicy(retries, retry_backoff_s)
+
+    @staticmethod
+    def _timeout(timeout: httpx.Timeout | float) -> httpx.Timeout:
+        # A bare number would cap connect and read alike; prefer an httpx.Timeout.
+        return timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
 
     def _url(self, call: Call[Any]) -> str:
         return self.base_url + call.path
@@ -215,7 +90,7 @@ class AprilClient(_ClientBase):
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         retries: int = 0,
         retry_backoff_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
@@ -223,7 +98,10 @@ class AprilClient(_ClientBase):
     ) -> None:
         super().__init__(base_url, api_key, headers, retries, retry_backoff_s)
         self._http = httpx.Client(
-            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
+            base_url=self.base_url,
+            headers=self._headers,
+            timeout=self._timeout(timeout),
+            transport=transport,
         )
 
     # ---- sending -----------------------------------------------------------------------------
@@ -234,7 +112,7 @@ class AprilClient(_ClientBase):
             try:
                 return attempt()
             except AprilError as exc:
-                delay = self._retry.next_delay(call, exc, n)
+                delay = self.retry.next_delay(call, exc, n)
                 if delay is None:
                     raise
             time.sleep(delay)
@@ -318,7 +196,7 @@ class AprilClient(_ClientBase):
             request_id=request_id,
             stream=True,
         )
-        return RolloutStream(self, call)
+        return RolloutStream(call, self._url(call), lambda: self._open_stream(call))
 
     def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
         """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""
@@ -415,7 +293,7 @@ class AsyncAprilClient(_ClientBase):
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         retries: int = 0,
         retry_backoff_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
@@ -423,7 +301,10 @@ class AsyncAprilClient(_ClientBase):
     ) -> None:
         super().__init__(base_url, api_key, headers, retries, retry_backoff_s)
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
+            base_url=self.base_url,
+            headers=self._headers,
+            timeout=self._timeout(timeout),
+            transport=transport,
         )
 
     # ---- sending -----------------------------------------------------------------------------
@@ -434,7 +315,7 @@ class AsyncAprilClient(_ClientBase):
             try:
                 return await attempt()
             except AprilError as exc:
-                delay = self._retry.next_delay(call, exc, n)
+                delay = self.retry.next_delay(call, exc, n)
                 if delay is None:
                     raise
             await asyncio.sleep(delay)
@@ -520,7 +401,7 @@ class AsyncAprilClient(_ClientBase):
             request_id=request_id,
             stream=True,
         )
-        return AsyncRolloutStream(self, call)
+        return AsyncRolloutStream(call, self._url(call), lambda: self._open_stream(call))
 
     async def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
         """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""

@@ -72,6 +72,7 @@ def test_stream_events_then_done() -> None:
                 lines = [json.loads(x) async for x in r.aiter_lines() if x]
         assert [e["event"] for e in lines] == ["group_finished", "done"]
         assert lines[0]["group"]["group_id"] == "a"
+        assert lines[0]["batch_id"] == lines[1]["batch_id"] != ""
         assert lines[1]["buffered_group_ids"] == ["b"]
         assert [g.group_id for g in mgr.idle_groups()] == ["b"]
 
