@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from april_server.store import BufferStore
 logger = logging.getLogger(__name__)
 
 ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
+MAX_REMEMBERED_BATCHES = 10_000
 
 
 @dataclass
@@ -90,7 +92,9 @@ class RolloutManager:
         self.running: dict[str, Running] = {}  # sample_id -> its engine request
         self.calls: dict[str, Any] = {}  # batch_id -> live RolloutCall (see rollout.py)
         self.inflight_requests: dict[str, asyncio.Future[bytes]] = {}  # request_id -> result
-        self.finished_batches: set[str] = set()
+        # Recent batch ids, so an abort naming a finished call is a no-op, not a 404; bounded,
+        # since a multi-day run makes millions of calls.
+        self.finished_batches: OrderedDict[str, None] = OrderedDict()
         self.version_history: list[str] = []
         self.counters = Counters()
         self.last_inflight: tuple[InflightDecision, StepCurve] | None = None
@@ -125,6 +129,11 @@ class RolloutManager:
         return g
 
     # ---- claiming and persisting -------------------------------------------------------------
+
+    def remember_batch(self, batch_id: str) -> None:
+        self.finished_batches[batch_id] = None
+        while len(self.finished_batches) > MAX_REMEMBERED_BATCHES:
+            self.finished_batches.popitem(last=False)
 
     def claim(self, group_ids: list[str], owner: str) -> None:
         for gid in group_ids:

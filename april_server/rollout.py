@@ -343,7 +343,7 @@ class RolloutCall:
 
     def close(self) -> None:
         self.mgr.calls.pop(self.batch_id, None)
-        self.mgr.finished_batches.add(self.batch_id)
+        self.mgr.remember_batch(self.batch_id)
         self.mgr.release(self.batch_id)
 
 

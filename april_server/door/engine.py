@@ -86,8 +86,7 @@ class SGLangEngine(SnapshotEngine):
             return False, {"error": "timeout"}
 
     def mark_snapshot(self, rid: str, key: str) -> None:
-        fut = self._kv_send("mark", key, rid)
-        fut.add_done_callback(lambda f: None)  # the answer only confirms; nobody waits
+        self._kv_send("mark", key, rid)  # the answer only confirms; nobody waits for it
 
     async def restore_snapshot(self, key: str) -> int:
         ok, payload = await self._kv("restore", key)
