@@ -142,6 +142,10 @@ class RolloutStats(_Resp):
     on_quota_effective: str = "tokens"
     # Running samples the adaptive policy aimed for (null when max_inflight_groups is pinned).
     inflight_target: int | None = None
+    # Groups this call started generating (of those sent and resumed) and the most of its
+    # samples generating at once: the in-flight policy at work, auditable per call.
+    num_started_groups: int = 0
+    peak_running_samples: int = 0
     # offpolicy_tokens / all output tokens of the returned groups.
     offpolicy_fraction: float = 0.0
     notes: list[str] = []

@@ -107,6 +107,7 @@ class RolloutCall:
         self.stopped = False
         self.wakeup = asyncio.Event()
         self.inflight_target: int | None = None
+        self.peak_running = 0
         self.discarded: list[Group] = []
 
     def prepare(self) -> None:
@@ -184,16 +185,17 @@ class RolloutCall:
                     continue
                 grace_until = None  # a reject re-opened the quota
                 time_to_quota = None
-                while (
-                    pending
-                    and len(active) < limit
-                    and len(tasks) < sample_target
-                    and not self.quota.met
-                ):
+                while pending and len(active) < limit and not self.quota.met:
+                    # Groups start whole; the running target is a ceiling, not a hint (a
+                    # group larger than the target may still run alone).
+                    need = sum(not S.is_finished(s) for s in mgr.groups[pending[0]].samples)
+                    if tasks and len(tasks) + need > sample_target:
+                        break
                     gid = pending.popleft()
                     started = self._start_group(gid, tasks)
                     if started:
                         active[gid] = started
+                        self.peak_running = max(self.peak_running, len(tasks))
                     elif S.group_finished(mgr.groups[gid]):
                         self._emit_finished(gid)
                 if self.quota.met:
@@ -265,7 +267,6 @@ class RolloutCall:
 
     def _start_group(self, gid: str, tasks: dict[asyncio.Task[None], str]) -> int:
         group = self.mgr.groups[gid]
-        self.started.add(gid)
         n = 0
         for s in group.samples:
             if S.is_finished(s):
@@ -276,6 +277,8 @@ class RolloutCall:
             t = self.mgr.start_sample(s, self.batch_id, self.tally, self.req.max_staleness)
             tasks[t] = gid
             n += 1
+        if n:
+            self.started.add(gid)
         return n
 
     def _finish(self, wall_s: float, time_to_quota: float | None, deliver: bool) -> RolloutResp:
@@ -317,6 +320,8 @@ class RolloutCall:
             time_to_quota_s=None if time_to_quota is None else round(time_to_quota, 4),
             on_quota_effective=on_quota,
             inflight_target=self.inflight_target,
+            num_started_groups=len(self.started),
+            peak_running_samples=self.peak_running,
             offpolicy_fraction=round(
                 sum(S.offpolicy_tokens(g, version) for g in groups)
                 / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),

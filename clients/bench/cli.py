@@ -3,6 +3,7 @@
 april-bench --quick                       # launch the embedded default, compare all modes
 april-bench --url http://host:30000 --steps 10 --groups 32 --n 8 --max-tokens 8192
 april-bench --simulate                    # project the gain at 8xH200 scale (a model)
+april-bench --sweep                       # sync vs static vs adaptive APRIL on four configs
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from typing import Any
 import httpx
 
 from clients.bench import simulate as sim
-from clients.bench.driver import MODES, BenchConfig
+from clients.bench.driver import MODES, BenchConfig, ModeSpec
 from clients.bench.launcher import LaunchedServer
 from clients.bench.metrics import ModeResult
 from clients.bench.metrics import __doc__ as metrics_doc
 from clients.bench.report import plot, records, summary_table, write_jsonl
 from clients.bench.server_api import BenchError
 from clients.bench.session import run_modes
+from clients.bench.sweep import PRESETS, SWEEP_MODES, SweepPoint, sweep_points, sweep_table
 
 QUICK: dict[str, Any] = {
     "steps": 6, "groups": 8, "n": 4, "max_tokens": 512, "over_sampling": 2.0,
@@ -50,7 +52,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra flag for the launched server (repeat; e.g. --server-arg=--load-format=dummy)",
     )
-    a("--modes", default=",".join(MODES), help="comma-separated subset of sync,april,april-kv")
+    a(
+        "--modes",
+        default=None,
+        help=f"comma-separated modes from {','.join(MODES)}; an APRIL mode may name its "
+        "max_inflight_groups policy: april@auto, april@all, april-kv@16 (default: "
+        f"{','.join(MODES)}; with --sweep {SWEEP_MODES})",
+    )
     a(
         "--quick",
         action="store_true",
@@ -92,6 +100,20 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="alternate the modes step by step (sync and ONE APRIL mode: APRIL modes would resume "
         "each other's buffered groups), so background load hits both alike",
+    )
+    a(
+        "--sweep",
+        action="store_true",
+        help="run the comparison on each of: "
+        + ", ".join(p.name for p in PRESETS)
+        + " (MODEL:MAX_TOKENS:GROUPSxN; one launched server each) and print them side by side",
+    )
+    a(
+        "--sweep-point",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="add a sweep configuration, e.g. tiny:2048:8x8 (alone: sweep only these)",
     )
     a("--no-progress", action="store_true")
     a("--help-metrics", action="store_true", help="print how every figure is defined")
@@ -165,15 +187,28 @@ def simulation(
     print(sim.report(big, cost, modes))
 
 
-def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = None) -> int:
-    """Measure, print, write outputs; exit status 1 when an accounting check failed."""
-    cfg = config(args)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    if cfg.interleave and sum(m != "sync" for m in modes) > 1:
+def mode_specs(args: argparse.Namespace, sweep: bool = False) -> list[ModeSpec]:
+    text = args.modes or (SWEEP_MODES if sweep else ",".join(MODES))
+    try:
+        specs = [ModeSpec.parse(m, args.max_inflight) for m in text.split(",") if m.strip()]
+    except BenchError as exc:
+        raise SystemExit(str(exc)) from None
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels) or not specs:
+        raise SystemExit(f"--modes {text!r}: name each mode once, at least one")
+    if args.interleave and sum(s.kind != "sync" for s in specs) > 1:
         raise SystemExit("--interleave takes sync and one APRIL mode: APRIL modes share the buffer")
+    return specs
+
+
+def measure(
+    args: argparse.Namespace,
+    specs: list[ModeSpec],
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[int, list[dict[str, Any]], list[ModeResult], dict[str, Any]]:
+    """One comparison on one server: print its table; (status, records, results, run info).
+    Status 1: an accounting check failed; 2: the run could not be made."""
+    cfg = config(args)
     server: LaunchedServer | None = None
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -187,10 +222,10 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
             server.start()
             print(f"server healthy after {time.perf_counter() - t0:.0f}s", file=sys.stderr)
             url = server.url
-        results, meta = asyncio.run(run_modes(url, modes, cfg, args, transport))
+        results, meta = asyncio.run(run_modes(url, specs, cfg, args, transport))
     except BenchError as exc:
         print(f"april-bench: {exc}", file=sys.stderr)
-        return 2
+        return 2, [], [], {}
     finally:
         if server is not None:
             server.stop()
@@ -206,15 +241,57 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
         f"total time {run_info['wall_clock_s']:.0f}s (server start-up included); 1-min load "
         f"average {load[0]} -> {load[1]} on {os.cpu_count()} CPUs (other work skews figures)"
     )
+    failed = any(r.checks for r in results) or bool(meta["mode_checks"])
+    return int(failed), recs, results, run_info
+
+
+def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = None) -> int:
+    """Measure, print, write outputs; exit status 1 when an accounting check failed."""
+    status, recs, results, run_info = measure(args, mode_specs(args), transport)
+    if status == 2:
+        return 2
     if args.json_out:
         write_jsonl(args.json_out, recs)
         print(f"wrote {args.json_out}")
     if args.plot_dir:
-        for path in plot(results, args.plot_dir, meta["title"]):
+        for path in plot(results, args.plot_dir, run_info["title"]):
             print(f"wrote {path}")
     if args.simulate:
-        simulation(args, results, meta)
-    return 1 if any(r.checks for r in results) or meta["mode_checks"] else 0
+        simulation(args, results, run_info)
+    return status
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """Each configuration on its own launched server, then the side-by-side table."""
+    if args.url is not None:
+        raise SystemExit("--sweep launches a server per configuration (models differ): drop --url")
+    specs = mode_specs(args, sweep=True)
+    points = sweep_points(args.sweep, args.sweep_point)
+    done: list[tuple[SweepPoint, list[dict[str, Any]]]] = []
+    status = 0
+    for i, point in enumerate(points):
+        print(f"\n=== sweep {i + 1}/{len(points)}: {point.name} ===", flush=True)
+        one = argparse.Namespace(**{**vars(args), "model": point.model,
+                                    "max_tokens": point.max_tokens, "groups": point.groups,
+                                    "n": point.n})  # fmt: skip
+        rc, recs, results, run_info = measure(one, specs)
+        status = max(status, rc)
+        for rec in recs:
+            rec["sweep_point"] = point.name
+        done.append((point, recs))
+        if args.json_out:
+            write_jsonl(args.json_out, recs)
+        if args.plot_dir and results:
+            sub = args.plot_dir / point.name.replace(":", "_")
+            for path in plot(results, sub, run_info["title"]):
+                print(f"wrote {path}")
+    labels = ", ".join(s.label for s in specs)
+    print(f"\n== sweep: consumed-token throughput vs sync ({labels}; {args.steps} steps, "
+          f"over-sampling {args.over_sampling}, seed {args.seed}) ==")  # fmt: skip
+    print(sweep_table(done))
+    if args.json_out:
+        print(f"wrote {args.json_out}")
+    return status
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.help_metrics:
         print(metrics_doc)
         return
+    if args.sweep or args.sweep_point:
+        sys.exit(run_sweep(args))
     if args.simulate and args.url is None and not args.launch and not args.quick:
         config(args)
         simulation(args, [], None)

@@ -37,6 +37,33 @@ Mode = Literal["sync", "april", "april-kv"]
 MODES: tuple[Mode, ...] = ("sync", "april", "april-kv")
 
 
+@dataclass(frozen=True)
+class ModeSpec:
+    """One column of the comparison: a mode, and for APRIL modes its `max_inflight_groups`
+    policy. Written `april@auto`, `april@all`, `april-kv@16`; plain `april` takes the run's
+    `--max-inflight`. The label names the column and the mode's group ids."""
+
+    kind: Mode
+    max_inflight: str  # "all" (static APRIL), "auto" or a positive integer
+    label: str
+
+    @classmethod
+    def parse(cls, text: str, default_inflight: str = "all") -> ModeSpec:
+        kind, sep, policy = text.strip().partition("@")
+        if kind not in MODES:
+            raise BenchError(f"unknown mode {kind!r}; choose from {', '.join(MODES)}")
+        if sep and kind == "sync":
+            raise BenchError("sync takes no @policy: it sends every group at once by definition")
+        policy = policy if sep else default_inflight
+        if policy not in ("all", "auto") and not (policy.isdigit() and int(policy) > 0):
+            raise BenchError(f"{text!r}: the policy after @ must be all, auto or an integer > 0")
+        return cls(kind, policy, text.strip())
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace("@", "-at-")
+
+
 class Progress(Protocol):
     def update(self, n: int = 1) -> object: ...
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> object: ...
@@ -71,16 +98,20 @@ class ModeRunner:
     def __init__(
         self,
         http: httpx.AsyncClient,
-        mode: Mode,
+        spec: ModeSpec | Mode,
         cfg: BenchConfig,
         workload: Workload,
         info: ServerInfo,
         progress: Progress | None = None,
     ) -> None:
-        self.http, self.mode, self.cfg, self.wl, self.info = http, mode, cfg, workload, info
+        if isinstance(spec, str):
+            spec = ModeSpec.parse(spec, cfg.max_inflight)
+        self.spec, self.mode, self.label = spec, spec.kind, spec.label
+        self.http, self.cfg, self.wl, self.info = http, cfg, workload, info
         self.progress = progress
-        self.result = ModeResult(mode=mode)
-        self.ledger = Ledger(mode, cfg.groups, cfg.n, exact_budgets=workload.kind != "natural")
+        self.result = ModeResult(mode=spec.label)
+        exact = workload.kind != "natural"
+        self.ledger = Ledger(spec.label, cfg.groups, cfg.n, exact_budgets=exact)
         self.next_index = 0
         self.version = info.weight_version
         self.buffered: list[str] = []
@@ -89,7 +120,7 @@ class ModeRunner:
         self.finished = False
 
     def gid(self, g: WorkGroup) -> str:
-        return f"{self.cfg.run_tag}-{self.mode}-g{g.index:06d}"
+        return f"{self.cfg.run_tag}-{self.spec.slug}-g{g.index:06d}"
 
     def draw(self, count: int) -> list[WorkGroup]:
         groups = self.wl.groups(self.next_index, count)
@@ -105,7 +136,7 @@ class ModeRunner:
         self.ticks += 1
         if self.progress is not None:
             self.progress.update(1)
-            self.progress.set_postfix_str(f"{self.mode} step {step + 1}/{self.cfg.steps}")
+            self.progress.set_postfix_str(f"{self.label} step {step + 1}/{self.cfg.steps}")
 
     def check_available(self) -> bool:
         if self.mode == "april-kv" and not self.info.kv_snapshots:
@@ -203,7 +234,7 @@ class ModeRunner:
     # ---- april / april-kv ---------------------------------------------------------------------
 
     def inflight(self, total: int) -> int | str:
-        m = self.cfg.max_inflight
+        m = self.spec.max_inflight
         return total if m == "all" else m if m == "auto" else int(m)
 
     async def april_step(self, step: int) -> StepOutcome:
@@ -223,7 +254,7 @@ class ModeRunner:
             "max_staleness": cfg.max_staleness,
             "max_inflight_groups": self.inflight(len(self.buffered) + len(groups)),
             "stream": True,
-            "request_id": f"{cfg.run_tag}-{self.mode}-s{step}",
+            "request_id": f"{cfg.run_tag}-{self.spec.slug}-s{step}",
         }  # fmt: skip
         t0 = time.perf_counter()
         finished: list[dict[str, Any]] = []
@@ -270,6 +301,7 @@ class ModeRunner:
             recomputed_tokens=int(stats.get("recomputed_tokens", 0)),
             resumed_samples=int(stats.get("resumed_samples", 0)),
             buffered_groups=len(buffered), weight_version=version,
+            inflight_target=stats.get("inflight_target"),
         )  # fmt: skip
         return StepOutcome(rec, consumed)
 
@@ -277,7 +309,7 @@ class ModeRunner:
         """Report (not lose) what is still buffered, then free it unless asked to keep it."""
         if self.mode == "sync":
             return
-        prefix = f"{self.cfg.run_tag}-{self.mode}-"
+        prefix = f"{self.cfg.run_tag}-{self.spec.slug}-g"
         ours = [g for g in await buffered_groups(self.http) if g["group_id"].startswith(prefix)]
         tokens = {g["group_id"]: sum(len(s["output_ids"]) for s in g["samples"]) for g in ours}
         self.ledger.set_leftover(tokens)

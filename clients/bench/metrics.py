@@ -104,6 +104,7 @@ class StepRecord:
     mean_running: float = 0.0
     idle_frac: float = 0.0
     tail_frac: float = 0.0
+    inflight_target: int | None = None  # APRIL "auto": the running batch the server chose
     max_budget: int = 0  # longest consumed sample (calibrates the simulator on sync steps)
     weight_version: str = ""
     t_start: float = 0.0  # seconds since the mode started
@@ -167,6 +168,7 @@ class ModeResult:
             "restored_kv_tokens": sum(r.restored_kv_tokens for r in s),
             "recomputed_tokens": sum(r.recomputed_tokens for r in s),
             "resumed_samples": sum(r.resumed_samples for r in s),
+            "inflight_targets": [r.inflight_target for r in s if r.inflight_target is not None],
             "median_group_latency_ms": float(np.median(g)) if g.size else None,
             "p99_group_latency_ms": float(np.percentile(g, 99)) if g.size else None,
         }

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from clients.bench.accounting import compare_modes
 from clients.bench.calibrate import measure_cost_model
-from clients.bench.driver import BenchConfig, Mode, ModeRunner
+from clients.bench.driver import BenchConfig, ModeRunner, ModeSpec
 from clients.bench.metrics import ModeResult
 from clients.bench.server_api import (
     BenchError,
@@ -90,13 +90,13 @@ async def drive(
             await r.step(step, poller)
             if not r.result.available:
                 break
-            await between(step, [r], f"{cfg.run_tag}-{r.mode}")
+            await between(step, [r], f"{cfg.run_tag}-{r.spec.slug}")
         await r.finish(poller)  # its leftover must leave the buffer before the next mode
 
 
 async def run_modes(
     url: str,
-    modes: list[str],
+    modes: list[ModeSpec],
     cfg: BenchConfig,
     args: argparse.Namespace,
     transport: httpx.AsyncBaseTransport | None = None,
@@ -113,7 +113,7 @@ async def run_modes(
         buffered = [g["group_id"] for g in await buffered_groups(http)]
         if args.clear_buffer:
             await delete_groups(http, buffered)
-        elif buffered and any(m != "sync" for m in modes):
+        elif buffered and any(m.kind != "sync" for m in modes):
             raise BenchError(
                 f"the partial buffer holds {len(buffered)} group(s) (e.g. {buffered[0]!r}) that "
                 "APRIL modes would resume. Use a fresh server or --clear-buffer."
@@ -122,7 +122,7 @@ async def run_modes(
         await warmup(http, cfg, wl, args.warmup)
         bar = tqdm(total=cfg.steps * cfg.groups * len(modes), unit="group", file=sys.stderr,
                    disable=args.no_progress, desc="april-bench")  # fmt: skip
-        runners = [ModeRunner(http, mode_of(m), cfg, wl, info, bar) for m in modes]
+        runners = [ModeRunner(http, m, cfg, wl, info, bar) for m in modes]
         poller = LoadPoller(http, cfg.poll_hz, time.perf_counter())
         poller.start()
         try:
@@ -172,13 +172,3 @@ async def run_modes(
         "cost_model": cost,
     }
     return results, meta
-
-
-def mode_of(name: str) -> Mode:
-    if name == "sync":
-        return "sync"
-    if name == "april":
-        return "april"
-    if name == "april-kv":
-        return "april-kv"
-    raise BenchError(f"unknown mode {name!r}")

@@ -37,3 +37,25 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
         ours = [g for g in c.get("/april/v1/partials").json()["groups"]
                 if g["group_id"].startswith(recs["april"]["run_id"])]  # fmt: skip
         assert ours == []
+
+
+def test_sweep_compares_static_and_adaptive_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--sweep-point` launches its own server per configuration and prints one table."""
+    out = tmp_path / "sweep.jsonl"
+    argv = ["--sweep-point", "tiny:40:2x2", "--steps", "2", "--no-progress", "--warmup", "0",
+            "--json-out", str(out)]  # fmt: skip
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    assert done.value.code == 0
+    recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == {"sync", "april@all", "april@auto"}
+    assert {r["sweep_point"] for r in recs.values()} == {"tiny:40:2x2"}
+    for r in recs.values():
+        assert r["available"] and r["checks_ok"], r["checks"]
+        assert [s["consumed_samples"] for s in r["per_step"]] == [4, 4]
+    assert recs["april@all"]["inflight_targets"] == []  # pinned: the server chose nothing
+    assert len(recs["april@auto"]["inflight_targets"]) == 2
+    table = capsys.readouterr().out.split("== sweep:")[1]
+    assert "tiny:40:2x2" in table and "april@auto tok/s" in table and "ok" in table

@@ -72,8 +72,10 @@ def test_auto_refills_up_to_the_target_and_never_beyond_what_was_sent() -> None:
         r = await rollout(mgr, RolloutReq(groups=groups, target_groups=3))
         assert r.stats.inflight_target == 6  # 3 groups x 2 samples
         assert eng.max_active <= 6
+        assert 3 <= r.stats.peak_running_samples <= 6
         started = {c[0].split("@")[0].split("/")[0] for c in eng.calls}
         assert started <= {g.group_id for g in groups}
+        assert r.stats.num_started_groups == len(started) < len(groups)
         assert len(r.groups) == 3
         mgr.check_integrity()
 

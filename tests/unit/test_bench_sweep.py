@@ -1,0 +1,68 @@
+"""april-bench's mode specs (`april@auto`) and sweep configurations: parsing and the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.bench import cli
+from clients.bench.driver import ModeSpec
+from clients.bench.server_api import BenchError
+from clients.bench.sweep import PRESETS, SweepPoint, sweep_points, sweep_table
+
+
+def test_mode_spec_policies() -> None:
+    assert ModeSpec.parse("april@auto") == ModeSpec("april", "auto", "april@auto")
+    assert ModeSpec.parse("april-kv@16").max_inflight == "16"
+    assert ModeSpec.parse("april", default_inflight="auto").max_inflight == "auto"
+    assert ModeSpec.parse("april").label == "april"
+    assert ModeSpec.parse("april@all").slug == "april-at-all"
+    for bad in ("sync@auto", "april@0", "april@many", "turbo", "april@"):
+        with pytest.raises(BenchError):
+            ModeSpec.parse(bad)
+
+
+def test_cli_mode_lists() -> None:
+    specs = cli.mode_specs(cli.parse_args(["--modes", "sync,april@all,april@auto"]))
+    assert [s.label for s in specs] == ["sync", "april@all", "april@auto"]
+    sweep = cli.mode_specs(cli.parse_args(["--sweep"]), sweep=True)
+    assert [s.label for s in sweep] == ["sync", "april@all", "april@auto"]
+    for argv in (["--modes", "april,april"], ["--modes", "sync,april@auto,april@all",
+                                              "--interleave"], ["--modes", "april@x"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            cli.mode_specs(cli.parse_args(argv))
+
+
+def test_sweep_points() -> None:
+    assert [p.name for p in PRESETS] == [
+        "tiny:512:8x4", "tiny:1024:8x4", "tiny:512:16x4", "smollm2:128:4x4"
+    ]  # fmt: skip
+    assert SweepPoint.parse("smollm2:256:2x8") == SweepPoint("smollm2", 256, 2, 8)
+    assert sweep_points(False, ["tiny:64:2x2"]) == [SweepPoint("tiny", 64, 2, 2)]
+    both = sweep_points(True, ["tiny:512:8x4", "tiny:64:2x2"])  # no repeats
+    assert len(both) == 5 and both[-1].name == "tiny:64:2x2"
+    for bad in ("llama:512:8x4", "tiny:512:8", "tiny:0:8x4", "tiny:512:8x0"):
+        with pytest.raises(BenchError):
+            SweepPoint.parse(bad)
+
+
+def test_sweep_with_url_is_refused() -> None:
+    with pytest.raises(SystemExit, match="drop --url"):
+        cli.run_sweep(cli.parse_args(["--sweep", "--url", "http://x"]))
+
+
+def test_sweep_table_puts_configurations_side_by_side() -> None:
+    def rec(mode: str, tok: float | None, ratio: float | None, **kw: object) -> dict[str, object]:
+        return {"mode": mode, "available": tok is not None, "output_throughput": tok,
+                "output_throughput_vs_sync": ratio, "checks_ok": True, **kw}  # fmt: skip
+
+    a = [rec("sync", 100.0, 1.0), rec("april@all", 150.0, 1.5),
+         rec("april@auto", 160.0, 1.6, inflight_targets=[40, 32])]  # fmt: skip
+    b = [rec("sync", 50.0, 1.0), rec("april@all", None, None),
+         rec("april@auto", 49.0, 0.98, inflight_targets=[])]  # fmt: skip
+    text = sweep_table([(SweepPoint("tiny", 512, 8, 4), a), (SweepPoint("smollm2", 128, 4, 4), b)])
+    lines = text.splitlines()
+    assert "april@all tok/s" in lines[0] and "running target" in lines[0]
+    assert lines[2].split() == ["tiny:512:8x4", "100.0", "150.0", "x1.50", "160.0", "x1.60",
+                                "40/32", "ok"]  # fmt: skip
+    assert lines[3].split() == ["smollm2:128:4x4", "50.0", "n/a", "n/a", "49.0", "x0.98", "n/a",
+                                "ok"]  # fmt: skip
