@@ -20,7 +20,7 @@ class RunningPeak:
 
     def __init__(self, url: str) -> None:
         self.url, self.peak, self.polls = url, 0, 0
-        self.stop = threading.Event()
+        self.stop, self.first_poll = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
@@ -29,10 +29,14 @@ class RunningPeak:
                 loads = c.get("/v1/loads").json().get("loads", [])
                 self.peak = max(self.peak, sum(int(x.get("num_running_reqs", 0)) for x in loads))
                 self.polls += 1
+                self.first_poll.set()
                 self.stop.wait(0.005)
 
     def __enter__(self) -> RunningPeak:
         self.thread.start()
+        # A short rollout could finish before the thread's first answer: wait for it, so that
+        # `polls > 0` means we watched the whole call.
+        self.first_poll.wait(10)
         return self
 
     def __exit__(self, *exc: object) -> None:
