@@ -16,13 +16,14 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from april_server.auth import AuthPolicy
 from april_server.config import AprilConfig
 from april_server.errors import ApiError, not_found
 from april_server.manager import RolloutManager
+from april_server.metrics import CONTENT_TYPE, prometheus_text
 from april_server.protocol import (
     AbortReq,
     AbortResp,
@@ -167,6 +168,22 @@ def create_router(
     @guarded
     async def stats(request: Request) -> Response:
         return json_response(await get_manager().stats())
+
+    @router.get(PREFIX + "/metrics", response_class=PlainTextResponse)
+    @guarded
+    async def april_metrics(request: Request) -> Response:
+        """The figures of /stats as Prometheus text."""
+        text = prometheus_text(await get_manager().stats())
+        return Response(content=text, media_type=CONTENT_TYPE)
+
+    # Registered before SGLang mounts its own /metrics (at start-up, with --enable-metrics), so
+    # this route answers first and includes SGLang's families: one scrape target, both sets.
+    # Open without a key, as SGLang keeps /metrics (its auth middleware exempts the path).
+    @router.get("/metrics", response_class=PlainTextResponse)
+    async def metrics(request: Request) -> Response:
+        """The figures of /stats, and SGLang's own when it runs with --enable-metrics."""
+        text = prometheus_text(await get_manager().stats(), with_engine=True)
+        return Response(content=text, media_type=CONTENT_TYPE)
 
     return router
 

@@ -46,9 +46,10 @@ def _seed_rngs() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
-    """A real server on the embedded tiny model with a durable state dir."""
+    """A real server on the embedded tiny model with a durable state dir (and SGLang's own
+    metrics on, so `/metrics` is tested with both sets of families)."""
     state = tmp_path_factory.mktemp("april-state")
-    proc = ServerProc(state_dir=state, extra_args=["--april-allow-stale-kv"])
+    proc = ServerProc(state_dir=state, extra_args=["--april-allow-stale-kv", "--enable-metrics"])
     proc.start()
     yield proc
     proc.stop()

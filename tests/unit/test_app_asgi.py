@@ -136,6 +136,43 @@ def test_partials_get_delete_and_stats() -> None:
     asyncio.run(go())
 
 
+def test_metrics_are_prometheus_text_of_the_stats() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go() -> None:
+        app, _ = app_and_manager()
+        async with await _client(app) as c:
+            body = {"groups": [group("a", [2]), group("b", [300])], "target_groups": 1}
+            assert (await c.post(R + "/rollouts", json=body)).status_code == 200
+            stats = (await c.get(R + "/stats")).json()
+            r = await c.get(R + "/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        samples = {s.name: s for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+        assert samples["april_rollout_calls_total"].value == stats["rollout_calls"] == 1
+        assert samples["april_output_tokens_total"].value == stats["output_tokens"] > 0
+        assert samples["april_buffered_groups"].value == stats["buffered_groups"] == 1
+        assert samples["april_kv_snapshots_enabled"].value == 0
+        assert samples["april_weight_info"].labels == {"version": stats["weight_version"]}
+
+    asyncio.run(go())
+
+
+def test_root_metrics_route_is_open_and_april_route_needs_the_key() -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        app = FastAPI()
+        app.include_router(create_router(lambda: mgr, auth=AuthPolicy("user-k", None)))
+        async with await _client(app) as c:
+            # Prometheus scrapes /metrics without a key, as SGLang's own route allows.
+            r = await c.get("/metrics")
+            assert r.status_code == 200 and "april_rollout_calls_total 0.0" in r.text
+            assert (await c.get(R + "/metrics")).status_code == 401
+            r = await c.get(R + "/metrics", headers={"Authorization": "Bearer user-k"})
+            assert r.status_code == 200 and "april_buffered_groups" in r.text
+
+    asyncio.run(go())
+
+
 def test_api_key_and_admin_scope() -> None:
     async def go() -> None:
         mgr = RolloutManager(FakeEngine(), BufferStore(None))

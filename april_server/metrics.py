@@ -1,0 +1,81 @@
+"""Prometheus text of the figures of `/stats`, read at scrape time.
+
+`GET /metrics` (the contract's route) answers ours, plus SGLang's own families when the server
+runs with `--enable-metrics`: SGLang then keeps them in prometheus_client's multiprocess
+directory (`PROMETHEUS_MULTIPROC_DIR`), which we read the way its own `/metrics` mount does, so
+one scrape sees both. `GET /april/v1/metrics` answers ours only. Monotonic counts are counters
+(`_total`), the rest gauges.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from april_server.manager import Counters
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+COUNTERS = frozenset(Counters.__dataclass_fields__) | {"snapshots_evicted", "snapshots_rejected"}
+HELP = {
+    "buffered_groups": "groups waiting in the durable partial buffer",
+    "running_samples": "samples generating now",
+    "snapshot_bytes_used": "host bytes held by KV snapshots",
+    "output_tokens": "tokens generated through the april routes",
+    "recomputed_tokens": "context tokens re-prefilled by continuations",
+    "restored_kv_tokens": "context tokens restored from KV snapshots",
+}
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        yield InfoMetricFamily("april_weight", "weight version now served",
+                               value={"version": str(s.get("weight_version"))})  # fmt: skip
+        yield GaugeMetricFamily("april_kv_snapshots_enabled", "1 when KV snapshots are on",
+                                value=float(s.get("kv_snapshots") == "enabled"))  # fmt: skip
+        for key, value in s.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            doc = HELP.get(key, key.replace("_", " "))
+            if key in COUNTERS:
+                yield CounterMetricFamily(f"april_{key}", doc, value=value)
+            else:
+                yield GaugeMetricFamily(f"april_{key}", doc, value=value)
+        policy = s.get("inflight_policy") or {}
+        if policy.get("last_target") is not None:
+            doc = "running samples the adaptive policy last aimed for"
+            yield GaugeMetricFamily("april_inflight_target", doc, value=policy["last_target"])
+        curve = policy.get("step_time_s_by_batch") or {}
+        if curve:
+            g = GaugeMetricFamily("april_decode_step_seconds",
+                                  "fitted decode step time by running batch size",
+                                  labels=["batch"])  # fmt: skip
+            for batch, seconds in curve.items():
+                g.add_metric([str(batch)], float(seconds))
+            yield g
+
+
+def prometheus_text(stats: dict[str, Any], with_engine: bool = False) -> bytes:
+    """Our families; with `with_engine`, also those the engine's processes wrote to the
+    multiprocess directory (none unless SGLang runs with `--enable-metrics`)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatsCollector(stats))
+    engine_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if with_engine and engine_dir and os.path.isdir(engine_dir):
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(registry, path=engine_dir)  # type: ignore[no-untyped-call]
+    return generate_latest(registry)

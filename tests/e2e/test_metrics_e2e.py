@@ -1,0 +1,39 @@
+"""`GET /metrics` on the real server: our families and SGLang's own in one scrape."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.test_rollouts_e2e import R, clear_buffer, group, ok
+from tests.server_proc import ServerProc
+
+pytestmark = pytest.mark.e2e
+
+
+def families(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_has_april_and_sglang_families(tiny_server: ServerProc) -> None:
+    with tiny_server.client() as c:
+        clear_buffer(c)
+        before = families(c.get("/metrics").text)
+        groups = [group("m0", [3, 5], [4, 4]), group("m1", [7, 9], [4, 300])]
+        r = ok(c.post(R + "/rollouts", json={"groups": groups, "target_groups": 1}))
+        resp = c.get("/metrics")
+        after = families(resp.text)
+        ours = families(c.get(R + "/metrics").text)
+        stats = ok(c.get(R + "/stats"))
+        clear_buffer(c)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    assert after["april_rollout_calls_total"] == before["april_rollout_calls_total"] + 1
+    assert after["april_buffered_groups"] == stats["buffered_groups"] >= 1
+    assert after["april_output_tokens_total"] - before["april_output_tokens_total"] >= sum(
+        len(s["output_ids"]) for g in r["groups"] for s in g["samples"]
+    )
+    # SGLang's scheduler families (it runs with --enable-metrics) come in the same scrape; its
+    # context length is the model's (the tiny model's config), seen by SGLang, not by us.
+    engine = {name: v for name, v in after.items() if name.startswith("sglang:")}
+    assert "sglang:num_running_reqs" in engine and engine.get("sglang:context_len", 0) > 0
+    assert not any(name.startswith("sglang:") for name in ours)
