@@ -246,11 +246,13 @@ ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
 
 def extend_app(app: FastAPI) -> None:
     """What the routes need from the app they are mounted on: the contract's error body for
-    routing errors under our prefix (unknown path, wrong method), and our schemas."""
+    routing errors under our prefix and on our /metrics (unknown path, wrong method), and our
+    schemas."""
     previous = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
-        if request.url.path.startswith(PREFIX + "/") and isinstance(exc, StarletteHTTPException):
+        ours = request.url.path.startswith(PREFIX + "/") or request.url.path == "/metrics"
+        if ours and isinstance(exc, StarletteHTTPException):
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
             return error_response(
                 exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"

@@ -47,6 +47,11 @@ class BaseEngine(ABC):
         (empty when it measures nothing: the in-flight policy then uses its prior)."""
         return {}
 
+    async def engine_clock(self) -> dict[str, float]:
+        """Cumulative engine seconds, batches and tokens by forward kind (`prefill_s`,
+        `decode_s`, ...); empty when the engine does not measure them."""
+        return {}
+
     def engine_stats(self) -> dict[str, Any]:
         """Engine-side figures for /stats (free KV tokens, running requests...)."""
         return {}

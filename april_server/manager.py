@@ -408,5 +408,6 @@ class RolloutManager:
             **kv,
             **{k: getattr(c, k) for k in c.__dataclass_fields__},
             "engine": self.engine.engine_stats(),
+            "engine_time": await self.engine.engine_clock(),
             "inflight_policy": self._inflight_stats(),
         }

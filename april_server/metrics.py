@@ -58,6 +58,20 @@ class _StatsCollector(Collector):
         if policy.get("last_target") is not None:
             doc = "running samples the adaptive policy last aimed for"
             yield GaugeMetricFamily("april_inflight_target", doc, value=policy["last_target"])
+        clock = s.get("engine_time") or {}
+        kinds = [k for k in ("prefill", "decode") if f"{k}_s" in clock]
+        if kinds:
+            busy = CounterMetricFamily("april_engine_busy_seconds",
+                                       "engine seconds inside forward batches, by kind",
+                                       labels=["kind"])  # fmt: skip
+            tokens = CounterMetricFamily("april_engine_tokens",
+                                         "tokens through forward batches, by kind",
+                                         labels=["kind"])  # fmt: skip
+            for kind in kinds:
+                busy.add_metric([kind], float(clock[f"{kind}_s"]))
+                tokens.add_metric([kind], float(clock[f"{kind}_tokens"]))
+            yield busy
+            yield tokens
         curve = policy.get("step_time_s_by_batch") or {}
         if curve:
             g = GaugeMetricFamily("april_decode_step_seconds",

@@ -109,6 +109,10 @@ class SGLangEngine(SnapshotEngine):
         ok, payload = await self._kv("curve")
         return {int(b): float(t) for b, t in payload.items()} if ok else {}
 
+    async def engine_clock(self) -> dict[str, float]:
+        ok, payload = await self._kv("clock")
+        return {k: float(v) for k, v in payload.items()} if ok else {}
+
     def weight_version(self) -> str:
         return str(self.tm.config_value("weight_version"))
 

@@ -6,6 +6,8 @@ pyproject.toml); `april-server` sets `SGLANG_PLUGINS=april`. Hooks, each a short
 - AROUND `mem_cache.common.release_kv_cache`: before SGLang frees a request that ended by
   abort and was marked for a snapshot, gather its committed KV into the host store.
 - AFTER `Scheduler.flush_cache`: a flush drops the whole tree, so our tree locks go with it.
+- AROUND `Scheduler.run_batch`: decode step times by batch size (the in-flight policy's curve)
+  and seconds spent per forward kind (where the engine's time goes, `/stats` `engine_time`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from april_server import env
 from april_server.door.deterministic import register_deterministic_hooks
 from april_server.door.ipc import AprilKvReq, AprilKvResp
+from april_server.engine_clock import EngineClock, StepTimer
 from april_server.kv_store import HostKvStore, Snapshot
 from kernels.kv_copy import mha_kv_buffers, restore_kv, save_kv
 
@@ -80,37 +83,19 @@ def _after_flush(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw: Any) -> Any:
-    if _active is not None:
-        try:
-            _active.steps.on_batch(batch)
-        except Exception:  # measurement must never break a step
-            logger.exception("april: step timing failed")
-    return original(scheduler, batch, *args, **kw)
-
-
-class StepTimer:
-    """Decode step time by running-batch size: the gap between consecutive decode steps
-    (it includes scheduling overhead, which is a real per-step cost)."""
-
-    MAX_GAP_S = 2.0  # a longer gap means the engine idled or prefilled in between
-
-    def __init__(self) -> None:
-        self.sums: dict[int, list[float]] = {}  # batch size -> [count, total seconds]
-        self.last: tuple[float, int] | None = None
-
-    def on_batch(self, batch: Any) -> None:
-        now = time.perf_counter()
-        if batch is None or not batch.forward_mode.is_decode():
-            self.last = None
-            return
-        if self.last is not None and now - self.last[0] < self.MAX_GAP_S:
-            acc = self.sums.setdefault(self.last[1], [0.0, 0.0])
-            acc[0] += 1
-            acc[1] += now - self.last[0]
-        self.last = (now, int(batch.batch_size()))
-
-    def curve(self, min_count: int = 3) -> dict[str, float]:
-        return {str(b): t / n for b, (n, t) in sorted(self.sums.items()) if n >= min_count}
+    if _active is None:
+        return original(scheduler, batch, *args, **kw)
+    try:
+        _active.steps.on_batch(batch)
+    except Exception:  # measurement must never break a step
+        logger.exception("april: step timing failed")
+    t0 = time.perf_counter()
+    result = original(scheduler, batch, *args, **kw)
+    try:
+        _active.clock.add(batch, time.perf_counter() - t0)
+    except Exception:
+        logger.exception("april: engine clock failed")
+    return result
 
 
 class SchedulerKv:
@@ -121,6 +106,7 @@ class SchedulerKv:
         self.locks: dict[str, Any] = {}  # key -> TreeLock holding a restored prefix
         self.rank0 = getattr(scheduler, "tp_rank", 0) == 0
         self.steps = StepTimer()
+        self.clock = EngineClock()
 
     # ---- messages ----------------------------------------------------------------------------
 
@@ -161,6 +147,9 @@ class SchedulerKv:
 
     def op_curve(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         return True, self.steps.curve()
+
+    def op_clock(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        return True, self.clock.snapshot()
 
     def op_unlock(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         lock = self.locks.pop(req.key, None)

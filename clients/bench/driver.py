@@ -30,6 +30,7 @@ from clients.bench.server_api import (
     buffered_groups,
     check,
     delete_groups,
+    engine_clock,
 )
 from clients.bench.workload import WorkGroup, Workload
 
@@ -146,11 +147,18 @@ class ModeRunner:
 
     async def step(self, step: int, poller: LoadPoller) -> None:
         """Run one step and record it; `poller` times are seconds since the session began."""
+        clock0 = await engine_clock(self.http)
         a0 = time.perf_counter() - poller.t0
         out = await (self.sync_step(step) if self.mode == "sync" else self.april_step(step))
         if not self.result.available:
             return
         rec = out.record
+        if clock0:
+            clock = {k: v - clock0.get(k, 0.0) for k, v in (await engine_clock(self.http)).items()}
+            rec.prefill_s, rec.decode_s = clock.get("prefill_s"), clock.get("decode_s")
+            rec.prefill_tokens = int(clock.get("prefill_tokens", 0))
+            rec.decode_steps = int(clock.get("decode_batches", 0))
+            rec.decode_tokens = int(clock.get("decode_tokens", 0))
         local = self.result.steps[-1].t_end if self.result.steps else 0.0
         rec.t_start, rec.t_end = local, local + rec.wall_s
         self.windows.append((a0, a0 + rec.wall_s, local))

@@ -13,6 +13,12 @@ Definitions (printed by `april-bench --help-metrics`):
 - off-policy fraction: consumed tokens generated under an older weight version than the one
   current when the step was consumed / consumed tokens.
 - tokens wasted: generated - consumed - still buffered at the end (discarded work).
+- engine time: the server's own clock of seconds inside SGLang forward batches during the
+  step's rollout wall, split into prefill (first prefill and re-prefill of continuations;
+  `engine_prefill_tokens`) and decode (`engine_decode_steps`, `engine_mean_decode_batch` =
+  decoded tokens / decode steps); `engine_other_s` = wall - both (scheduling, HTTP, abort and
+  persistence, the engine idle). Compute time on CPU; launch time only under SGLang's overlap
+  scheduler on a GPU.
 - TTFT / TPOT / ITL / E2E follow sglang.bench_serving: TPOT = (E2E - TTFT) / (tokens - 1),
   ITL = gaps between streamed chunks; `{mean,median,std,p90,p95,p99}_{name}_ms`.
 """
@@ -107,6 +113,13 @@ class StepRecord:
     inflight_target: int | None = None  # APRIL "auto": the running batch the server chose
     max_budget: int = 0  # longest consumed sample (calibrates the simulator on sync steps)
     weight_version: str = ""
+    # Engine forward time inside this step (server's `engine_time` before/after): where the
+    # step's wall time went. None when the server does not report it.
+    prefill_s: float | None = None
+    prefill_tokens: int = 0
+    decode_s: float | None = None
+    decode_steps: int = 0
+    decode_tokens: int = 0
     t_start: float = 0.0  # seconds since the mode started
     t_end: float = 0.0
 
@@ -118,6 +131,28 @@ class StepRecord:
         d = asdict(self)
         d["output_throughput"] = round(self.output_throughput, 3)
         return d
+
+
+def engine_time_totals(steps: list[StepRecord], wall: float) -> dict[str, Any]:
+    """Where the rollout wall time went: prefill forwards (first prefill and re-prefill of
+    continuations), decode forwards, and the rest (scheduling, HTTP, abort and persistence,
+    the engine idle). Empty when the server reported no engine clock."""
+    if not steps or any(r.prefill_s is None or r.decode_s is None for r in steps):
+        return {}
+    prefill = sum(r.prefill_s or 0.0 for r in steps)
+    decode = sum(r.decode_s or 0.0 for r in steps)
+    decode_steps = sum(r.decode_steps for r in steps)
+    return {
+        "engine_prefill_s": round(prefill, 4),
+        "engine_prefill_tokens": sum(r.prefill_tokens for r in steps),
+        "engine_decode_s": round(decode, 4),
+        "engine_decode_steps": decode_steps,
+        "engine_decode_tokens": sum(r.decode_tokens for r in steps),
+        "engine_mean_decode_batch": round(sum(r.decode_tokens for r in steps) / decode_steps, 3)
+        if decode_steps
+        else None,
+        "engine_other_s": round(wall - prefill - decode, 4),
+    }
 
 
 @dataclass
@@ -169,6 +204,7 @@ class ModeResult:
             "recomputed_tokens": sum(r.recomputed_tokens for r in s),
             "resumed_samples": sum(r.resumed_samples for r in s),
             "inflight_targets": [r.inflight_target for r in s if r.inflight_target is not None],
+            **engine_time_totals(s, wall),
             "median_group_latency_ms": float(np.median(g)) if g.size else None,
             "p99_group_latency_ms": float(np.percentile(g, 99)) if g.size else None,
         }

@@ -106,9 +106,23 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
                 f"{r['mode']} group finish latency (ms, p50/p99): "
                 f"{r['median_group_latency_ms']:.0f}/{r['p99_group_latency_ms']:.0f}"
             )
+        if r.get("engine_prefill_s") is not None:
+            lines.append(engine_time_line(r))
         for c in r.get("checks") or []:
             lines.append(f"CHECK FAILED {r['mode']}: {c}")
     return "\n".join(lines + notes)
+
+
+def engine_time_line(r: dict[str, Any]) -> str:
+    """Where the rollout wall time went, from the engine's own forward clock."""
+    wall = r["rollout_wall_s"] or 1.0
+    pre, dec, other = r["engine_prefill_s"], r["engine_decode_s"], r["engine_other_s"]
+    return (
+        f"{r['mode']} engine time (s): prefill {pre:.1f} ({100 * pre / wall:.0f}%, "
+        f"{r['engine_prefill_tokens']} tok)  decode {dec:.1f} ({100 * dec / wall:.0f}%, "
+        f"{r['engine_decode_steps']} steps, mean batch {_fmt(r['engine_mean_decode_batch'])})  "
+        f"outside forwards {other:.1f} ({100 * other / wall:.0f}%)"
+    )
 
 
 def plot(results: Sequence[ModeResult], plot_dir: Path, title: str) -> list[Path]:

@@ -94,6 +94,13 @@ async def delete_groups(http: httpx.AsyncClient, group_ids: list[str]) -> None:
         check(await http.delete(f"{R}/partials/{gid}"), f"DELETE partials/{gid}")
 
 
+async def engine_clock(http: httpx.AsyncClient) -> dict[str, float]:
+    """The engine's cumulative forward seconds/tokens by kind (`/stats` `engine_time`); empty
+    on a server that does not report them."""
+    stats = check(await http.get(R + "/stats"), "GET stats")
+    return {k: float(v) for k, v in (stats.get("engine_time") or {}).items()}
+
+
 async def running_reqs(http: httpx.AsyncClient) -> int:
     loads = (await http.get("/v1/loads")).json().get("loads", [])
     return sum(int(x.get("num_running_reqs", 0)) for x in loads)

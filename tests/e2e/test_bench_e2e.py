@@ -29,6 +29,12 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
         assert r["output_throughput"] > 0 and r["mode_checks"] == []
         assert [s["consumed_samples"] for s in r["per_step"]] == [4, 4]
         assert r["tokens_wasted"] == 0
+        # The engine's own clock: both kinds ran, and they fit in the rollout wall.
+        assert r["engine_prefill_s"] > 0 and r["engine_decode_s"] > 0, r
+        assert r["engine_other_s"] > -0.05 * r["rollout_wall_s"], r
+    # Sync: every request's first token comes from its prefill, the rest from decode steps.
+    sync = recs["sync"]
+    assert sync["engine_decode_tokens"] + sync["consumed_samples"] == sync["generated_tokens"], sync
     assert recs["sync"]["median_e2e_latency_ms"] is not None
     assert recs["april"]["output_throughput_vs_sync"] is not None
     for name in ("running_requests.png", "step_throughput.png"):

@@ -1,0 +1,65 @@
+"""Engine-side measurements the scheduler hook feeds (plain Python, testable without SGLang):
+decode step time by running-batch size (the in-flight policy's curve) and seconds per forward
+kind (where a rollout's engine time goes). Batches are duck-typed: `forward_mode.is_decode()`,
+`forward_mode.is_extend()`, `batch_size()`, `extend_num_tokens`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class StepTimer:
+    """Decode step time by running-batch size: the gap between consecutive decode steps
+    (it includes scheduling overhead, which is a real per-step cost)."""
+
+    MAX_GAP_S = 2.0  # a longer gap means the engine idled or prefilled in between
+
+    def __init__(self) -> None:
+        self.sums: dict[int, list[float]] = {}  # batch size -> [count, total seconds]
+        self.last: tuple[float, int] | None = None
+
+    def on_batch(self, batch: Any) -> None:
+        now = time.perf_counter()
+        if batch is None or not batch.forward_mode.is_decode():
+            self.last = None
+            return
+        if self.last is not None and now - self.last[0] < self.MAX_GAP_S:
+            acc = self.sums.setdefault(self.last[1], [0.0, 0.0])
+            acc[0] += 1
+            acc[1] += now - self.last[0]
+        self.last = (now, int(batch.batch_size()))
+
+    def curve(self, min_count: int = 3) -> dict[str, float]:
+        return {str(b): t / n for b, (n, t) in sorted(self.sums.items()) if n >= min_count}
+
+
+class EngineClock:
+    """Seconds inside `run_batch` and tokens processed, by forward kind: how much of a rollout
+    the engine spent prefilling (re-prefill of continuations included) vs decoding. On CPU the
+    forward runs inside the call, so this is compute time; with SGLang's overlap scheduler on
+    a GPU it is launch time only and undercounts."""
+
+    def __init__(self) -> None:
+        self.totals = {"prefill": [0.0, 0, 0], "decode": [0.0, 0, 0]}  # seconds, batches, tokens
+
+    def add(self, batch: Any, seconds: float) -> None:
+        if batch is None:
+            return
+        mode = batch.forward_mode
+        if mode.is_decode():
+            acc, tokens = self.totals["decode"], int(batch.batch_size())
+        elif mode.is_extend():  # prefill, chunked prefill, mixed
+            acc, tokens = self.totals["prefill"], int(getattr(batch, "extend_num_tokens", 0) or 0)
+        else:  # idle batches (data parallel padding) cost nothing worth counting
+            return
+        acc[0] += seconds
+        acc[1] += 1
+        acc[2] += tokens
+
+    def snapshot(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind, (seconds, batches, tokens) in self.totals.items():
+            out[f"{kind}_s"], out[f"{kind}_batches"] = round(seconds, 6), batches
+            out[f"{kind}_tokens"] = tokens
+        return out

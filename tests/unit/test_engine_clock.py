@@ -1,0 +1,67 @@
+"""The scheduler-side clocks on stand-in batches (the hooks' arithmetic, without SGLang)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from april_server.engine_clock import EngineClock, StepTimer
+
+
+@dataclass
+class Mode:
+    kind: str
+
+    def is_decode(self) -> bool:
+        return self.kind == "decode"
+
+    def is_extend(self) -> bool:
+        return self.kind in ("extend", "mixed")
+
+
+@dataclass
+class Batch:
+    kind: str
+    size: int
+    extend_num_tokens: int | None = None
+
+    @property
+    def forward_mode(self) -> Mode:
+        return Mode(self.kind)
+
+    def batch_size(self) -> int:
+        return self.size
+
+
+def test_engine_clock_splits_prefill_and_decode() -> None:
+    clock = EngineClock()
+    clock.add(Batch("extend", 2, extend_num_tokens=300), 0.5)
+    clock.add(Batch("decode", 8), 0.01)
+    clock.add(Batch("decode", 6), 0.02)
+    clock.add(Batch("mixed", 3, extend_num_tokens=40), 0.1)
+    clock.add(Batch("idle", 0), 9.0)  # not work: not counted
+    clock.add(None, 9.0)
+    snap = clock.snapshot()
+    assert snap["prefill_s"] == 0.6 and snap["prefill_batches"] == 2
+    assert snap["prefill_tokens"] == 340
+    assert snap["decode_s"] == 0.03 and snap["decode_batches"] == 2
+    assert snap["decode_tokens"] == 14
+
+
+def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
+    timer, now = StepTimer(), [0.0]
+    import april_server.engine_clock as hooks
+
+    real = hooks.time.perf_counter
+    hooks.time.perf_counter = lambda: now[0]  # type: ignore[assignment]
+    try:
+        for t, batch in [(0.0, Batch("decode", 4)), (0.1, Batch("decode", 4)),
+                         (0.2, Batch("decode", 4)), (0.3, Batch("decode", 4)),
+                         (0.4, Batch("extend", 1, 50)), (0.9, Batch("decode", 5))]:  # fmt: skip
+            now[0] = t
+            timer.on_batch(batch)
+    finally:
+        hooks.time.perf_counter = real  # type: ignore[assignment]
+    # Three decode->decode gaps at batch 4 count; the gap that ends in a prefill and the one
+    # across it do not (they hold prefill time, not a decode step).
+    curve = timer.curve(min_count=1)
+    assert set(curve) == {"4"} and abs(curve["4"] - 0.1) < 1e-9
