@@ -42,6 +42,9 @@ class EngineClock:
 
     def __init__(self) -> None:
         self.totals = {"prefill": [0.0, 0, 0], "decode": [0.0, 0, 0]}  # seconds, batches, tokens
+        # Context attended by decode steps (sum of sequence lengths): with the same batch size a
+        # step over longer contexts costs more, so this separates "bigger batch" from "longer".
+        self.decode_context_tokens = 0
 
     def add(self, batch: Any, seconds: float) -> None:
         if batch is None:
@@ -49,6 +52,7 @@ class EngineClock:
         mode = batch.forward_mode
         if mode.is_decode():
             acc, tokens = self.totals["decode"], int(batch.batch_size())
+            self.decode_context_tokens += int(getattr(batch, "seq_lens_sum", 0) or 0)
         elif mode.is_extend():  # prefill, chunked prefill, mixed
             acc, tokens = self.totals["prefill"], int(getattr(batch, "extend_num_tokens", 0) or 0)
         else:  # idle batches (data parallel padding) cost nothing worth counting
@@ -62,4 +66,5 @@ class EngineClock:
         for kind, (seconds, batches, tokens) in self.totals.items():
             out[f"{kind}_s"], out[f"{kind}_batches"] = round(seconds, 6), batches
             out[f"{kind}_tokens"] = tokens
+        out["decode_context_tokens"] = self.decode_context_tokens
         return out

@@ -159,6 +159,7 @@ class ModeRunner:
             rec.prefill_tokens = int(clock.get("prefill_tokens", 0))
             rec.decode_steps = int(clock.get("decode_batches", 0))
             rec.decode_tokens = int(clock.get("decode_tokens", 0))
+            rec.decode_context_tokens = int(clock.get("decode_context_tokens", 0))
         local = self.result.steps[-1].t_end if self.result.steps else 0.0
         rec.t_start, rec.t_end = local, local + rec.wall_s
         self.windows.append((a0, a0 + rec.wall_s, local))

@@ -16,7 +16,8 @@ Definitions (printed by `april-bench --help-metrics`):
 - engine time: the server's own clock of seconds inside SGLang forward batches during the
   step's rollout wall, split into prefill (first prefill and re-prefill of continuations;
   `engine_prefill_tokens`) and decode (`engine_decode_steps`, `engine_mean_decode_batch` =
-  decoded tokens / decode steps); `engine_other_s` = wall - both (scheduling, HTTP, abort and
+  decoded tokens / decode steps, `engine_mean_decode_context` = mean sequence length of a
+  decoding request); `engine_other_s` = wall - both (scheduling, HTTP, abort and
   persistence, the engine idle). Compute time on CPU; launch time only under SGLang's overlap
   scheduler on a GPU.
 - TTFT / TPOT / ITL / E2E follow sglang.bench_serving: TPOT = (E2E - TTFT) / (tokens - 1),
@@ -120,6 +121,7 @@ class StepRecord:
     decode_s: float | None = None
     decode_steps: int = 0
     decode_tokens: int = 0
+    decode_context_tokens: int = 0
     t_start: float = 0.0  # seconds since the mode started
     t_end: float = 0.0
 
@@ -148,6 +150,11 @@ def engine_time_totals(steps: list[StepRecord], wall: float) -> dict[str, Any]:
         "engine_decode_s": round(decode, 4),
         "engine_decode_steps": decode_steps,
         "engine_decode_tokens": sum(r.decode_tokens for r in steps),
+        "engine_mean_decode_context": round(
+            sum(r.decode_context_tokens for r in steps)
+            / max(1, sum(r.decode_tokens for r in steps)),
+            1,
+        ),
         "engine_mean_decode_batch": round(sum(r.decode_tokens for r in steps) / decode_steps, 3)
         if decode_steps
         else None,

@@ -120,7 +120,8 @@ def engine_time_line(r: dict[str, Any]) -> str:
     return (
         f"{r['mode']} engine time (s): prefill {pre:.1f} ({100 * pre / wall:.0f}%, "
         f"{r['engine_prefill_tokens']} tok)  decode {dec:.1f} ({100 * dec / wall:.0f}%, "
-        f"{r['engine_decode_steps']} steps, mean batch {_fmt(r['engine_mean_decode_batch'])})  "
+        f"{r['engine_decode_steps']} steps, mean batch {_fmt(r['engine_mean_decode_batch'])}, "
+        f"mean context {_fmt(r.get('engine_mean_decode_context'), '.0f')})  "
         f"outside forwards {other:.1f} ({100 * other / wall:.0f}%)"
     )
 

@@ -23,6 +23,7 @@ class Batch:
     kind: str
     size: int
     extend_num_tokens: int | None = None
+    seq_lens_sum: int | None = None
 
     @property
     def forward_mode(self) -> Mode:
@@ -35,8 +36,8 @@ class Batch:
 def test_engine_clock_splits_prefill_and_decode() -> None:
     clock = EngineClock()
     clock.add(Batch("extend", 2, extend_num_tokens=300), 0.5)
-    clock.add(Batch("decode", 8), 0.01)
-    clock.add(Batch("decode", 6), 0.02)
+    clock.add(Batch("decode", 8, seq_lens_sum=800), 0.01)
+    clock.add(Batch("decode", 6, seq_lens_sum=90), 0.02)
     clock.add(Batch("mixed", 3, extend_num_tokens=40), 0.1)
     clock.add(Batch("idle", 0), 9.0)  # not work: not counted
     clock.add(None, 9.0)
@@ -44,7 +45,7 @@ def test_engine_clock_splits_prefill_and_decode() -> None:
     assert snap["prefill_s"] == 0.6 and snap["prefill_batches"] == 2
     assert snap["prefill_tokens"] == 340
     assert snap["decode_s"] == 0.03 and snap["decode_batches"] == 2
-    assert snap["decode_tokens"] == 14
+    assert snap["decode_tokens"] == 14 and snap["decode_context_tokens"] == 890
 
 
 def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
