@@ -27,7 +27,14 @@ from clients.bench.metrics import __doc__ as metrics_doc
 from clients.bench.report import plot, records, summary_table, write_jsonl
 from clients.bench.server_api import BenchError
 from clients.bench.session import run_modes
-from clients.bench.sweep import PRESETS, SWEEP_MODES, SweepPoint, sweep_points, sweep_table
+from clients.bench.sweep import (
+    PRESETS,
+    SWEEP_MODES,
+    SweepPoint,
+    repeat_order,
+    sweep_points,
+    sweep_table,
+)
 
 QUICK: dict[str, Any] = {
     "steps": 6, "groups": 8, "n": 4, "max_tokens": 512, "over_sampling": 2.0,
@@ -114,6 +121,14 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="add a sweep configuration, e.g. tiny:2048:8x8 (alone: sweep only these)",
+    )
+    a(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --sweep: measure each configuration R times (a fresh server each, the APRIL "
+        "modes' order reversed every other time) and print median (min-max)",
     )
     a("--no-progress", action="store_true")
     a("--help-metrics", action="store_true", help="print how every figure is defined")
@@ -269,25 +284,38 @@ def run_sweep(args: argparse.Namespace) -> int:
     points = sweep_points(args.sweep, args.sweep_point)
     done: list[tuple[SweepPoint, list[dict[str, Any]]]] = []
     status = 0
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
+    by_label = {s.label: s for s in specs}
     for i, point in enumerate(points):
-        print(f"\n=== sweep {i + 1}/{len(points)}: {point.name} ===", flush=True)
         one = argparse.Namespace(**{**vars(args), "model": point.model,
                                     "max_tokens": point.max_tokens, "groups": point.groups,
                                     "n": point.n})  # fmt: skip
-        rc, recs, results, run_info = measure(one, specs)
-        status = max(status, rc)
-        for rec in recs:
-            rec["sweep_point"] = point.name
-        done.append((point, recs))
-        if args.json_out:
-            write_jsonl(args.json_out, recs)
-        if args.plot_dir and results:
-            sub = args.plot_dir / point.name.replace(":", "_")
-            for path in plot(results, sub, run_info["title"]):
-                print(f"wrote {path}")
+        point_recs: list[dict[str, Any]] = []
+        for rep in range(args.repeat):
+            order = repeat_order(list(by_label), rep)
+            tag = (
+                f" (repeat {rep + 1}/{args.repeat}: {', '.join(order)})" if args.repeat > 1 else ""
+            )
+            print(f"\n=== sweep {i + 1}/{len(points)}: {point.name}{tag} ===", flush=True)
+            rc, recs, results, run_info = measure(one, [by_label[m] for m in order])
+            status = max(status, rc)
+            for rec in recs:
+                rec["sweep_point"], rec["repeat"] = point.name, rep
+            point_recs += recs
+            if args.json_out:
+                write_jsonl(args.json_out, recs)
+            if args.plot_dir and results:
+                sub = args.plot_dir / point.name.replace(":", "_")
+                if args.repeat > 1:
+                    sub = sub / f"repeat{rep + 1}"
+                for path in plot(results, sub, run_info["title"]):
+                    print(f"wrote {path}")
+        done.append((point, point_recs))
     labels = ", ".join(s.label for s in specs)
+    reps = f"; median (min-max) of {args.repeat} runs" if args.repeat > 1 else ""
     print(f"\n== sweep: consumed-token throughput vs sync ({labels}; {args.steps} steps, "
-          f"over-sampling {args.over_sampling}, seed {args.seed}) ==")  # fmt: skip
+          f"over-sampling {args.over_sampling}, seed {args.seed}{reps}) ==")  # fmt: skip
     print(sweep_table(done))
     if args.json_out:
         print(f"wrote {args.json_out}")

@@ -1,6 +1,11 @@
 """`april-bench --sweep`: the same comparison over several configurations, one launched server
 each, then one table with every configuration's ratios side by side.
 
+With `--repeat R` each configuration is measured R times, each on a fresh server, the APRIL
+modes' order reversed every other time (so a "runs last" effect cancels), and every cell of the
+table is the median with the range over the repeats: on a small shared machine one run's ratio
+moves by +-20 %, so a single figure would mislead.
+
 A point is written `MODEL:MAX_TOKENS:GROUPSxN`, e.g. `tiny:512:8x4` or `smollm2:128:4x4`. The
 presets are the four configurations of the adaptive over-provisioning issue: where static APRIL
 gains (small running batch on a small model) and where it loses (saturated or compute-bound).
@@ -9,6 +14,7 @@ gains (small running batch on a small model) and where it loses (saturated or co
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,13 +64,16 @@ def sweep_points(use_presets: bool, named: Sequence[str]) -> list[SweepPoint]:
     return points
 
 
-def _ratio(rec: dict[str, Any] | None) -> str:
-    v = rec.get("output_throughput_vs_sync") if rec else None
-    return "n/a" if v is None else f"x{v:.2f}"
+def repeat_order(labels: Sequence[str], repeat: int) -> list[str]:
+    """Mode order of repeat `repeat` (0-based): sync first, the others reversed every other time."""
+    first = [m for m in labels if m == "sync"]
+    rest = [m for m in labels if m != "sync"]
+    return first + (rest[::-1] if repeat % 2 else rest)
 
 
 def sweep_table(results: Sequence[tuple[SweepPoint, list[dict[str, Any]]]]) -> str:
-    """One row per configuration: sync throughput, then each other mode's tok/s and ratio."""
+    """One row per configuration: sync throughput, then each other mode's tok/s and ratio; with
+    several repeats of a configuration (records with the same mode), median (min-max)."""
     labels: list[str] = []
     for _, recs in results:
         for r in recs:
@@ -77,15 +86,16 @@ def sweep_table(results: Sequence[tuple[SweepPoint, list[dict[str, Any]]]]) -> s
     head.append("checks")
     rows = [head]
     for point, recs in results:
-        by_mode = {r["mode"]: r for r in recs}
-        sync = by_mode.get("sync")
-        row = [point.name, _tok(sync)]
+        by_mode: dict[str, list[dict[str, Any]]] = {}
+        for r in recs:
+            by_mode.setdefault(r["mode"], []).append(r)
+        row = [point.name, _cell(by_mode.get("sync", []), "output_throughput", "{:.1f}")]
         for label in labels:
-            rec = by_mode.get(label)
-            row += [_tok(rec), _ratio(rec)]
+            runs = by_mode.get(label, [])
+            row += [_cell(runs, "output_throughput", "{:.1f}"),
+                    _cell(runs, "output_throughput_vs_sync", "x{:.2f}")]  # fmt: skip
             if "auto" in label:
-                targets = (rec or {}).get("inflight_targets") or []
-                row.append("/".join(str(t) for t in targets) or "n/a")
+                row.append(_targets(runs))
         ok = all(r.get("checks_ok", True) for r in recs if r.get("available"))
         row.append("ok" if ok and recs else "FAIL")
         rows.append(row)
@@ -95,6 +105,22 @@ def sweep_table(results: Sequence[tuple[SweepPoint, list[dict[str, Any]]]]) -> s
     return "\n".join(lines)
 
 
-def _tok(rec: dict[str, Any] | None) -> str:
-    v = rec.get("output_throughput") if rec else None
-    return "n/a" if v is None else f"{v:.1f}"
+def _cell(runs: Sequence[dict[str, Any]], key: str, fmt: str) -> str:
+    values = [float(r[key]) for r in runs if r.get(key) is not None]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{fmt.format(mid)} ({fmt.format(lo)}-{fmt.format(hi)})"
+
+
+def _targets(runs: Sequence[dict[str, Any]]) -> str:
+    """The running target of every step (one run), or median (min-max) over repeats' steps."""
+    per_run = [r.get("inflight_targets") or [] for r in runs]
+    if len(per_run) == 1:
+        return "/".join(str(t) for t in per_run[0]) or "n/a"
+    flat = [t for targets in per_run for t in targets]
+    if not flat:
+        return "n/a"
+    return f"{statistics.median(flat):g} ({min(flat)}-{max(flat)})"

@@ -48,20 +48,27 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
 def test_sweep_compares_static_and_adaptive_side_by_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`--sweep-point` launches its own server per configuration and prints one table."""
+    """`--sweep-point` launches its own server per configuration and run, alternates the APRIL
+    modes' order between repeats, and prints one table of medians."""
     out = tmp_path / "sweep.jsonl"
     argv = ["--sweep-point", "tiny:40:2x2", "--steps", "2", "--no-progress", "--warmup", "0",
-            "--json-out", str(out)]  # fmt: skip
+            "--repeat", "2", "--json-out", str(out)]  # fmt: skip
     with pytest.raises(SystemExit) as done:
         cli.main(argv)
     assert done.value.code == 0
-    recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"sync", "april@all", "april@auto"}
-    assert {r["sweep_point"] for r in recs.values()} == {"tiny:40:2x2"}
-    for r in recs.values():
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    order = [[r["mode"] for r in recs if r["repeat"] == rep] for rep in (0, 1)]
+    assert order == [["sync", "april@all", "april@auto"], ["sync", "april@auto", "april@all"]]
+    assert {r["sweep_point"] for r in recs} == {"tiny:40:2x2"}
+    assert len({r["run_id"] for r in recs}) == 2  # a fresh server and run per repeat
+    for r in recs:
         assert r["available"] and r["checks_ok"], r["checks"]
         assert [s["consumed_samples"] for s in r["per_step"]] == [4, 4]
-    assert recs["april@all"]["inflight_targets"] == []  # pinned: the server chose nothing
-    assert len(recs["april@auto"]["inflight_targets"]) == 2
+        if r["mode"] == "april@all":
+            assert r["inflight_targets"] == []  # pinned: the server chose nothing
+        if r["mode"] == "april@auto":
+            assert len(r["inflight_targets"]) == 2
     table = capsys.readouterr().out.split("== sweep:")[1]
-    assert "tiny:40:2x2" in table and "april@auto tok/s" in table and "ok" in table
+    assert "median (min-max) of 2 runs" in table and "tiny:40:2x2" in table
+    row = next(line for line in table.splitlines() if line.strip().startswith("tiny:40:2x2"))
+    assert row.count("(") == 6 and row.rstrip().endswith("ok"), row  # 5 medians + target range

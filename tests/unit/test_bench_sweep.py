@@ -7,7 +7,7 @@ import pytest
 from clients.bench import cli
 from clients.bench.driver import ModeSpec
 from clients.bench.server_api import BenchError
-from clients.bench.sweep import PRESETS, SweepPoint, sweep_points, sweep_table
+from clients.bench.sweep import PRESETS, SweepPoint, repeat_order, sweep_points, sweep_table
 
 
 def test_mode_spec_policies() -> None:
@@ -66,3 +66,27 @@ def test_sweep_table_puts_configurations_side_by_side() -> None:
                                 "40/32", "ok"]  # fmt: skip
     assert lines[3].split() == ["smollm2:128:4x4", "50.0", "n/a", "n/a", "49.0", "x0.98", "n/a",
                                 "ok"]  # fmt: skip
+
+
+def test_repeats_alternate_the_april_modes_order() -> None:
+    labels = ["sync", "april@all", "april@auto"]
+    assert repeat_order(labels, 0) == labels
+    assert repeat_order(labels, 1) == ["sync", "april@auto", "april@all"]
+    assert repeat_order(labels, 2) == labels
+    with pytest.raises(SystemExit, match="at least 1"):
+        cli.run_sweep(cli.parse_args(["--sweep-point", "tiny:8:1x1", "--repeat", "0"]))
+
+
+def test_sweep_table_gives_median_and_range_over_repeats() -> None:
+    def rec(mode: str, tok: float, ratio: float, targets: list[int] | None = None) -> dict:
+        return {"mode": mode, "available": True, "output_throughput": tok,
+                "output_throughput_vs_sync": ratio, "checks_ok": True,
+                "inflight_targets": targets or []}  # fmt: skip
+
+    runs = [rec("sync", 100.0, 1.0), rec("april@auto", 150.0, 1.5, [40, 30]),
+            rec("sync", 120.0, 1.0), rec("april@auto", 130.0, 1.08, [38]),
+            rec("sync", 90.0, 1.0), rec("april@auto", 180.0, 2.0, [44])]  # fmt: skip
+    runs[-1]["checks_ok"] = False
+    line = sweep_table([(SweepPoint("tiny", 512, 8, 4), runs)]).splitlines()[2]
+    assert line.split() == ["tiny:512:8x4", "100.0", "(90.0-120.0)", "150.0", "(130.0-180.0)",
+                            "x1.50", "(x1.08-x2.00)", "39", "(30-44)", "FAIL"]  # fmt: skip
