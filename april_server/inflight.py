@@ -12,6 +12,8 @@ never more than what was sent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
+from statistics import median
 
 EPS = 0.05  # "raises throughput" means by more than 5 %
 MIN_POINTS = 3  # below this many measured batch sizes, fall back to the prior
@@ -52,14 +54,31 @@ class StepCurve:
         if lo is not None and hi is not None:  # interpolate
             w = (b - lo) / (hi - lo)
             return self.points[lo] * (1 - w) + self.points[hi] * w
-        # Extrapolate with the slope of the two nearest points (never a negative cost).
-        pair = sizes[:2] if hi is not None else sizes[-2:]
-        if len(pair) < 2:
-            return self.points[pair[0]]
-        a, c = pair
+        if hi is None:
+            return self._beyond(sizes, b)
+        # Below the smallest measured size: the slope of the two smallest (never negative).
+        if len(sizes) < 2:
+            return self.points[sizes[0]]
+        a, c = sizes[:2]
         slope = max((self.points[c] - self.points[a]) / (c - a), 0.0)
-        edge = a if hi is not None else c
-        return max(self.points[edge] + slope * (b - edge), 1e-9)
+        return max(self.points[a] - slope * (a - b), 1e-9)
+
+    def _beyond(self, sizes: list[int], b: int) -> float:
+        """Past the largest measured size: a Theil-Sen line (median of pairwise slopes, never
+        negative) over the upper half of the measured sizes. Not the last two points' slope:
+        after isotonic pooling that is either 0 (one flat block) or whatever one noisy step
+        makes it, and a steep one keeps the policy from ever exploring past what it measured.
+        A median ignores a few slow outlier steps, which a least-squares line would not."""
+        top = sizes[-1]
+        if len(sizes) < 2:
+            return self.points[top]
+        upper = [s for s in sizes if s >= top / 2]
+        if len(upper) < 2:
+            upper = sizes[-2:]
+        pts = self.points
+        slope = max(median((pts[j] - pts[i]) / (j - i) for i, j in combinations(upper, 2)), 0.0)
+        intercept = median(pts[s] - slope * s for s in upper)
+        return max(intercept + slope * b, 1e-9)
 
     def throughput(self, b: int) -> float:
         return b / self.step_time(b)

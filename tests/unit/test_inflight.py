@@ -89,3 +89,17 @@ def test_smoothing_removes_dips_and_keeps_monotone_curves() -> None:
     assert all(fit[a] <= fit[b] for a, b in zip([1, 2, 4, 8], [2, 4, 8, 16], strict=True))
     mono = {1: 0.01, 2: 0.02, 4: 0.03}
     assert StepCurve.smoothed(mono).points == mono
+
+
+def test_one_noisy_top_step_does_not_stop_exploration() -> None:
+    # Still-rising throughput measured at every size up to the quota's 32, the last step slowed
+    # by noise (CPU contention): the policy must still look past 32, not settle at the quota.
+    raw = {b: 0.004 + 0.0001 * b for b in range(1, 33)}
+    raw[32] = 0.02
+    d = choose_running_target(StepCurve.smoothed(raw), demand=32, cap=64)
+    assert d.running_target > 40, d
+    # A genuinely steep top (compute-bound from 16 on) still stops at the quota.
+    steep = {
+        b: 0.004 + (0.0001 * b if b <= 16 else 0.0016 + 0.002 * (b - 16)) for b in range(1, 33)
+    }
+    assert choose_running_target(StepCurve.smoothed(steep), demand=32, cap=64).running_target == 32
