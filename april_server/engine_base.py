@@ -6,8 +6,10 @@ Tests plug in a fake with the same interface, so the bookkeeping is tested witho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
+from april_server.inflight import StepStat
 from april_server.samples import SegmentResult
 
 
@@ -42,9 +44,10 @@ class BaseEngine(ABC):
         """Ask the engine to stop `rid`. Fire and forget: a request the engine has not seen
         yet may miss it, so callers repeat until the generate call has returned."""
 
-    async def step_curve(self) -> dict[int, float]:
-        """Mean seconds per decode step by running-batch size, as measured by the engine
-        (empty when it measures nothing: the in-flight policy then uses its prior)."""
+    async def step_curve(self) -> Mapping[int, float | StepStat]:
+        """Seconds per decode step by running-batch size, as measured by the engine: a
+        `StepStat` (count, mean, spread) or a bare mean (empty when it measures nothing: the
+        in-flight policy then uses its prior)."""
         return {}
 
     async def engine_clock(self) -> dict[str, float]:

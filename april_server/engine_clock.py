@@ -5,6 +5,7 @@ kind (where a rollout's engine time goes). Batches are duck-typed: `forward_mode
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -16,7 +17,8 @@ class StepTimer:
     MAX_GAP_S = 2.0  # a longer gap means the engine idled or prefilled in between
 
     def __init__(self) -> None:
-        self.sums: dict[int, list[float]] = {}  # batch size -> [count, total seconds]
+        # batch size -> [count, total seconds, total squared seconds]
+        self.sums: dict[int, list[float]] = {}
         self.last: tuple[float, int] | None = None
 
     def on_batch(self, batch: Any) -> None:
@@ -25,13 +27,22 @@ class StepTimer:
             self.last = None
             return
         if self.last is not None and now - self.last[0] < self.MAX_GAP_S:
-            acc = self.sums.setdefault(self.last[1], [0.0, 0.0])
+            gap = now - self.last[0]
+            acc = self.sums.setdefault(self.last[1], [0.0, 0.0, 0.0])
             acc[0] += 1
-            acc[1] += now - self.last[0]
+            acc[1] += gap
+            acc[2] += gap * gap
         self.last = (now, int(batch.batch_size()))
 
-    def curve(self, min_count: int = 3) -> dict[str, float]:
-        return {str(b): t / n for b, (n, t) in sorted(self.sums.items()) if n >= min_count}
+    def curve(self, min_count: int = 3) -> dict[str, list[float]]:
+        """Batch size -> [count, mean seconds, standard deviation]: the policy needs to know
+        how well each size is measured, not only its mean."""
+        out: dict[str, list[float]] = {}
+        for b, (n, t, t2) in sorted(self.sums.items()):
+            if n >= min_count:
+                mean = t / n
+                out[str(b)] = [n, mean, math.sqrt(max(t2 - n * mean * mean, 0.0) / max(n - 1, 1))]
+        return out
 
 
 class EngineClock:

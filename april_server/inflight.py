@@ -6,17 +6,41 @@ a bigger batch still raises throughput (small models, memory-bound decode); once
 saturated (t grows ~linearly with b), extra concurrency only adds stale tokens and re-prefill.
 So the running target is the smallest batch reaching (1 - EPS) of the best throughput seen or
 extrapolated, never less than what the quota itself needs (what a synchronous trainer runs),
-never more than what was sent.
+never more than what was sent. Thinly measured sizes are credited with the doubt (`StepStat`),
+so the policy goes and measures them rather than trusting a few noisy steps forever.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import combinations
 from statistics import median
+from typing import NamedTuple
 
 EPS = 0.05  # "raises throughput" means by more than 5 %
 MIN_POINTS = 3  # below this many measured batch sizes, fall back to the prior
+Z = 2.0  # optimism: a size is credited with its mean step time minus Z standard errors
+
+
+class StepStat(NamedTuple):
+    """What the scheduler measured at one running-batch size."""
+
+    steps: int  # decode steps measured at this size
+    mean_s: float
+    std_s: float
+
+    def optimistic(self) -> float:
+        """A lower confidence bound on the step time. Large batches are measured only while
+        the policy runs them, so a few slow steps there (CPU contention, the burst of a step's
+        admissions) would otherwise keep it below them for good; crediting a thinly measured
+        size with the doubt makes the policy try it, and trying it measures it (the bandit's
+        optimism under uncertainty). Never below half the mean: one size's spread is no
+        evidence that it is free."""
+        if self.steps < 2:
+            return self.mean_s
+        return max(self.mean_s - Z * self.std_s / math.sqrt(self.steps), self.mean_s / 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +50,17 @@ class StepCurve:
     points: dict[int, float]
 
     @classmethod
-    def smoothed(cls, raw: dict[int, float]) -> StepCurve:
+    def smoothed(cls, raw: Mapping[int, float | StepStat]) -> StepCurve:
         """Isotonic (non-decreasing in batch size) fit by pool-adjacent-violators: a bigger
         batch never steps faster, so a dip is measurement noise (CPU contention, a prefill
-        squeezed between two decode steps), not a cheaper batch."""
-        blocks: list[list[float]] = []  # [total, count, first index]
+        squeezed between two decode steps), not a cheaper batch. Measured sizes (`StepStat`)
+        enter with their optimistic step time, weighted by how often they were measured."""
+        blocks: list[list[float]] = []  # [weighted total, weight, first index]
         sizes = sorted(raw)
         for i, b in enumerate(sizes):
-            blocks.append([raw[b], 1.0, float(i)])
+            m = raw[b]
+            t, w = (m.optimistic(), float(m.steps)) if isinstance(m, StepStat) else (m, 1.0)
+            blocks.append([t * w, w, float(i)])
             while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
                 t, n, _ = blocks.pop()
                 blocks[-1][0] += t

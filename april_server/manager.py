@@ -15,13 +15,14 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from april_server import samples as S
 from april_server.engine_base import BaseEngine
 from april_server.errors import ApiError, bad_request, conflict, not_found
-from april_server.inflight import InflightDecision, StepCurve, choose_running_target
+from april_server.inflight import InflightDecision, StepCurve, StepStat, choose_running_target
 from april_server.protocol import (
     AbortReq,
     AbortResp,
@@ -97,7 +98,9 @@ class RolloutManager:
         self.finished_batches: OrderedDict[str, None] = OrderedDict()
         self.version_history: list[str] = []
         self.counters = Counters()
-        self.last_inflight: tuple[InflightDecision, StepCurve] | None = None
+        self.last_inflight: (
+            tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
+        ) = None
 
     # ---- lookups -----------------------------------------------------------------------------
 
@@ -357,17 +360,26 @@ class RolloutManager:
     def _inflight_stats(self) -> dict[str, Any]:
         if self.last_inflight is None:
             return {"last_target": None}
-        decision, curve = self.last_inflight
+        decision, curve, raw = self.last_inflight
+        measured = {
+            str(b): [m.steps, round(m.mean_s, 6), round(m.std_s, 6)]
+            for b, m in sorted(raw.items())
+            if isinstance(m, StepStat)
+        }
         return {
             "last_target": decision.running_target,
             "reason": decision.reason,
+            # What the decision used: smoothed, thinly measured sizes credited with the doubt.
             "step_time_s_by_batch": {str(b): round(t, 6) for b, t in sorted(curve.points.items())},
+            # What the scheduler measured: [decode steps, mean s, standard deviation s].
+            "measured_by_batch": measured,
         }
 
     async def inflight_decision(self, demand: int, cap: int) -> InflightDecision:
-        curve = StepCurve.smoothed(await self.engine.step_curve())
+        raw = await self.engine.step_curve()
+        curve = StepCurve.smoothed(raw)
         decision = choose_running_target(curve, demand, cap)
-        self.last_inflight = (decision, curve)
+        self.last_inflight = (decision, curve, raw)
         return decision
 
     # ---- integrity ---------------------------------------------------------------------------

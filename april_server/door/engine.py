@@ -17,6 +17,7 @@ from typing import Any
 from april_server.config import AprilConfig
 from april_server.engine_base import BaseEngine, SnapshotEngine
 from april_server.errors import bad_request
+from april_server.inflight import StepStat
 from april_server.samples import SegmentResult
 
 logger = logging.getLogger(__name__)
@@ -105,9 +106,11 @@ class SGLangEngine(SnapshotEngine):
     async def snapshot_stats(self) -> dict[str, Any]:
         return (await self._kv("stats"))[1]
 
-    async def step_curve(self) -> dict[int, float]:
+    async def step_curve(self) -> dict[int, StepStat]:
         ok, payload = await self._kv("curve")
-        return {int(b): float(t) for b, t in payload.items()} if ok else {}
+        if not ok:
+            return {}
+        return {int(b): StepStat(int(n), float(m), float(s)) for b, (n, m, s) in payload.items()}
 
     async def engine_clock(self) -> dict[str, float]:
         ok, payload = await self._kv("clock")

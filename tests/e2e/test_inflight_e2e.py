@@ -96,6 +96,9 @@ def test_auto_never_runs_more_than_sent_or_its_target(
     left = {g["group_id"] for g in ok(http.get(R + "/partials"))["groups"]}
     assert len(left) == sent_total - 3 * 2
     assert len(policy["step_time_s_by_batch"]) >= 3  # the curve was measured, not the prior
+    measured = policy["measured_by_batch"]  # what the scheduler measured, with its spread
+    assert set(measured) == set(policy["step_time_s_by_batch"])
+    assert all(n >= 3 and mean > 0 and std >= 0 for n, mean, std in measured.values())
 
 
 def test_pinned_integer_caps_the_running_batch(http: httpx.Client, tiny_server: ServerProc) -> None:

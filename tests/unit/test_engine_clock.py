@@ -65,4 +65,6 @@ def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
     # Three decode->decode gaps at batch 4 count; the gap that ends in a prefill and the one
     # across it do not (they hold prefill time, not a decode step).
     curve = timer.curve(min_count=1)
-    assert set(curve) == {"4"} and abs(curve["4"] - 0.1) < 1e-9
+    assert set(curve) == {"4"}
+    steps, mean, std = curve["4"]
+    assert steps == 3 and abs(mean - 0.1) < 1e-9 and std < 1e-6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from april_server.inflight import StepCurve, choose_running_target
+from april_server.inflight import StepCurve, StepStat, choose_running_target
 from april_server.manager import RolloutManager
 from april_server.protocol import GroupSpec, RolloutReq
 from april_server.rollout import rollout
@@ -103,3 +103,27 @@ def test_one_noisy_top_step_does_not_stop_exploration() -> None:
         b: 0.004 + (0.0001 * b if b <= 16 else 0.0016 + 0.002 * (b - 16)) for b in range(1, 33)
     }
     assert choose_running_target(StepCurve.smoothed(steep), demand=32, cap=64).running_target == 32
+
+
+def test_a_thinly_measured_slow_top_is_tried_a_well_measured_one_is_not() -> None:
+    # Throughput still rising up to the quota's 32 (measured hundreds of times); bigger sizes
+    # seen only in a few slow steps (the burst at the start of one call) look worse than 32.
+    low = {b: StepStat(300, 0.004 + 0.0002 * b, 0.003) for b in range(1, 33)}
+    slow_top = {b: 0.02 for b in range(40, 61, 4)}
+    thin = {**low, **{b: StepStat(3, t, 0.006) for b, t in slow_top.items()}}
+    assert choose_running_target(StepCurve.smoothed(thin), demand=32, cap=64).running_target > 40
+    # Once those sizes are measured as often and still slow, the quota's 32 is the knee.
+    thick = {**low, **{b: StepStat(300, t, 0.006) for b, t in slow_top.items()}}
+    assert choose_running_target(StepCurve.smoothed(thick), demand=32, cap=64).running_target == 32
+    # Bare means (no spread known) are taken as they are.
+    bare = {**{b: s.mean_s for b, s in low.items()}, **slow_top}
+    assert choose_running_target(StepCurve.smoothed(bare), demand=32, cap=64).running_target == 32
+
+
+def test_optimism_is_bounded_and_weights_pool_by_measurements() -> None:
+    assert StepStat(1, 0.01, 0.5).optimistic() == 0.01  # one step: no spread to speak of
+    assert StepStat(4, 0.01, 0.5).optimistic() == 0.005  # never below half the mean
+    assert abs(StepStat(100, 0.01, 0.001).optimistic() - 0.0098) < 1e-12
+    # A dip pooled with a heavily measured neighbour lands near that neighbour, not midway.
+    fit = StepCurve.smoothed({8: StepStat(1000, 0.02, 0.0), 9: StepStat(2, 0.01, 0.0)}).points
+    assert abs(fit[8] - fit[9]) < 1e-12 and abs(fit[8] - (1000 * 0.02 + 2 * 0.01) / 1002) < 1e-12
