@@ -12,36 +12,42 @@ from typing import Any
 
 class StepTimer:
     """Decode step time by running-batch size: the gap between consecutive decode steps
-    (it includes scheduling overhead, which is a real per-step cost)."""
+    (it includes scheduling overhead, which is a real per-step cost), with the context those
+    steps attended (sum of sequence lengths), since a step over longer contexts costs more at
+    the same batch size."""
 
     MAX_GAP_S = 2.0  # a longer gap means the engine idled or prefilled in between
 
     def __init__(self) -> None:
-        # batch size -> [count, total seconds, total squared seconds]
+        # batch size -> [steps, sum t, sum t^2, sum ctx, sum ctx^2, sum t*ctx]
         self.sums: dict[int, list[float]] = {}
-        self.last: tuple[float, int] | None = None
+        self.last: tuple[float, int, int] | None = None
 
-    def on_batch(self, batch: Any) -> None:
-        now = time.perf_counter()
+    def on_batch(self, batch: Any, started_at: float | None = None) -> None:
+        """`started_at`: when the batch's step began (default: now)."""
+        now = time.perf_counter() if started_at is None else started_at
         if batch is None or not batch.forward_mode.is_decode():
             self.last = None
             return
         if self.last is not None and now - self.last[0] < self.MAX_GAP_S:
-            gap = now - self.last[0]
-            acc = self.sums.setdefault(self.last[1], [0.0, 0.0, 0.0])
-            acc[0] += 1
-            acc[1] += gap
-            acc[2] += gap * gap
-        self.last = (now, int(batch.batch_size()))
+            gap, ctx = now - self.last[0], float(self.last[2])
+            acc = self.sums.setdefault(self.last[1], [0.0] * 6)
+            for i, v in enumerate((1.0, gap, gap * gap, ctx, ctx * ctx, gap * ctx)):
+                acc[i] += v
+        context = int(getattr(batch, "seq_lens_sum", 0) or 0)
+        self.last = (now, int(batch.batch_size()), context)
 
     def curve(self, min_count: int = 3) -> dict[str, list[float]]:
-        """Batch size -> [count, mean seconds, standard deviation]: the policy needs to know
-        how well each size is measured, not only its mean."""
+        """Batch size -> [steps, mean s, std s, mean context, S_tc, S_cc], where S_tc and S_cc
+        are the centred sums (co-variation of time with context, and of context with itself)
+        the policy pools into one seconds-per-context-token slope."""
         out: dict[str, list[float]] = {}
-        for b, (n, t, t2) in sorted(self.sums.items()):
+        for b, (n, t, t2, c, c2, tc) in sorted(self.sums.items()):
             if n >= min_count:
-                mean = t / n
-                out[str(b)] = [n, mean, math.sqrt(max(t2 - n * mean * mean, 0.0) / max(n - 1, 1))]
+                mean_t, mean_c = t / n, c / n
+                std_t = math.sqrt(max(t2 - n * mean_t * mean_t, 0.0) / max(n - 1, 1))
+                s_tc, s_cc = tc - n * mean_t * mean_c, max(c2 - n * mean_c * mean_c, 0.0)
+                out[str(b)] = [n, mean_t, std_t, mean_c, s_tc, s_cc]
         return out
 
 

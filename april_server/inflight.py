@@ -30,6 +30,9 @@ class StepStat(NamedTuple):
     steps: int  # decode steps measured at this size
     mean_s: float
     std_s: float
+    mean_context: float = 0.0  # tokens attended per step (sum of sequence lengths)
+    s_tc: float = 0.0  # centred co-sum of step time and context
+    s_cc: float = 0.0  # centred sum of squares of context
 
     def optimistic(self) -> float:
         """A lower confidence bound on the step time. Large batches are measured only while
@@ -44,6 +47,35 @@ class StepStat(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class ContextModel:
+    """t = f(b) + cost_per_token x context: attention reads every attended token (compute on
+    CPU, KV bandwidth on a GPU), so one size's steps are cheaper early in a step, when contexts
+    are short. Without this, a size measured mostly at short contexts (a warm-up, the start of
+    every step) looks cheaper than its neighbours and pins the target there."""
+
+    cost_per_token_s: float  # pooled within-size slope: the batch-size effect drops out
+    context_per_sample: float  # what the steps attended per running sample, on average
+
+    @classmethod
+    def fit(cls, raw: Mapping[int, float | StepStat]) -> ContextModel | None:
+        stats = {b: m for b, m in raw.items() if isinstance(m, StepStat) and m.mean_context > 0}
+        s_cc = sum(m.s_cc for m in stats.values())
+        steps_x_batch = sum(m.steps * b for b, m in stats.items())
+        if s_cc <= 0 or steps_x_batch <= 0:
+            return None
+        slope = max(sum(m.s_tc for m in stats.values()) / s_cc, 0.0)
+        per_sample = sum(m.steps * m.mean_context for m in stats.values()) / steps_x_batch
+        return cls(slope, per_sample)
+
+    def at_common_context(self, b: int, m: StepStat) -> StepStat:
+        """The step time size `b` would have had at the common context per sample."""
+        shift = self.cost_per_token_s * (b * self.context_per_sample - m.mean_context)
+        return m._replace(
+            mean_s=max(m.mean_s + shift, 1e-9), mean_context=b * self.context_per_sample
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class StepCurve:
     """Mean seconds per decode step, by running-batch size (measured sizes only)."""
 
@@ -54,11 +86,15 @@ class StepCurve:
         """Isotonic (non-decreasing in batch size) fit by pool-adjacent-violators: a bigger
         batch never steps faster, so a dip is measurement noise (CPU contention, a prefill
         squeezed between two decode steps), not a cheaper batch. Measured sizes (`StepStat`)
-        enter with their optimistic step time, weighted by how often they were measured."""
+        enter at a common context per sample (`ContextModel`) with their optimistic step time,
+        weighted by how often they were measured."""
+        model = ContextModel.fit(raw)
         blocks: list[list[float]] = []  # [weighted total, weight, first index]
         sizes = sorted(raw)
         for i, b in enumerate(sizes):
             m = raw[b]
+            if model is not None and isinstance(m, StepStat) and m.mean_context > 0:
+                m = model.at_common_context(b, m)
             t, w = (m.optimistic(), float(m.steps)) if isinstance(m, StepStat) else (m, 1.0)
             blocks.append([t * w, w, float(i)])
             while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:

@@ -22,7 +22,13 @@ from typing import Any
 from april_server import samples as S
 from april_server.engine_base import BaseEngine
 from april_server.errors import ApiError, bad_request, conflict, not_found
-from april_server.inflight import InflightDecision, StepCurve, StepStat, choose_running_target
+from april_server.inflight import (
+    ContextModel,
+    InflightDecision,
+    StepCurve,
+    StepStat,
+    choose_running_target,
+)
 from april_server.protocol import (
     AbortReq,
     AbortResp,
@@ -362,17 +368,21 @@ class RolloutManager:
             return {"last_target": None}
         decision, curve, raw = self.last_inflight
         measured = {
-            str(b): [m.steps, round(m.mean_s, 6), round(m.std_s, 6)]
+            str(b): [m.steps, round(m.mean_s, 6), round(m.std_s, 6), round(m.mean_context, 1)]
             for b, m in sorted(raw.items())
             if isinstance(m, StepStat)
         }
+        context = ContextModel.fit(raw)
         return {
             "last_target": decision.running_target,
             "reason": decision.reason,
-            # What the decision used: smoothed, thinly measured sizes credited with the doubt.
+            # What the decision used: at a common context, smoothed, thinly measured sizes
+            # credited with the doubt.
             "step_time_s_by_batch": {str(b): round(t, 6) for b, t in sorted(curve.points.items())},
-            # What the scheduler measured: [decode steps, mean s, standard deviation s].
+            # What the scheduler measured: [decode steps, mean s, std s, mean context tokens].
             "measured_by_batch": measured,
+            "context_cost_s_per_token": None if context is None else context.cost_per_token_s,
+            "context_per_sample": None if context is None else round(context.context_per_sample, 1),
         }
 
     async def inflight_decision(self, demand: int, cap: int) -> InflightDecision:

@@ -110,7 +110,7 @@ class SGLangEngine(SnapshotEngine):
         ok, payload = await self._kv("curve")
         if not ok:
             return {}
-        return {int(b): StepStat(int(n), float(m), float(s)) for b, (n, m, s) in payload.items()}
+        return {int(b): StepStat(int(v[0]), *map(float, v[1:])) for b, v in payload.items()}
 
     async def engine_clock(self) -> dict[str, float]:
         ok, payload = await self._kv("clock")

@@ -85,16 +85,14 @@ def _after_flush(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
 def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw: Any) -> Any:
     if _active is None:
         return original(scheduler, batch, *args, **kw)
-    try:
-        _active.steps.on_batch(batch)
-    except Exception:  # measurement must never break a step
-        logger.exception("april: step timing failed")
     t0 = time.perf_counter()
     result = original(scheduler, batch, *args, **kw)
-    try:
+    try:  # measurement must never break a step
+        # After the call: SGLang fills the batch's `seq_lens_sum` inside run_batch.
+        _active.steps.on_batch(batch, started_at=t0)
         _active.clock.add(batch, time.perf_counter() - t0)
     except Exception:
-        logger.exception("april: engine clock failed")
+        logger.exception("april: engine timing failed")
     return result
 
 

@@ -55,8 +55,10 @@ def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
     real = hooks.time.perf_counter
     hooks.time.perf_counter = lambda: now[0]  # type: ignore[assignment]
     try:
-        for t, batch in [(0.0, Batch("decode", 4)), (0.1, Batch("decode", 4)),
-                         (0.2, Batch("decode", 4)), (0.3, Batch("decode", 4)),
+        for t, batch in [(0.0, Batch("decode", 4, seq_lens_sum=40)),
+                         (0.1, Batch("decode", 4, seq_lens_sum=44)),
+                         (0.2, Batch("decode", 4, seq_lens_sum=48)),
+                         (0.3, Batch("decode", 4, seq_lens_sum=52)),
                          (0.4, Batch("extend", 1, 50)), (0.9, Batch("decode", 5))]:  # fmt: skip
             now[0] = t
             timer.on_batch(batch)
@@ -66,5 +68,7 @@ def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
     # across it do not (they hold prefill time, not a decode step).
     curve = timer.curve(min_count=1)
     assert set(curve) == {"4"}
-    steps, mean, std = curve["4"]
+    steps, mean, std, context, s_tc, s_cc = curve["4"]
     assert steps == 3 and abs(mean - 0.1) < 1e-9 and std < 1e-6
+    # Each gap is charged to the step that opened it, with that step's context: 40, 44, 48.
+    assert context == 44 and abs(s_cc - 32) < 1e-9 and abs(s_tc) < 1e-9

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from april_server.inflight import StepCurve, StepStat, choose_running_target
+from april_server.inflight import ContextModel, StepCurve, StepStat, choose_running_target
 from april_server.manager import RolloutManager
 from april_server.protocol import GroupSpec, RolloutReq
 from april_server.rollout import rollout
@@ -127,3 +127,42 @@ def test_optimism_is_bounded_and_weights_pool_by_measurements() -> None:
     # A dip pooled with a heavily measured neighbour lands near that neighbour, not midway.
     fit = StepCurve.smoothed({8: StepStat(1000, 0.02, 0.0), 9: StepStat(2, 0.01, 0.0)}).points
     assert abs(fit[8] - fit[9]) < 1e-12 and abs(fit[8] - (1000 * 0.02 + 2 * 0.01) / 1002) < 1e-12
+
+
+def measured(b: int, contexts: list[float], cost: Any) -> StepStat:
+    """What the timer reports for `b` running samples over steps at these contexts."""
+    times = [cost(b, c) for c in contexts]
+    n, mt, mc = len(times), sum(times) / len(times), sum(contexts) / len(contexts)
+    s_tc = sum((t - mt) * (c - mc) for t, c in zip(times, contexts, strict=True))
+    s_cc = sum((c - mc) ** 2 for c in contexts)
+    return StepStat(n, mt, 0.0, mc, s_tc, s_cc)
+
+
+def test_context_model_recovers_the_per_token_cost_and_evens_out_contexts() -> None:
+    def cost(b: int, ctx: float) -> float:
+        return 0.004 + 0.0001 * b + 2e-6 * ctx
+
+    # Every size steps over 120 tokens per sample on average, except 32, which was measured at
+    # 40 tokens per sample (say a warm-up of short requests).
+    stats = {b: measured(b, [b * 100.0, b * 120.0, b * 140.0], cost) for b in (8, 16, 24, 40)}
+    stats[32] = measured(32, [32 * 30.0, 32 * 40.0, 32 * 50.0], cost)
+    model = ContextModel.fit(stats)
+    assert model is not None and abs(model.cost_per_token_s - 2e-6) < 1e-12
+    per_sample = model.context_per_sample
+    fit = StepCurve.smoothed(stats).points
+    for b in stats:
+        assert abs(fit[b] - cost(b, b * per_sample)) < 1e-9, b
+
+
+def test_a_size_measured_at_short_contexts_does_not_pin_the_target() -> None:
+    # Throughput still rising to 64 at the workload's context; 32 looks cheap only because
+    # most of its steps were short-context ones. Taken at face value it would be the knee.
+    def cost(b: int, ctx: float) -> float:
+        return 0.004 + 0.00005 * b + 1.5e-6 * ctx
+
+    stats = {b: measured(b, [b * 100.0, b * 130.0, b * 160.0], cost) for b in range(8, 65, 8)}
+    stats[32] = measured(32, [32 * 20.0, 32 * 30.0, 32 * 40.0], cost)
+    d = choose_running_target(StepCurve.smoothed(stats), demand=32, cap=64)
+    assert d.running_target > 48, d
+    blind = {b: m._replace(mean_context=0.0) for b, m in stats.items()}  # no context known
+    assert choose_running_target(StepCurve.smoothed(blind), demand=32, cap=64).running_target < 40
