@@ -98,7 +98,10 @@ def test_auto_never_runs_more_than_sent_or_its_target(
     assert len(policy["step_time_s_by_batch"]) >= 3  # the curve was measured, not the prior
     measured = policy["measured_by_batch"]  # what the scheduler measured, with its spread
     assert set(measured) == set(policy["step_time_s_by_batch"])
-    assert all(n >= 3 and mean > 0 and std >= 0 for n, mean, std in measured.values())
+    assert all(n >= 3 and mean > 0 and std >= 0 for n, mean, std, _ in measured.values())
+    # The steps' attended context is read from SGLang's batch (else the policy is blind to it).
+    assert all(context > 0 for *_, context in measured.values())
+    assert policy["context_per_sample"] > 0 and policy["context_cost_s_per_token"] is not None
 
 
 def test_pinned_integer_caps_the_running_batch(http: httpx.Client, tiny_server: ServerProc) -> None:
