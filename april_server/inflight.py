@@ -67,8 +67,11 @@ class ContextModel:
         per_sample = sum(m.steps * m.mean_context for m in stats.values()) / steps_x_batch
         return cls(slope, per_sample)
 
-    def at_common_context(self, b: int, m: StepStat) -> StepStat:
-        """The step time size `b` would have had at the common context per sample."""
+    def at_common_context(self, b: int, m: float | StepStat) -> float | StepStat:
+        """The step time size `b` would have had at the common context per sample (a bare
+        mean, or a size measured without context, is taken as it is)."""
+        if not isinstance(m, StepStat) or m.mean_context <= 0:
+            return m
         shift = self.cost_per_token_s * (b * self.context_per_sample - m.mean_context)
         return m._replace(
             mean_s=max(m.mean_s + shift, 1e-9), mean_context=b * self.context_per_sample
@@ -80,6 +83,7 @@ class StepCurve:
     """Mean seconds per decode step, by running-batch size (measured sizes only)."""
 
     points: dict[int, float]
+    context: ContextModel | None = None  # how `smoothed` evened out the measured contexts
 
     @classmethod
     def smoothed(cls, raw: Mapping[int, float | StepStat]) -> StepCurve:
@@ -92,9 +96,7 @@ class StepCurve:
         blocks: list[list[float]] = []  # [weighted total, weight, first index]
         sizes = sorted(raw)
         for i, b in enumerate(sizes):
-            m = raw[b]
-            if model is not None and isinstance(m, StepStat) and m.mean_context > 0:
-                m = model.at_common_context(b, m)
+            m = raw[b] if model is None else model.at_common_context(b, raw[b])
             t, w = (m.optimistic(), float(m.steps)) if isinstance(m, StepStat) else (m, 1.0)
             blocks.append([t * w, w, float(i)])
             while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
@@ -106,7 +108,7 @@ class StepCurve:
             end = int(blocks[j + 1][2]) if j + 1 < len(blocks) else len(sizes)
             for b in sizes[int(first) : end]:
                 fitted[b] = t / n
-        return cls(fitted)
+        return cls(fitted, model)
 
     def step_time(self, b: int) -> float:
         sizes = sorted(self.points)

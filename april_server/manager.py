@@ -23,7 +23,6 @@ from april_server import samples as S
 from april_server.engine_base import BaseEngine
 from april_server.errors import ApiError, bad_request, conflict, not_found
 from april_server.inflight import (
-    ContextModel,
     InflightDecision,
     StepCurve,
     StepStat,
@@ -372,7 +371,7 @@ class RolloutManager:
             for b, m in sorted(raw.items())
             if isinstance(m, StepStat)
         }
-        context = ContextModel.fit(raw)
+        context = curve.context
         return {
             "last_target": decision.running_target,
             "reason": decision.reason,
