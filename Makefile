@@ -7,7 +7,7 @@ VENV = $$(bash scripts/bootstrap.sh)
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
 
-sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations, 3 runs each (~30 min)
+sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations, 3 runs each (~60 min on a 2-core CPU)
 	@V=$(VENV) && $$V/bin/april-bench --quick --sweep --repeat 3 --json-out out/sweep.jsonl --plot-dir out/sweep
 
 test:  ## the whole suite: unit, kernels (Triton interpreter), end to end on a real SGLang
