@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo sweep test test-fast check bench-kv bench-resume soak
+.PHONY: demo sweep test test-fast check bench-kv bench-resume bench-buffer soak
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -24,6 +24,9 @@ bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
 
 bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (tiny, SmolLM2)
 	@V=$(VENV) && $$V/bin/python -m kernels.bench_resume
+
+bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
+	@V=$(VENV) && $$V/bin/python -m clients.bench.buffer --json-out out/bench-buffer.json
 
 soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -20,8 +21,9 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from april_server.auth import AuthPolicy
+from april_server.buffer_index import PartialsFilter
 from april_server.config import AprilConfig
-from april_server.errors import ApiError, not_found
+from april_server.errors import ApiError, bad_request, not_found
 from april_server.manager import RolloutManager
 from april_server.metrics import CONTENT_TYPE, prometheus_text
 from april_server.protocol import (
@@ -80,6 +82,34 @@ def check_limits(req: RolloutReq, config: AprilConfig) -> None:
     for g in req.groups:
         if g.n > config.max_n:
             raise ApiError(400, "invalid_n", f"group {g.group_id!r}: n is at most {config.max_n}")
+
+
+DEFAULT_PAGE = 1000
+MAX_PAGE = 10_000
+
+
+def partials_query(request: Request) -> tuple[int, int, PartialsFilter]:
+    """`?limit=N&cursor=C&status=partial|finished&min_age_s=S&weight_version=V`."""
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", DEFAULT_PAGE))
+        start = int(q.get("cursor", 0))
+        min_age = None if q.get("min_age_s") is None else float(q["min_age_s"])
+    except ValueError:
+        raise bad_request(
+            "invalid_request", "limit and cursor are integers, min_age_s a number"
+        ) from None
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request("invalid_request", f"limit must lie in [1, {MAX_PAGE}]")
+    if start < 0:
+        raise bad_request("invalid_request", "cursor comes from a previous page's next_cursor")
+    if min_age is not None and not min_age >= 0:
+        raise bad_request("invalid_request", "min_age_s must be >= 0")
+    status = q.get("status")
+    if status not in (None, "partial", "finished"):
+        raise bad_request("invalid_request", "status is 'partial' or 'finished'")
+    where = PartialsFilter(status, min_age, q.get("weight_version"))  # type: ignore[arg-type]
+    return start, limit, where
 
 
 def create_router(
@@ -147,18 +177,27 @@ def create_router(
     @router.get(PREFIX + "/partials")
     @guarded
     async def partials(request: Request) -> Response:
+        """The idle buffer, a page at a time, oldest first (`?limit`, `?cursor`, filters)."""
         mgr = get_manager()
-        groups = mgr.idle_groups()
+        start, limit, where = partials_query(request)
+        entries, next_seq = mgr.buffer.idle.page(start, limit, where, time.time())
+        bodies = await mgr.buffer.read_bodies([e.group_id for e in entries])
+        groups = [bodies[e.group_id] for e in entries if e.group_id in bodies]
         await mgr.snapshots.refresh([s for g in groups for s in g.samples])
-        return json_response(PartialsResp(groups=[mgr.listed(g) for g in groups]))
+        cursor = None if next_seq is None else str(next_seq)
+        return json_response(
+            PartialsResp(groups=[mgr.listed(g) for g in groups], next_cursor=cursor)
+        )
 
-    @router.get(PREFIX + "/partials/{group_id}")
+    # `:path`, so a group id from before the contract's identifier rule (one with a "/") is
+    # still reachable, URL-encoded; new ids cannot contain "/".
+    @router.get(PREFIX + "/partials/{group_id:path}")
     @guarded
     async def partial(group_id: str, request: Request) -> Response:
         mgr = get_manager()
-        return json_response(mgr.listed(mgr.group(group_id)))
+        return json_response(mgr.listed(await mgr.read_group(group_id)))
 
-    @router.delete(PREFIX + "/partials/{group_id}")
+    @router.delete(PREFIX + "/partials/{group_id:path}")
     @guarded
     async def delete_partial(group_id: str, request: Request) -> Response:
         auth.require_admin(request.headers.get("authorization"), "deleting buffered groups")
@@ -240,6 +279,8 @@ ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
     ("get", PREFIX + "/partials"): (None, PartialsResp),
     ("get", PREFIX + "/partials/{group_id}"): (None, Group),
     ("delete", PREFIX + "/partials/{group_id}"): (None, DeleteResp),
+    ("get", PREFIX + "/partials/{group_id:path}"): (None, Group),
+    ("delete", PREFIX + "/partials/{group_id:path}"): (None, DeleteResp),
     ("get", PREFIX + "/stats"): (None, dict),
 }
 

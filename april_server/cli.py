@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         install_cpu_shim()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("SGLANG_PLUGINS", "april")  # our scheduler hooks, no stray plugins
+    # `/health` answers from the event loop (liveness: the loop, and so every route, is
+    # responsive); SGLang's default makes it generate a token and sleep >= 1 s first. The deep
+    # check stays at `/health_generate`. Set the variable to 1 for SGLang's behaviour.
+    os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
     env.set_kv_host_bytes(april.april_kv_host_bytes)
     config = AprilConfig(
         state_dir=april.april_state_dir,

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
-from april_server.inflight import StepStat
+from april_server.inflight import EngineCapacity, StepStat
 from april_server.samples import SegmentResult
 
 
@@ -49,6 +49,11 @@ class BaseEngine(ABC):
         `StepStat` (count, mean, spread) or a bare mean (empty when it measures nothing: the
         in-flight policy then uses its prior)."""
         return {}
+
+    async def capacity(self) -> EngineCapacity | None:
+        """What the engine can run at once (None: it does not say; nothing bounds admission
+        but the in-flight policy)."""
+        return None
 
     async def engine_clock(self) -> dict[str, float]:
         """Cumulative engine seconds, batches and tokens by forward kind (`prefill_s`,

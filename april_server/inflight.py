@@ -6,7 +6,8 @@ a bigger batch still raises throughput (small models, memory-bound decode); once
 saturated (t grows ~linearly with b), extra concurrency only adds stale tokens and re-prefill.
 So the running target is the smallest batch reaching (1 - EPS) of the best throughput seen or
 extrapolated, never less than what the quota itself needs (what a synchronous trainer runs),
-never more than what was sent. Thinly measured sizes are credited with the doubt (`StepStat`),
+never more than what was sent, never below a small floor (`MIN_RUNNING`); a cold server
+starts at twice the quota and grows. Thinly measured sizes are credited with the doubt (`StepStat`),
 so the policy goes and measures them rather than trusting a few noisy steps forever.
 """
 
@@ -22,6 +23,13 @@ from typing import NamedTuple
 EPS = 0.05  # "raises throughput" means by more than 5 %
 MIN_POINTS = 3  # below this many measured batch sizes, fall back to the prior
 Z = 2.0  # optimism: a size is credited with its mean step time minus Z standard errors
+# Never aim below this many running samples (when the call has them): on any engine a decode
+# step of 8 costs about what a step of 1 does (per-step overhead; memory-bound on a GPU), so
+# a measured curve that says otherwise at that size is noise, and serializing a small call
+# on a nearly idle engine only makes it slow.
+MIN_RUNNING = 8
+COLD_OVERSAMPLING = 2  # a cold server runs twice the quota's demand, then grows from what
+# it measured (it measures every size the batch passes through as it drains)
 
 
 class StepStat(NamedTuple):
@@ -159,18 +167,77 @@ def choose_running_target(curve: StepCurve, demand: int, cap: int) -> InflightDe
     """`demand`: samples the quota needs at once (target groups x group size);
     `cap`: samples the call could run at all (everything sent and buffered)."""
     demand = max(1, min(demand, cap))
+    floor = min(cap, max(demand, MIN_RUNNING))
     if len(curve.points) < MIN_POINTS:
-        return InflightDecision(cap, "prior: too few measured batch sizes, run all (static APRIL)")
+        cold = min(cap, max(COLD_OVERSAMPLING * demand, floor))
+        return InflightDecision(
+            cold,
+            f"prior: too few measured batch sizes; {COLD_OVERSAMPLING}x the quota's {demand} "
+            "(grows once sizes are measured)",
+        )
     # Look up to twice the largest measured size, so a still-rising curve keeps exploring.
     horizon = min(cap, 2 * max(curve.points))
-    if horizon <= demand:
-        return InflightDecision(demand, "the quota alone fills every size worth considering")
+    if horizon <= floor:
+        return InflightDecision(floor, "the quota alone fills every size worth considering")
     best = max(curve.throughput(b) for b in range(1, horizon + 1))
     knee = next(b for b in range(1, horizon + 1) if curve.throughput(b) >= (1 - EPS) * best)
-    target = max(knee, demand)
+    target = max(knee, floor)
     gain = curve.throughput(target) / curve.throughput(demand)
     return InflightDecision(
         target,
         f"knee at batch {knee} (x{gain:.2f} throughput over the quota's {demand}); "
         f"best {best:.1f} tok/s",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapacity:
+    """What the engine can run at once (SGLang: its scheduler's limits)."""
+
+    max_running_requests: int
+    max_total_tokens: int  # KV pool size in tokens
+
+
+QUEUE_FRACTION = 0.25  # submitted beyond what can run: a short queue keeps the engine fed
+QUEUE_MIN = 8
+# KV a running sample will need: its context now plus this share of its budget left. SGLang's
+# own scheduler admits requests with the same reserve at a cold start (init_new_token_ratio).
+NEW_TOKEN_RESERVE = 0.7
+
+
+def kv_need(context_tokens: int, remaining_tokens: int) -> float:
+    return context_tokens + NEW_TOKEN_RESERVE * remaining_tokens
+
+
+class Admission:
+    """Bounds what is submitted to the engine at once by what it can run plus a short queue,
+    so a call beside a huge buffer never floods the scheduler (its queue, its watchdog). One
+    per server: every call's samples count. Unbounded until the engine's capacity is known."""
+
+    def __init__(self) -> None:
+        self.max_samples = 1 << 30
+        self.max_tokens = float("inf")
+        self.samples = 0
+        self.tokens = 0.0
+
+    def configure(self, capacity: EngineCapacity | None) -> None:
+        if capacity is None:  # an engine that reports nothing: only the policy bounds it
+            return
+        run = max(1, capacity.max_running_requests)
+        self.max_samples = run + max(QUEUE_MIN, int(run * QUEUE_FRACTION))
+        self.max_tokens = capacity.max_total_tokens * (1 + QUEUE_FRACTION)
+
+    def fits(self, samples: int, tokens: float) -> bool:
+        """Whether `samples` more (needing `tokens` of KV) stay within the bound; a call that
+        has nothing running starts its first group regardless (callers decide that)."""
+        return (
+            self.samples + samples <= self.max_samples and self.tokens + tokens <= self.max_tokens
+        )
+
+    def take(self, samples: int, tokens: float) -> None:
+        self.samples += samples
+        self.tokens += tokens
+
+    def give_back(self, samples: int, tokens: float) -> None:
+        self.samples -= samples
+        self.tokens = max(0.0, self.tokens - tokens)

@@ -3,8 +3,8 @@
 Plain Python over asyncio: no torch, no SGLang (the engine is a `BaseEngine`). Invariants,
 checked by `check_integrity()`:
 - every known sample is in exactly one group, and a group is either idle in the buffer or
-  claimed by exactly one call (`busy`);
-- a sample is generating in at most one engine request (`running`);
+  claimed by exactly one call (`buffer.py`: idle groups are summaries, bodies on disk);
+- a sample is generating in at most one engine request (`running`), of a claimed group;
 - the buffer on disk equals the idle groups after every acknowledged call.
 """
 
@@ -15,18 +15,21 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from april_server import samples as S
+from april_server.buffer import PartialBuffer
 from april_server.engine_base import BaseEngine
-from april_server.errors import ApiError, bad_request, conflict, not_found
+from april_server.errors import bad_request, conflict, not_found
 from april_server.inflight import (
+    Admission,
     InflightDecision,
     StepCurve,
     StepStat,
     choose_running_target,
+    kv_need,
 )
 from april_server.protocol import (
     AbortReq,
@@ -43,8 +46,28 @@ from april_server.store import BufferStore
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
 MAX_REMEMBERED_BATCHES = 10_000
+
+
+async def run_to_end(aw: Awaitable[T]) -> T:
+    """Await `aw` to its end even if the caller is cancelled meanwhile (a client that goes
+    away, possibly more than once), then re-raise the cancellation: half a call would leave
+    requests generating, groups claimed, or a buffer that differs from the disk."""
+    work = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(work)
+            break
+        except asyncio.CancelledError:
+            if work.done() and work.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 @dataclass
@@ -85,16 +108,17 @@ class CallTally:
 
 class RolloutManager:
     def __init__(
-        self, engine: BaseEngine, store: BufferStore, allow_stale_kv: bool = False
+        self,
+        engine: BaseEngine,
+        store: BufferStore,
+        allow_stale_kv: bool = False,
+        buffer: PartialBuffer | None = None,
     ) -> None:
+        """`buffer`: one already loaded from `store` (the server loads it at start-up)."""
         self.engine = engine
         self.store = store
         self.snapshots = SnapshotPolicy(engine, allow_stale_kv)
-        self.groups: dict[str, Group] = {g.group_id: g for g in store.load_groups()}
-        for g in self.groups.values():  # KV snapshots are volatile: none survive a restart
-            for s in g.samples:
-                s.snapshot_bytes, s.snapshot_weight_version = 0, None
-        self.busy: dict[str, str] = {}  # group_id -> owning call id
+        self.buffer = buffer if buffer is not None else PartialBuffer(store)
         self.running: dict[str, Running] = {}  # sample_id -> its engine request
         self.calls: dict[str, Any] = {}  # batch_id -> live RolloutCall (see rollout.py)
         self.inflight_requests: dict[str, asyncio.Future[bytes]] = {}  # request_id -> result
@@ -106,6 +130,13 @@ class RolloutManager:
         self.last_inflight: (
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
         ) = None
+        self.admission = Admission()  # shared by every call: what the engine is given
+        self._capacity_known = False
+
+    @property
+    def groups(self) -> dict[str, Group]:
+        """The groups some call holds, in memory (idle ones are in `buffer.idle`)."""
+        return self.buffer.claimed
 
     # ---- lookups -----------------------------------------------------------------------------
 
@@ -116,21 +147,32 @@ class RolloutManager:
         return v
 
     def sample(self, sample_id: str) -> Sample:
+        """A sample of a claimed group (idle ones: `read_samples`)."""
         gid, sep, idx = sample_id.rpartition("/")
         g = self.groups.get(gid) if sep else None
         if g is None or not idx.isdigit() or int(idx) >= len(g.samples):
             raise not_found(f"unknown sample_id {sample_id!r}")
         return g.samples[int(idx)]
 
-    def group(self, group_id: str) -> Group:
-        g = self.groups.get(group_id)
-        if g is None:
-            raise not_found(f"unknown group_id {group_id!r}")
-        return g
+    async def read_group(self, group_id: str) -> Group:
+        return (await self.buffer.read([group_id]))[group_id]
+
+    async def read_samples(self, sample_ids: list[str]) -> dict[str, Sample]:
+        """Samples to show, claimed or idle; 404 for an unknown one."""
+        gids = sorted({sid.rpartition("/")[0] for sid in sample_ids})
+        groups = await self.buffer.read([g for g in gids if self.buffer.known(g)])
+        out = {}
+        for sid in sample_ids:
+            gid, sep, idx = sid.rpartition("/")
+            g = groups.get(gid) if sep else None
+            if g is None or not idx.isdigit() or int(idx) >= len(g.samples):
+                raise not_found(f"unknown sample_id {sid!r}")
+            out[sid] = g.samples[int(idx)]
+        return out
 
     def idle_groups(self) -> list[Group]:
-        """Buffered groups no call holds, oldest first."""
-        return [g for gid, g in self.groups.items() if gid not in self.busy]
+        """Every idle buffered group, oldest first. Reads the whole store: tests only."""
+        return self.buffer.load_idle()
 
     def listed(self, g: Group) -> Group:
         g.age_s = round(time.time() - g.created_at, 3)
@@ -143,26 +185,21 @@ class RolloutManager:
         while len(self.finished_batches) > MAX_REMEMBERED_BATCHES:
             self.finished_batches.popitem(last=False)
 
-    def claim(self, group_ids: list[str], owner: str) -> None:
-        for gid in group_ids:
-            if gid in self.busy:
-                raise conflict("group_busy", f"group {gid!r} is in use by {self.busy[gid]!r}")
-        for gid in group_ids:
-            self.busy[gid] = owner
-
     def release(self, owner: str) -> None:
-        for gid in [g for g, o in self.busy.items() if o == owner]:
-            del self.busy[gid]
+        self.buffer.release(owner)
 
-    def persist(
+    async def persist(
         self, put: list[Group], delete: list[str], call: tuple[str, bytes] | None = None
     ) -> None:
-        """Make the outcome durable (fsync) and then visible; called before acknowledging."""
-        self.store.commit(put, delete, call)
-        for gid in delete:
-            self.groups.pop(gid, None)
-        for g in put:
-            self.groups[g.group_id] = g
+        """Make the outcome durable (fsync, off the event loop); called before acknowledging."""
+        await self.buffer.persist(put, delete, call)
+
+    async def admission_ready(self) -> Admission:
+        """The admission bound, once the engine said what it can run (fixed at start-up)."""
+        if not self._capacity_known:
+            self.admission.configure(await self.engine.capacity())
+            self._capacity_known = True
+        return self.admission
 
     # ---- running segments --------------------------------------------------------------------
 
@@ -191,6 +228,9 @@ class RolloutManager:
         seg = self._segment(sample, cont, rid, tally, kv_mode, usable)
         task = asyncio.get_running_loop().create_task(seg)
         self.running[sample.sample_id] = Running(sample, owner, rid, task)
+        need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
+        self.admission.take(1, need)
+        task.add_done_callback(lambda _: self.admission.give_back(1, need))
         return task
 
     async def _segment(
@@ -202,8 +242,8 @@ class RolloutManager:
         kv_mode: KvMode,
         usable: bool,
     ) -> None:
-        if cont.restarted:
-            await self.snapshots.forget(sample)
+        if cont.restarted:  # the restart already zeroed its figures: drop what may be held
+            await self.snapshots.forget(sample, force=True)
         restored = 0
         try:
             if cont.kv == "recomputed":
@@ -267,10 +307,10 @@ class RolloutManager:
         if req.batch_id is not None:
             if req.batch_id not in self.calls and req.batch_id not in self.finished_batches:
                 raise not_found(f"unknown batch_id {req.batch_id!r}")
-        for gid in req.group_ids or []:
-            scope.update(s.sample_id for s in self.group(gid).samples)
-        for sid in req.sample_ids or []:
-            scope.add(self.sample(sid).sample_id)
+        named = await self.buffer.read(list(dict.fromkeys(req.group_ids or [])))
+        for g in named.values():
+            scope.update(s.sample_id for s in g.samples)
+        scope.update(await self.read_samples(req.sample_ids or []))
         runs = [
             r
             for sid, r in self.running.items()
@@ -278,15 +318,9 @@ class RolloutManager:
         ]
         scope.update(r.sample.sample_id for r in runs)
         await self.stop_running(runs, req.keep)
-        out = [self.sample(sid) for sid in sorted(scope) if self._known(sid)]
-        return AbortResp(samples=out)
-
-    def _known(self, sample_id: str) -> bool:
-        try:
-            self.sample(sample_id)
-        except ApiError:
-            return False
-        return True
+        known = [sid for sid in sorted(scope) if self.buffer.known(sid.rpartition("/")[0])]
+        now = await self.read_samples(known)
+        return AbortResp(samples=[now[sid] for sid in known])
 
     async def resume(self, req: ResumeReq) -> list[Sample]:
         self.counters.resume_calls += 1
@@ -298,10 +332,51 @@ class RolloutManager:
         stray = set(appends) - set(req.sample_ids)
         if stray:
             raise bad_request("invalid_request", f"append_ids for unlisted samples: {stray}")
-        chosen = [self.sample(sid) for sid in req.sample_ids]
+        if req.sampling_params:
+            if "max_new_tokens" in req.sampling_params:
+                raise bad_request(
+                    "invalid_request", "the budget is the sample's own; omit max_new_tokens"
+                )
+            self.engine.check_sampling_params(req.sampling_params)
+        gids = sorted({sid.rpartition("/")[0] for sid in req.sample_ids})
+        for sid in req.sample_ids:
+            if not self.buffer.known(sid.rpartition("/")[0]):
+                raise not_found(f"unknown sample_id {sid!r}")
+        owner = f"resume-{uuid.uuid4().hex[:12]}"
+        # Claimed, run and persisted to the end even if the caller goes away meanwhile: a
+        # release before the segments ended would drop what they record (tokens, snapshots).
+        return await run_to_end(self._resume_claimed(req, gids, owner, appends))
+
+    async def _resume_claimed(
+        self, req: ResumeReq, gids: list[str], owner: str, appends: dict[str, list[int]]
+    ) -> list[Sample]:
+        try:
+            await self.buffer.claim(gids, owner, busy_code="sample_busy")
+            chosen = [self.sample(sid) for sid in req.sample_ids]
+            self._check_resumable(req, chosen, appends)
+            for sid, ids in appends.items():
+                S.append_context(self.sample(sid), ids, self.engine.context_len)
+            tally = CallTally()
+            tasks = [
+                self.start_sample(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
+                for s in chosen
+                if S.remaining_budget(s) > 0 and not S.is_finished(s)
+            ]
+            for s in chosen:
+                if S.remaining_budget(s) <= 0:
+                    s.status, s.finish_reason = "truncated", "length"
+            if tasks:
+                await asyncio.gather(*tasks)
+            await self.persist([self.groups[g] for g in gids], [])
+        finally:
+            self.release(owner)
+        return chosen
+
+    def _check_resumable(
+        self, req: ResumeReq, chosen: list[Sample], appends: dict[str, list[int]]
+    ) -> None:
+        """Raise before anything changes: finished samples, missing snapshots, bad appends."""
         for s in chosen:
-            if s.group_id in self.busy or s.sample_id in self.running:
-                raise conflict("sample_busy", f"sample {s.sample_id!r} is already running")
             if S.is_finished(s) and s.sample_id not in appends:
                 raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
             if req.kv == "restore" and not self.snapshots.usable(
@@ -312,12 +387,6 @@ class RolloutManager:
                     f"sample {s.sample_id!r} has no KV snapshot usable under weight version "
                     f"{self.current_version()!r} (kv: auto re-prefills instead)",
                 )
-        if req.sampling_params:
-            if "max_new_tokens" in req.sampling_params:
-                raise bad_request(
-                    "invalid_request", "the budget is the sample's own; omit max_new_tokens"
-                )
-            self.engine.check_sampling_params(req.sampling_params)
         for sid, ids in appends.items():
             if self.engine.vocab_size is not None and any(
                 t < 0 or t >= self.engine.vocab_size for t in ids
@@ -331,33 +400,17 @@ class RolloutManager:
                 self.engine.context_len,
                 f"sample {sid!r}",
             )
-        owner = f"resume-{uuid.uuid4().hex[:12]}"
-        gids = sorted({s.group_id for s in chosen})
-        self.claim(gids, owner)
-        try:
-            for sid, ids in appends.items():
-                S.append_context(self.sample(sid), ids, self.engine.context_len)
-            tally = CallTally()
-            tasks = [
-                self.start_sample(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
-                for s in chosen
-                if S.remaining_budget(s) > 0 and not S.is_finished(s)
-            ]
-            for s in chosen:
-                if S.remaining_budget(s) <= 0:
-                    s.status, s.finish_reason = "truncated", "length"
-            if tasks:
-                await asyncio.shield(asyncio.gather(*tasks))
-            self.persist([self.groups[g] for g in gids], [])
-        finally:
-            self.release(owner)
-        return chosen
 
     async def delete(self, group_id: str) -> DeleteResp:
-        group = self.group(group_id)
-        if group_id in self.busy:
-            raise conflict("group_busy", f"group {group_id!r} is in use by a running call")
-        self.persist([], [group_id])
+        return await run_to_end(self._delete(group_id))
+
+    async def _delete(self, group_id: str) -> DeleteResp:
+        owner = f"delete-{uuid.uuid4().hex[:12]}"
+        try:
+            (group,) = await self.buffer.claim([group_id], owner, busy_code="group_busy")
+            await self.persist([], [group_id])
+        finally:
+            self.release(owner)
         for s in group.samples:
             await self.snapshots.forget(s)
         return DeleteResp(group_id=group_id, deleted=True)
@@ -403,17 +456,13 @@ class RolloutManager:
                 assert len(s.output_ids) <= s.max_new_tokens, s.sample_id
                 covered = sum(seg.end - seg.start for seg in s.segments)
                 assert covered == len(s.output_ids), s.sample_id
-        for gid in self.busy:
-            assert gid in self.groups, gid
         for sid, r in self.running.items():
             assert r.sample.sample_id == sid
-        if not self.calls and not self.running:
-            on_disk = {g.group_id: g for g in self.store.load_groups()}
-            idle = {g.group_id: g for g in self.idle_groups()}
-            assert set(on_disk) == set(idle), (sorted(on_disk), sorted(idle))
+            assert r.sample.group_id in self.groups, sid  # only claimed groups generate
+        self.buffer.check(quiescent=not self.calls and not self.running)
 
     async def stats(self) -> dict[str, Any]:
-        idle = self.idle_groups()
+        idle = self.buffer.idle
         c = self.counters
         kv: dict[str, Any] = {"kv_snapshots": "disabled"}
         snap_engine = self.snapshots.engine
@@ -422,8 +471,11 @@ class RolloutManager:
         return {
             "weight_version": self.current_version(),
             "buffered_groups": len(idle),
-            "buffered_samples": sum(len(g.samples) for g in idle),
-            "buffered_output_tokens": sum(len(s.output_ids) for g in idle for s in g.samples),
+            "buffered_samples": idle.samples,
+            "buffered_output_tokens": idle.output_tokens,
+            "buffered_unfinished_groups": idle.unfinished_groups,
+            "buffered_unfinished_samples": idle.unfinished_samples,
+            "claimed_groups": len(self.groups),
             "running_samples": len(self.running),
             "active_calls": len(self.calls),
             **kv,

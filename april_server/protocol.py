@@ -170,6 +170,9 @@ class ResumeResp(_Resp):
 
 class PartialsResp(_Resp):
     groups: list[Group]
+    # Where the next page starts (`?cursor=`); null on the last page. A page under a filter
+    # may hold fewer than `limit` groups and still have a next one.
+    next_cursor: str | None = None
 
 
 class DeleteResp(_Resp):

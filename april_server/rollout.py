@@ -1,13 +1,16 @@
 """One APRIL step: `POST /april/v1/rollouts`.
 
 1. Validate the request and build its new groups (nothing is started on bad input).
-2. Claim buffered groups (oldest first, when `resume_first`) and then the new ones.
-3. Start groups up to `max_inflight_groups` and refill as groups end.
-4. Count whole groups as they finish, in finish order; stop at `target_groups` accepted.
-5. Abort every sample of this call still generating, and wait until none is.
-6. Answer exactly `target_groups` finished groups; surplus finished groups and unfinished ones
+2. Start groups whole, in order: buffered ones first (oldest first, when `resume_first`),
+   claimed from the buffer only as the call starts them, then the new ones; under the
+   running target (`max_inflight_groups`) and the engine's admission bound, refilled as
+   groups end.
+3. Count whole groups as they finish, in finish order; stop at `target_groups` accepted.
+4. Abort every sample of this call still generating, and wait until none is.
+5. Answer exactly `target_groups` finished groups; surplus finished groups and unfinished ones
    go to the buffer (`on_quota: drop` discards the unfinished ones that had started).
-7. Persist the buffer and the response (one fsynced commit) before answering.
+6. Persist the buffer and the response (one fsynced commit, off the event loop) before
+   answering.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from april_server import samples as S
+from april_server.buffer_index import BufferEntry
 from april_server.errors import bad_request, conflict
-from april_server.manager import CallTally
+from april_server.ids import check_id
+from april_server.inflight import kv_need
+from april_server.manager import CallTally, run_to_end
 from april_server.protocol import (
     Group,
     GroupFinishedEvent,
@@ -74,10 +80,11 @@ def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
     seen: set[str] = set()
     built = []
     for spec in req.groups:
+        check_id("group_id", spec.group_id)
         if spec.group_id in seen:
             raise bad_request("duplicate_group_id", f"group_id {spec.group_id!r} is repeated")
         seen.add(spec.group_id)
-        if spec.group_id in mgr.groups:
+        if mgr.buffer.known(spec.group_id):
             raise conflict("group_exists", f"group {spec.group_id!r} is already known")
         if (spec.input_ids is None) == (spec.text is None):
             raise bad_request(
@@ -101,7 +108,9 @@ class RolloutCall:
         self.batch_id = f"b-{uuid.uuid4().hex[:12]}"
         self.quota = QuotaTracker(req.target_groups)
         self.tally = CallTally()
-        self.group_ids: list[str] = []
+        self.group_ids: list[str] = []  # every group this call holds, in the order claimed
+        self.fresh: deque[str] = deque()  # sent groups not started yet
+        self.ready: deque[str] = deque()  # claimed buffered groups not started yet
         self.events: asyncio.Queue[StreamEvent | None] | None = None
         self.started: set[str] = set()
         self.stopped = False
@@ -109,9 +118,10 @@ class RolloutCall:
         self.inflight_target: int | None = None
         self.peak_running = 0
         self.discarded: list[Group] = []
+        self.tasks: dict[asyncio.Task[None], str] = {}  # segment tasks not yet collected
 
     def prepare(self) -> None:
-        """Steps 1-2: validation and claiming. Raises ApiError before anything starts."""
+        """Step 1: validation. Raises ApiError before anything starts."""
         req, mgr = self.req, self.mgr
         if req.target_groups < 1:
             raise bad_request("invalid_target", "target_groups must be >= 1")
@@ -124,18 +134,19 @@ class RolloutCall:
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
         fresh = new_groups(mgr, req)
-        buffered = [g.group_id for g in mgr.idle_groups()] if req.resume_first else []
-        available = len(buffered) + len(fresh)
+        buffered = len(mgr.buffer.idle) if req.resume_first else 0
+        available = buffered + len(fresh)
         if req.target_groups > available:
             raise bad_request(
                 "invalid_target",
                 f"target_groups {req.target_groups} exceeds the {available} groups available "
-                f"({len(fresh)} sent, {len(buffered)} buffered and idle)",
+                f"({len(fresh)} sent, {buffered} buffered and idle)",
             )
-        self.group_ids = buffered + [g.group_id for g in fresh]
-        mgr.claim(self.group_ids, self.batch_id)
-        for g in fresh:
-            mgr.groups[g.group_id] = g
+        # Sent groups are this call's from now on; buffered ones are claimed as it needs them
+        # (`_next_group`), so the rest stay available to other calls.
+        mgr.buffer.adopt(fresh, self.batch_id)
+        self.group_ids = [g.group_id for g in fresh]
+        self.fresh = deque(self.group_ids)
         mgr.calls[self.batch_id] = self
 
     def reject(self, body: RejectReq) -> None:
@@ -151,12 +162,12 @@ class RolloutCall:
             self.events.put_nowait(event)
 
     async def run(self) -> RolloutResp:
-        """Steps 3-7. `prepare()` must have succeeded."""
-        mgr, req = self.mgr, self.req
+        """Steps 2-6. `prepare()` must have succeeded."""
+        req = self.req
         t0 = time.perf_counter()
         limit, sample_target = await self._inflight_limits()
-        pending = deque(self.group_ids)
-        tasks: dict[asyncio.Task[None], str] = {}
+        await self.mgr.admission_ready()
+        tasks = self.tasks
         active: dict[str, int] = {}
         time_to_quota = None
         cancelled = False
@@ -185,19 +196,7 @@ class RolloutCall:
                     continue
                 grace_until = None  # a reject re-opened the quota
                 time_to_quota = None
-                while pending and len(active) < limit and not self.quota.met:
-                    # Groups start whole; the running target is a ceiling, not a hint (a
-                    # group larger than the target may still run alone).
-                    need = sum(not S.is_finished(s) for s in mgr.groups[pending[0]].samples)
-                    if tasks and len(tasks) + need > sample_target:
-                        break
-                    gid = pending.popleft()
-                    started = self._start_group(gid, tasks)
-                    if started:
-                        active[gid] = started
-                        self.peak_running = max(self.peak_running, len(tasks))
-                    elif S.group_finished(mgr.groups[gid]):
-                        self._emit_finished(gid)
+                await self._refill(tasks, active, limit, sample_target)
                 if self.quota.met:
                     continue
                 if not tasks:
@@ -206,21 +205,95 @@ class RolloutCall:
                 self._collect(done, tasks, active)
         except asyncio.CancelledError:
             cancelled = True  # the caller went away: keep everything, acknowledge nothing
-        # Steps 5-7 run to the end even if we are cancelled again meanwhile (a client that
+        # Steps 4-6 run to the end even if we are cancelled again meanwhile (a client that
         # disconnects can cancel more than once): half a wind-down would leave requests
         # generating or a buffer that differs from the disk.
-        wind_down = asyncio.ensure_future(self._wind_down(t0, time_to_quota, cancelled))
-        while True:
-            try:
-                resp = await asyncio.shield(wind_down)
-                break
-            except asyncio.CancelledError:
-                if wind_down.done() and wind_down.cancelled():
-                    raise
-                cancelled = True
+        resp = await run_to_end(self._wind_down(t0, time_to_quota, cancelled))
         if cancelled:
             raise asyncio.CancelledError
         return resp
+
+    async def _refill(
+        self,
+        tasks: dict[asyncio.Task[None], str],
+        active: dict[str, int],
+        limit: int,
+        sample_target: int,
+    ) -> None:
+        """Step 2: start groups whole, in order, while under the running target, the groups
+        limit and the engine's admission bound."""
+        mgr = self.mgr
+        while len(active) < limit and not self.quota.met:
+            gid = await self._next_group(len(tasks), len(active), limit, sample_target)
+            if gid is None:
+                return
+            started = self._start_group(gid, tasks)
+            if started:
+                active[gid] = started
+                self.peak_running = max(self.peak_running, len(tasks))
+            elif S.group_finished(mgr.groups[gid]):
+                self._emit_finished(gid)
+
+    async def _next_group(
+        self, running: int, active: int, limit: int, sample_target: int
+    ) -> str | None:
+        """The next group to start, if it fits: buffered ones first (oldest first, claimed now,
+        as many as fit at once), then the sent ones. None: wait for a running group to end."""
+        mgr = self.mgr
+        if not self.ready and self.req.resume_first and len(mgr.buffer.idle):
+            await self._claim_buffered(running, active, limit, sample_target)
+            if not self.ready and len(mgr.buffer.idle):
+                return None  # the oldest buffered group does not fit yet
+        queue = self.ready or self.fresh
+        if not queue:
+            return None
+        group = mgr.groups[queue[0]]
+        open_ = [s for s in group.samples if not S.is_finished(s)]
+        need = kv_need(
+            sum(len(s.prompt_ids) + len(s.output_ids) + S.num_appended(s) for s in open_),
+            sum(S.remaining_budget(s) for s in open_),
+        )
+        # Groups start whole; the running target is a ceiling, not a hint (a group larger
+        # than the target may still run alone).
+        if running and (
+            running + len(open_) > sample_target or not mgr.admission.fits(len(open_), need)
+        ):
+            return None
+        return queue.popleft()
+
+    async def _claim_buffered(
+        self, running: int, active: int, limit: int, sample_target: int
+    ) -> None:
+        """Claim the oldest idle groups that fit now (finished ones while the quota can use
+        them); they leave the index at once, their bodies are read off the event loop."""
+        mgr = self.mgr
+        room_samples = room_groups = 0
+        room_tokens = 0.0
+        finished_wanted = self.quota.target - len(self.quota.accepted)
+
+        def fits(e: BufferEntry) -> bool:
+            nonlocal finished_wanted, room_samples, room_groups, room_tokens
+            if e.unfinished == 0:  # a surplus finished group: no engine work, counts at once
+                finished_wanted -= 1
+                return finished_wanted >= 0
+            need = kv_need(e.context_tokens, e.remaining_tokens)
+            first = running == 0 and room_groups == 0
+            if not first and (
+                active + room_groups >= limit
+                or running + room_samples + e.unfinished > sample_target
+                or not mgr.admission.fits(room_samples + e.unfinished, room_tokens + need)
+            ):
+                return False
+            room_samples += e.unfinished
+            room_tokens += need
+            room_groups += 1
+            return True
+
+        picked = mgr.buffer.pick_oldest(fits)
+        if picked:
+            groups = await mgr.buffer.claim_entries(picked, self.batch_id)
+            self.ready.extend(g.group_id for g in groups)
+            self.group_ids.extend(g.group_id for g in groups)
 
     async def _inflight_limits(self) -> tuple[int, int]:
         """(max groups, max running samples) for this call. An integer pins the groups;
@@ -229,25 +302,41 @@ class RolloutCall:
         if req.max_inflight_groups != "auto":
             self.inflight_target = None
             return req.max_inflight_groups, 1 << 30
-        unfinished = [
-            sum(not S.is_finished(s) for s in mgr.groups[g].samples) for g in self.group_ids
-        ]
-        sizes = sorted(len(mgr.groups[g].samples) for g in self.group_ids)
-        demand = sum(sizes[-req.target_groups :])  # what a synchronous step would run
-        decision = await mgr.inflight_decision(demand, max(sum(unfinished), 1))
+        # O(target + sent), not O(buffer): the index keeps the buffered counts.
+        sizes: list[int] = []
+        if req.resume_first:
+            for e in mgr.buffer.idle.oldest():
+                if len(sizes) >= req.target_groups:
+                    break
+                sizes.append(e.num_samples)
+        for gid in self.fresh:
+            if len(sizes) >= req.target_groups:
+                break
+            sizes.append(len(mgr.groups[gid].samples))
+        demand = sum(sizes)  # what a synchronous step would run
+        can_run = sum(len(mgr.groups[g].samples) for g in self.fresh)
+        if req.resume_first:
+            can_run += mgr.buffer.idle.unfinished_samples
+        decision = await mgr.inflight_decision(demand, max(can_run, 1))
         self.inflight_target = decision.running_target
-        return len(self.group_ids), decision.running_target
+        return 1 << 30, decision.running_target
 
     async def _wind_down(
         self, t0: float, time_to_quota: float | None, cancelled: bool
     ) -> RolloutResp:
         mgr = self.mgr
         self.stopped = True
-        # Step 5: nothing of this call may keep generating.
+        # Step 4: nothing of this call may keep generating.
         runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
         keep: OnQuota | None = "snapshot" if self.req.on_quota == "snapshot" else None
         await mgr.stop_running(runs, keep)
-        resp = self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
+        # A segment leaves `running` when its request returned but still records its end
+        # (tokens, the snapshot taken) a few awaits later: persisting before that would store
+        # the group without it and lose track of the snapshot.
+        ending = [t for t in self.tasks if not t.done()]
+        if ending:
+            await asyncio.wait(ending)
+        resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
         for g in self.discarded:  # their KV snapshots go with them
             for sample in g.samples:
                 await mgr.snapshots.forget(sample)
@@ -281,8 +370,10 @@ class RolloutCall:
             self.started.add(gid)
         return n
 
-    def _finish(self, wall_s: float, time_to_quota: float | None, deliver: bool) -> RolloutResp:
-        """Steps 6-7: split groups, persist, build the response. With `deliver=False` (the
+    async def _finish(
+        self, wall_s: float, time_to_quota: float | None, deliver: bool
+    ) -> RolloutResp:
+        """Steps 5-6: split groups, persist, build the response. With `deliver=False` (the
         caller is gone) nothing is returned, so every group goes back to the buffer."""
         mgr, req = self.mgr, self.req
         version = mgr.current_version()
@@ -341,7 +432,7 @@ class RolloutCall:
         )
         # Dropped groups and returned ones leave the server: so do their KV snapshots.
         self.discarded = [mgr.groups[g] for g in dropped + returned]
-        mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
+        await mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
         mgr.counters.returned_groups += len(returned)
         mgr.counters.dropped_groups += len(dropped)
         return resp
@@ -362,7 +453,8 @@ async def rollout(
     mgr.counters.rollout_calls += 1
     rid = req.request_id
     if rid is not None:
-        stored = mgr.store.load_call(rid)
+        check_id("request_id", rid)
+        stored = await mgr.store.load_call(rid)
         if stored is not None:
             _set(ready)
             return _resp_dec.decode(stored)

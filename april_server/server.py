@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
+from april_server.buffer import PartialBuffer
 from april_server.config import AprilConfig
 from april_server.engine_base import BaseEngine
 from april_server.manager import RolloutManager
@@ -14,21 +16,33 @@ logger = logging.getLogger(__name__)
 
 
 class ManagerHolder:
-    """Builds the manager on first use: SGLang's engine exists only once its server runs."""
+    """Loads the buffer at once (start-up, before the server answers anything) and builds the
+    manager on first use: SGLang's engine exists only once its server runs."""
 
     def __init__(self, config: AprilConfig, make_engine: Callable[[], BaseEngine]) -> None:
         self.config = config
         self.make_engine = make_engine
         self._manager: RolloutManager | None = None
+        path = config.buffer_path
+        if path is None:
+            logger.warning("no --april-state-dir: the partial buffer is in memory only")
+        t0 = time.perf_counter()
+        self.store = BufferStore(path)
+        self.buffer = PartialBuffer(self.store)
+        logger.info(
+            "april: partial buffer %s: %d idle groups, %d samples, loaded in %.2f s",
+            path,
+            len(self.buffer.idle),
+            self.buffer.idle.samples,
+            time.perf_counter() - t0,
+        )
 
     def get(self) -> RolloutManager:
         if self._manager is None:
-            path = self.config.buffer_path
-            if path is None:
-                logger.warning("no --april-state-dir: the partial buffer is in memory only")
-            store = BufferStore(path)
             self._manager = RolloutManager(
-                self.make_engine(), store, allow_stale_kv=self.config.allow_stale_kv
+                self.make_engine(),
+                self.store,
+                allow_stale_kv=self.config.allow_stale_kv,
+                buffer=self.buffer,
             )
-            logger.info("april: partial buffer %s with %d groups", path, len(self._manager.groups))
         return self._manager

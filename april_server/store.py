@@ -5,103 +5,378 @@ of every completed call that carried a `request_id` (so a retry returns the same
 What is volatile: KV snapshots and in-flight generation (a crash loses only what no response
 has acknowledged yet; the buffered state before that call is intact).
 
-WAL + `synchronous=FULL` makes each commit fsync the log before returning, and one commit
-covers a whole call's outcome, so a crash leaves either the state before or after it.
+Nothing here runs on the event loop. One thread owns the connection and runs every operation
+in the order it was submitted, so commits land in call order and a read sees every commit
+submitted before it; callers await a future. WAL + `synchronous=FULL` makes each commit fsync
+the log before the future resolves (acknowledge after fsync). Commits queued behind one
+another share one transaction and one fsync, each in its own savepoint, so one that fails
+does not take the others with it. Every statement is O(log n) in the buffer's size: groups
+are keyed by id and ordered by an indexed `seq`; a restart reads only the summary columns
+(`buffer_index.py`), through a covering index, and bodies are read when a group is used.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
+import logging
 import sqlite3
 import threading
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 
+from april_server.buffer_index import BufferEntry, summarize
 from april_server.protocol import Group
 
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS groups (
+CREATE TABLE IF NOT EXISTS buffer (
     group_id TEXT PRIMARY KEY,
     seq INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    num_samples INTEGER NOT NULL,
+    unfinished INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    versions BLOB NOT NULL,
+    context_tokens INTEGER NOT NULL,
+    remaining_tokens INTEGER NOT NULL,
+    boot TEXT NOT NULL,
     body BLOB NOT NULL
 );
+CREATE INDEX IF NOT EXISTS buffer_summary_by_seq
+    ON buffer (seq, group_id, created_at, num_samples, unfinished, output_tokens, versions,
+               context_tokens, remaining_tokens);
 CREATE TABLE IF NOT EXISTS calls (
     request_id TEXT PRIMARY KEY,
     seq INTEGER NOT NULL,
     body BLOB NOT NULL
 );
+CREATE INDEX IF NOT EXISTS calls_by_seq ON calls (seq);
 """
+_SUMMARY = (
+    "seq, group_id, created_at, num_samples, unfinished, output_tokens, versions,"
+    " context_tokens, remaining_tokens"
+)
 MAX_REMEMBERED_CALLS = 10_000  # idempotency window; the oldest responses are forgotten first
+MAX_BATCHED_COMMITS = 64  # commits that may share one transaction (one fsync)
+_READ_CHUNK = 500  # ids per SELECT ... IN (...)
 
-_enc = msgspec.json.Encoder()
-_group_dec = msgspec.json.Decoder(Group)
+_json_group = msgspec.json.Decoder(Group)
+_pack = msgspec.msgpack.Encoder()
+_unpack_group = msgspec.msgpack.Decoder(Group)
+_versions_dec = msgspec.msgpack.Decoder(list[str])
+
+T = TypeVar("T")
+
+
+def encode_group(g: Group) -> bytes:
+    return _pack.encode(g)
+
+
+def decode_group(body: bytes) -> Group:
+    # Version-1 state dirs stored JSON bodies; a JSON object never starts a msgpack map.
+    return _json_group.decode(body) if body[:1] == b"{" else _unpack_group.decode(body)
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    fn: Callable[[sqlite3.Connection], Any]
+    future: cf.Future[Any]
+    write: bool
+
+
+class _DbThread:
+    """The connection's own thread: operations run one at a time, in submission order."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._ops: deque[_Op] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        opened: cf.Future[None] = cf.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(path, opened), name="april-store", daemon=True
+        )
+        self._thread.start()
+        opened.result()  # raises what opening raised (bad path, corrupt file)
+
+    def submit(self, fn: Callable[[sqlite3.Connection], T], write: bool) -> cf.Future[T]:
+        fut: cf.Future[T] = cf.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the buffer store is closed")
+            self._ops.append(_Op(fn, fut, write))
+            self._cv.notify()
+        return fut
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self, path: Path | None, opened: cf.Future[None]) -> None:
+        try:
+            db = _open(path)
+        except BaseException as exc:
+            opened.set_exception(exc)
+            return
+        opened.set_result(None)
+        try:
+            while True:
+                with self._cv:
+                    while not self._ops and not self._stopping:
+                        self._cv.wait()
+                    if not self._ops:
+                        return
+                    batch = [self._ops.popleft()]
+                    while (
+                        batch[0].write
+                        and self._ops
+                        and self._ops[0].write
+                        and len(batch) < MAX_BATCHED_COMMITS
+                    ):
+                        batch.append(self._ops.popleft())
+                if batch[0].write:
+                    _run_writes(db, batch)
+                else:
+                    _run_read(db, batch[0])
+        finally:
+            db.close()
+
+
+def _open(path: Path | None) -> sqlite3.Connection:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(":memory:" if path is None else str(path), isolation_level=None)
+    if path is not None:
+        db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.executescript(_SCHEMA)
+    _migrate_v1(db)
+    return db
+
+
+def _migrate_v1(db: sqlite3.Connection) -> None:
+    """Version 1 kept `groups(group_id, seq, body JSON)` and no summary columns: move its rows
+    over once, in age order, ids as they are (ids the contract now refuses stay reachable)."""
+    old = db.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='groups'")
+    if old.fetchone() is None:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        rows = db.execute("SELECT body FROM groups ORDER BY seq").fetchall()
+        for seq, (body,) in enumerate(rows, start=1):
+            g = decode_group(bytes(body))
+            _upsert(db, [(g, summarize(g, seq))], boot="v1")
+        db.execute("DROP TABLE groups")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    logger.info("april: moved %d buffered groups to the version-2 buffer table", len(rows))
+
+
+def _upsert(db: sqlite3.Connection, put: Iterable[tuple[Group, BufferEntry]], boot: str) -> None:
+    db.executemany(
+        "INSERT INTO buffer (group_id, seq, created_at, num_samples, unfinished, output_tokens,"
+        " versions, context_tokens, remaining_tokens, boot, body)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT(group_id) DO UPDATE SET seq = excluded.seq,"
+        " created_at = excluded.created_at, num_samples = excluded.num_samples,"
+        " unfinished = excluded.unfinished, output_tokens = excluded.output_tokens,"
+        " versions = excluded.versions, context_tokens = excluded.context_tokens,"
+        " remaining_tokens = excluded.remaining_tokens, boot = excluded.boot,"
+        " body = excluded.body",
+        (
+            (
+                e.group_id,
+                e.seq,
+                e.created_at,
+                e.num_samples,
+                e.unfinished,
+                e.output_tokens,
+                _pack.encode(list(e.versions)),
+                e.context_tokens,
+                e.remaining_tokens,
+                boot,
+                encode_group(g),
+            )
+            for g, e in put
+        ),
+    )
+
+
+def _run_writes(db: sqlite3.Connection, batch: list[_Op]) -> None:
+    results: list[tuple[bool, Any]] = []
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        for i, op in enumerate(batch):
+            db.execute(f"SAVEPOINT op{i}")
+            try:
+                results.append((True, op.fn(db)))
+                db.execute(f"RELEASE op{i}")
+            except Exception as exc:
+                db.execute(f"ROLLBACK TO op{i}")
+                db.execute(f"RELEASE op{i}")
+                results.append((False, exc))
+        db.execute("COMMIT")  # fsync: only now is anything acknowledged
+    except BaseException as exc:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        for op in batch:
+            op.future.set_exception(exc)
+        return
+    for op, (ok, value) in zip(batch, results, strict=True):
+        if ok:
+            op.future.set_result(value)
+        else:
+            op.future.set_exception(value)
+
+
+def _run_read(db: sqlite3.Connection, op: _Op) -> None:
+    try:
+        op.future.set_result(op.fn(db))
+    except BaseException as exc:
+        op.future.set_exception(exc)
 
 
 class BufferStore:
-    """One SQLite file. `path=None` keeps everything in memory (tests, no --april-state-dir)."""
+    """One SQLite file. `path=None` keeps everything in memory (tests, no --april-state-dir).
+
+    Async methods are for the event loop (they only await the store's thread); the blocking
+    ones are for start-up, tests and integrity checks."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(
-            ":memory:" if path is None else str(path), check_same_thread=False, isolation_level=None
+        # Bodies written by this process carry its boot id: a body from an earlier boot has
+        # snapshot figures of KV that died with that process.
+        self.boot = uuid.uuid4().hex
+        self._db = _DbThread(path)
+        self._finalizer = weakref.finalize(self, self._db.stop)
+        self._next_call_seq = self._blocking(
+            lambda db: int(db.execute("SELECT COALESCE(MAX(seq), 0) FROM calls").fetchone()[0]) + 1
         )
-        self._lock = threading.Lock()
-        if path is not None:
-            self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
 
-    def load_groups(self) -> list[Group]:
-        """Buffered groups, oldest first."""
-        with self._lock:
-            rows = self._db.execute("SELECT body FROM groups ORDER BY seq").fetchall()
-        return [_group_dec.decode(r[0]) for r in rows]
+    # ---- plumbing ----------------------------------------------------------------------------
 
-    def load_call(self, request_id: str) -> bytes | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT body FROM calls WHERE request_id = ?", (request_id,)
-            ).fetchone()
-        return None if row is None else bytes(row[0])
+    def _blocking(self, fn: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
+        return self._db.submit(fn, write).result()
 
-    def commit(
+    async def _async(self, fn: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
+        return await asyncio.wrap_future(self._db.submit(fn, write))
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def load_index(self) -> list[BufferEntry]:
+        """Summaries of every stored group, oldest first (bodies stay on disk)."""
+
+        def read(db: sqlite3.Connection) -> list[BufferEntry]:
+            rows = db.execute(f"SELECT {_SUMMARY} FROM buffer ORDER BY seq").fetchall()
+            return [
+                BufferEntry(gid, seq, created, n, unfinished, out, tuple(_versions(v)), ctx, left)
+                for seq, gid, created, n, unfinished, out, v, ctx, left in rows
+            ]
+
+        return self._blocking(read)
+
+    # ---- the event loop's side ---------------------------------------------------------------
+
+    async def commit(
         self,
-        put: list[Group],
+        put: list[tuple[Group, BufferEntry]],
         delete: list[str],
         call: tuple[str, bytes] | None = None,
     ) -> None:
-        """Atomically upsert `put`, delete `delete` and remember `call`; durable on return."""
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                if delete:
-                    db.executemany("DELETE FROM groups WHERE group_id = ?", [(g,) for g in delete])
-                for g in put:
-                    # Keep a group's original position: "oldest first" means oldest created.
-                    db.execute(
-                        "INSERT INTO groups (group_id, seq, body) VALUES (?, "
-                        "(SELECT COALESCE(MAX(seq), 0) + 1 FROM groups), ?) "
-                        "ON CONFLICT(group_id) DO UPDATE SET body = excluded.body",
-                        (g.group_id, _enc.encode(g)),
-                    )
-                if call is not None:
-                    db.execute(
-                        "INSERT OR REPLACE INTO calls (request_id, seq, body) VALUES (?, "
-                        "(SELECT COALESCE(MAX(seq), 0) + 1 FROM calls), ?)",
-                        call,
-                    )
-                    db.execute(
-                        "DELETE FROM calls WHERE seq <= (SELECT MAX(seq) FROM calls) - ?",
-                        (MAX_REMEMBERED_CALLS,),
-                    )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        """Atomically upsert `put`, delete `delete` and remember `call`; durable on return.
+        The groups in `put` are encoded on the store's thread: the caller must not change
+        them until this returns (they are claimed by the caller's call)."""
+        call_seq = 0
+        if call is not None:
+            call_seq = self._next_call_seq
+            self._next_call_seq += 1
+        boot = self.boot
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        def write(db: sqlite3.Connection) -> None:
+            if delete:
+                db.executemany("DELETE FROM buffer WHERE group_id = ?", [(g,) for g in delete])
+            if put:
+                _upsert(db, put, boot)
+            if call is not None:
+                db.execute(
+                    "INSERT OR REPLACE INTO calls (request_id, seq, body) VALUES (?, ?, ?)",
+                    (call[0], call_seq, call[1]),
+                )
+                db.execute("DELETE FROM calls WHERE seq <= ?", (call_seq - MAX_REMEMBERED_CALLS,))
+
+        await self._async(write, write=True)
+
+    async def read_groups(self, group_ids: list[str]) -> dict[str, Group]:
+        """The stored bodies of `group_ids` (absent ids are left out)."""
+        boot = self.boot
+
+        def read(db: sqlite3.Connection) -> dict[str, Group]:
+            out: dict[str, Group] = {}
+            for i in range(0, len(group_ids), _READ_CHUNK):
+                chunk = group_ids[i : i + _READ_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                q = f"SELECT group_id, boot, body FROM buffer WHERE group_id IN ({marks})"
+                for gid, row_boot, body in db.execute(q, chunk):
+                    out[gid] = _fresh_from(decode_group(bytes(body)), row_boot == boot)
+            return out
+
+        return await self._async(read)
+
+    async def load_call(self, request_id: str) -> bytes | None:
+        def read(db: sqlite3.Connection) -> bytes | None:
+            row = db.execute(
+                "SELECT body FROM calls WHERE request_id = ?", (request_id,)
+            ).fetchone()
+            return None if row is None else bytes(row[0])
+
+        return await self._async(read)
+
+    # ---- blocking, O(buffer): start-up tools, tests and integrity checks only -----------------
+
+    def bulk_put(self, rows: Iterable[tuple[Group, BufferEntry]]) -> None:
+        """Write many groups in one transaction (synthetic buffers for benchmarks and tests;
+        the server itself only commits through `commit`)."""
+        boot = self.boot
+
+        def write(db: sqlite3.Connection) -> None:
+            _upsert(db, rows, boot)
+
+        self._blocking(write, write=True)
+
+    def load_all(self) -> list[Group]:
+        """Every stored group, oldest first."""
+        boot = self.boot
+
+        def read(db: sqlite3.Connection) -> list[Group]:
+            rows = db.execute("SELECT boot, body FROM buffer ORDER BY seq").fetchall()
+            return [_fresh_from(decode_group(bytes(b)), boot_ == boot) for boot_, b in rows]
+
+        return self._blocking(read)
+
+
+def _versions(blob: bytes) -> list[str]:
+    return _versions_dec.decode(blob)
+
+
+def _fresh_from(g: Group, this_boot: bool) -> Group:
+    if not this_boot:  # KV snapshots are volatile: none survive a restart
+        for s in g.samples:
+            s.snapshot_bytes, s.snapshot_weight_version = 0, None
+    return g

@@ -17,7 +17,7 @@ from typing import Any
 from april_server.config import AprilConfig
 from april_server.engine_base import BaseEngine, SnapshotEngine
 from april_server.errors import bad_request
-from april_server.inflight import StepStat
+from april_server.inflight import EngineCapacity, StepStat
 from april_server.samples import SegmentResult
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,14 @@ class SGLangEngine(SnapshotEngine):
 
     async def snapshot_stats(self) -> dict[str, Any]:
         return (await self._kv("stats"))[1]
+
+    async def capacity(self) -> EngineCapacity | None:
+        ok, payload = await self._kv("stats")
+        if not ok or "max_running_requests" not in payload:
+            return None
+        return EngineCapacity(
+            int(payload["max_running_requests"]), int(payload["max_total_tokens"])
+        )
 
     async def step_curve(self) -> dict[int, StepStat]:
         ok, payload = await self._kv("curve")

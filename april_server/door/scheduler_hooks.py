@@ -25,7 +25,7 @@ from april_server import env
 from april_server.door.deterministic import register_deterministic_hooks
 from april_server.door.ipc import AprilKvReq, AprilKvResp
 from april_server.engine_clock import EngineClock, StepTimer
-from april_server.kv_store import HostKvStore, Snapshot
+from april_server.kv_store import HostKvStore
 from kernels.kv_copy import mha_kv_buffers, restore_kv, save_kv
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,9 @@ class SchedulerKv:
             "protected_tokens": int(tree.protected_size()),
             "restore_locks": len(self.locks),
             "pending_marks": len(self.marked),
+            # What admission may submit at once (the rollout manager's bound, issue #11).
+            "max_running_requests": int(self.sched.max_running_requests),
+            "max_total_tokens": int(self.sched.max_total_num_tokens),
         }
 
     def op_curve(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
@@ -188,7 +191,8 @@ class SchedulerKv:
             if slots is None:
                 return False, {"reason": "no free KV slots"}
             slots = slots.to(torch.int64)
-            kv = snap.kv if n == snap.kv.shape[2] else snap.kv[:, :, :n].contiguous()
+            snap.wait()
+            kv = snap.head(n)  # pinned when the snapshot is: a CUDA restore needs that
             k_bufs, v_bufs = mha_kv_buffers(alloc.get_kvcache())
             t0 = time.perf_counter()
             restore_kv(k_bufs, v_bufs, slots, kv)
@@ -221,13 +225,15 @@ class SchedulerKv:
         slots = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
         slots = slots.to(torch.int64)
         k_bufs, v_bufs = mha_kv_buffers(tree_cache.token_to_kv_pool_allocator.get_kvcache())
-        if slots.is_cuda:
-            torch.cuda.current_stream().synchronize()  # the forward pass wrote this KV
-        t0 = time.perf_counter()
-        slab = save_kv(k_bufs, v_bufs, slots)
-        if slots.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        seconds = time.perf_counter() - t0
         tokens = (list(req.origin_input_ids) + list(req.output_ids))[:n]
-        if self.store.put(key, Snapshot(tokens=tokens, kv=slab)):
-            self.store.save.add(int(slab.numel() * slab.element_size()), seconds)
+        # CUDA: into a pooled pinned slab on a side stream ordered after the forward that wrote
+        # this KV, finished before SGLang frees the slots (kv_store.py). CPU: as before.
+        self.store.save_snapshot(
+            key,
+            tokens,
+            lambda out: save_kv(k_bufs, v_bufs, slots, out),
+            shape=(2, len(k_bufs), n, *k_bufs[0].shape[1:]),
+            dtype=k_bufs[0].dtype,
+            device=slots.device,
+            uses=(slots,),
+        )

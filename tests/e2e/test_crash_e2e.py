@@ -59,7 +59,8 @@ def test_crash_during_and_after_calls(tmp_path: Path) -> None:
         # 1. An acknowledged rollout leaves buffered groups.
         with srv.client() as c:
             groups = [group("done", [3], [4]), group("p", [8, 9], [4, 400]), group("q", [7], [500])]
-            r = ok(c.post(R + "/rollouts", json={"groups": groups, "target_groups": 1}))
+            body = {"groups": groups, "target_groups": 1, "max_inflight_groups": 3}
+            r = ok(c.post(R + "/rollouts", json=body))
             assert sorted(r["buffered_group_ids"]) == ["p", "q"]
             before = partials(c)
         # 2. kill -9 after the acknowledgement: the buffer is intact.

@@ -38,6 +38,7 @@ def interrupt(http: httpx.Client, gid: str, prompt: list[int], budget: int, cut:
             "target_groups": 1,
             "on_quota": "snapshot",
             "resume_first": False,
+            "max_inflight_groups": 2,  # the trigger runs beside gid, or nothing is interrupted
         }
         r = ok(http.post(R + "/rollouts", json=body))
         assert r["stats"]["on_quota_effective"] == "snapshot"
@@ -128,6 +129,7 @@ def test_weight_update_blocks_auto_reuse_unless_stale_allowed(http: httpx.Client
         "groups": [group("w2", [8], [300]), group("w2-t", [1], [5])],
         "on_quota": "snapshot",
         "resume_first": False,
+        "max_inflight_groups": 2,
     }))  # fmt: skip
     out = ok(http.post(R + "/resume", json={"sample_ids": ["w/0"], "kv": "auto"}))
     assert out["samples"][0]["segments"][-1]["kv"] == "recomputed"

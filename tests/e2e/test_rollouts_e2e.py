@@ -51,7 +51,9 @@ def ok(resp: httpx.Response) -> Any:
 def test_quota_partials_and_resume_first(http: httpx.Client) -> None:
     short = [group(f"s{i}", [5 + i, 9, 11], [12] * 4) for i in range(4)]
     long = [group(f"l{i}", [30 + i, 7], [12, 150 + 40 * i, 12, 60]) for i in range(4)]
-    r1 = ok(http.post(R + "/rollouts", json={"groups": long + short, "target_groups": 4}))
+    # All 8 groups at once (pinned: the shorts must run beside the longs to finish first).
+    body = {"groups": long + short, "target_groups": 4, "max_inflight_groups": 8}
+    r1 = ok(http.post(R + "/rollouts", json=body))
     assert len(r1["groups"]) == 4
     assert sorted(g["group_id"] for g in r1["groups"]) == ["s0", "s1", "s2", "s3"]
     assert all(s["status"] == "truncated" for g in r1["groups"] for s in g["samples"])
@@ -127,6 +129,7 @@ def test_greedy_interrupt_resume_equals_uninterrupted(
         "groups": [group("x", prompt, [budget])],
         "target_groups": 1,
         "on_quota": "tokens",
+        "max_inflight_groups": 16,  # x and its trigger run side by side
     }
     s: dict[str, Any] | None = None
     prev = 0
@@ -135,7 +138,7 @@ def test_greedy_interrupt_resume_equals_uninterrupted(
         prev = cut
         r = ok(http.post(R + "/rollouts", json=body))
         http.delete(f"{R}/partials/trigger{k}")
-        body = {"groups": [], "target_groups": 1, "on_quota": "tokens"}
+        body = {"groups": [], "target_groups": 1, "on_quota": "tokens", "max_inflight_groups": 16}
         if r["groups"][0]["group_id"] == "x":  # x won the race: it is finished, stop cutting
             s = r["groups"][0]["samples"][0]
             break
@@ -220,6 +223,7 @@ def test_dropped_stream_keeps_stragglers_and_leaks_nothing(http: httpx.Client) -
     body = {
         "groups": [group("fast", [3], [2]), group("slow", [4], [3000, 3000])],
         "target_groups": 2,
+        "max_inflight_groups": 2,
         "stream": True,
         "on_quota": "snapshot",
     }

@@ -240,7 +240,12 @@ def interrupted_run(
         "seed": seed,  # member 0 samples with `seed`
         "sampling_params": {**SAMPLED, "max_new_tokens": budget},
     }
-    body: dict[str, Any] = {"groups": [x], "target_groups": 1, "on_quota": "tokens"}
+    body: dict[str, Any] = {
+        "groups": [x],
+        "target_groups": 1,
+        "on_quota": "tokens",
+        "max_inflight_groups": 16,  # x and its trigger run side by side
+    }
     s: dict[str, Any] | None = None
     prev = 0
     for k, cut in enumerate(cuts):  # cuts are absolute positions; triggers run the increments
@@ -253,7 +258,7 @@ def interrupted_run(
         prev = cut
         r = ok(http.post(R + "/rollouts", json=body))
         http.delete(f"{R}/partials/trigger{k}")
-        body = {"groups": [], "target_groups": 1, "on_quota": "tokens"}
+        body = {"groups": [], "target_groups": 1, "on_quota": "tokens", "max_inflight_groups": 16}
         if r["groups"][0]["group_id"] == "x":  # x won the race: it is finished, stop cutting
             s = r["groups"][0]["samples"][0]
             break

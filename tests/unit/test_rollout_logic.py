@@ -164,7 +164,7 @@ def test_abort_is_idempotent_and_waits_for_idle() -> None:
         resp = await call
         assert resp.groups == [] and not resp.stats.quota_met
         assert resp.buffered_group_ids == ["a"]
-        assert all(0 < len(s.output_ids) < 500 for s in mgr.group("a").samples)
+        assert all(0 < len(s.output_ids) < 500 for s in (await mgr.read_group("a")).samples)
         mgr.check_integrity()
 
     run(go())
@@ -176,7 +176,7 @@ def test_resume_append_ids_and_budget() -> None:
         await rollout(
             mgr, RolloutReq(groups=[spec("a", 1, [3]), spec("b", 1, [400])], target_groups=1)
         )
-        s = mgr.sample("b/0")
+        s = (await mgr.read_samples(["b/0"]))["b/0"]
         done_before = len(s.output_ids)
         out = await mgr.resume(ResumeReq(sample_ids=["b/0"], append_ids={"b/0": [7, 7]}))
         s = out[0]
@@ -201,7 +201,7 @@ def test_staleness_restarts_from_prompt() -> None:
         mgr = make()
         groups = [spec("a", 1, [2]), spec("b", 1, [300])]
         await rollout(mgr, RolloutReq(groups=groups, target_groups=1))
-        assert mgr.sample("b/0").output_ids
+        assert (await mgr.read_samples(["b/0"]))["b/0"].output_ids
         mgr.engine.version = "2"  # type: ignore[attr-defined]
         r = await rollout(mgr, RolloutReq(target_groups=1, max_staleness=1))
         s = r.groups[0].samples[0]
@@ -215,7 +215,7 @@ def test_offpolicy_tokens_counted() -> None:
     async def go() -> None:
         mgr = make()
         await rollout(mgr, RolloutReq(groups=[spec("a", 1, [2]), spec("b", 1, [300])]))
-        old = len(mgr.sample("b/0").output_ids)
+        old = len((await mgr.read_samples(["b/0"]))["b/0"].output_ids)
         mgr.engine.version = "1"  # type: ignore[attr-defined]
         r = await rollout(mgr, RolloutReq(target_groups=1))
         assert r.stats.offpolicy_tokens == old
@@ -245,7 +245,7 @@ def test_engine_error_keeps_the_sample() -> None:
         mgr.engine.fail_rids.add("bad/0")  # type: ignore[attr-defined]
         r = await rollout(mgr, RolloutReq(groups=[spec("ok", 1, [2]), spec("bad", 1, [2])]))
         assert [g.group_id for g in r.groups] == ["ok"]
-        assert mgr.group("bad").samples[0].status == "partial"
+        assert (await mgr.read_group("bad")).samples[0].status == "partial"
 
     run(go())
 
@@ -295,4 +295,4 @@ def test_bad_rollouts_are_rejected_before_anything_starts(
     with pytest.raises(ApiError) as e:
         run(rollout(mgr, req))
     assert (e.value.status, e.value.code) == (status, code)
-    assert mgr.groups == {} and mgr.busy == {} and not mgr.engine.calls  # type: ignore[attr-defined]
+    assert mgr.groups == {} and mgr.buffer.owner == {} and not mgr.engine.calls  # type: ignore[attr-defined]

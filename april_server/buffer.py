@@ -1,0 +1,185 @@
+"""The partial buffer: which groups exist, which call holds each, and what is durable.
+
+- Idle groups are summaries in `BufferIndex` (by age); their bodies are in the store.
+- A call claims groups (by name, or the oldest that fit what it can run): they leave the index
+  at once, synchronously, so no other call can take them, and their bodies are read from the
+  store into memory (`claimed`), where the call changes them.
+- `persist` makes a call's outcome durable (the store's thread, fsync) before it is answered;
+  `release` hands the claimed groups back: the durable ones return to the index at their old
+  position and leave memory, the rest (never acknowledged) are forgotten.
+So memory holds the claimed groups and one summary per idle group, and every operation costs
+what it touches, not the buffer's size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from april_server.buffer_index import BufferEntry, BufferIndex, summarize
+from april_server.errors import conflict, not_found
+from april_server.protocol import Group
+from april_server.store import BufferStore
+
+logger = logging.getLogger(__name__)
+
+
+class PartialBuffer:
+    def __init__(self, store: BufferStore) -> None:
+        self.store = store
+        entries = store.load_index()
+        self.idle = BufferIndex(entries)
+        self.next_seq = max((e.seq for e in entries), default=0) + 1
+        self.claimed: dict[str, Group] = {}  # group_id -> body, while a call holds it
+        self.owner: dict[str, str] = {}  # group_id -> the call holding it
+        self._owned: dict[str, set[str]] = {}  # call -> its group ids
+        self._stored: dict[str, BufferEntry] = {}  # durable summary of claimed stored groups
+
+    # ---- lookups -----------------------------------------------------------------------------
+
+    def known(self, group_id: str) -> bool:
+        return group_id in self.claimed or group_id in self.idle
+
+    async def read(self, group_ids: list[str]) -> dict[str, Group]:
+        """Bodies to show (claimed ones as they are now, idle ones from the store); raises 404
+        for an id that is neither. Changing an idle body read here changes nothing stored."""
+        for gid in group_ids:
+            if not self.known(gid):
+                raise not_found(f"unknown group_id {gid!r}")
+        return await self.read_bodies(group_ids)
+
+    async def read_bodies(self, group_ids: list[str]) -> dict[str, Group]:
+        """Like `read`, but ids that are gone (deleted, returned meanwhile) are left out."""
+        out = {gid: self.claimed[gid] for gid in group_ids if gid in self.claimed}
+        cold = [gid for gid in group_ids if gid not in out]
+        if cold:
+            out.update(await self.store.read_groups(cold))
+        return out
+
+    # ---- claiming ----------------------------------------------------------------------------
+
+    def adopt(self, groups: list[Group], owner: str) -> None:
+        """New groups of a call: claimed by it from the start, stored once persisted."""
+        for g in groups:
+            self._hold(g.group_id, owner)
+            self.claimed[g.group_id] = g
+
+    async def claim(self, group_ids: list[str], owner: str, busy_code: str) -> list[Group]:
+        """Claim named idle groups (all or none: 404 unknown, 409 `busy_code` held)."""
+        for gid in group_ids:
+            if gid in self.owner:
+                raise conflict(busy_code, f"group {gid!r} is in use by {self.owner[gid]!r}")
+            if gid not in self.idle:
+                raise not_found(f"unknown group_id {gid!r}")
+        entries = [e for gid in group_ids if (e := self.idle.remove(gid)) is not None]
+        return await self._take(entries, owner)
+
+    def pick_oldest(self, fits: Callable[[BufferEntry], bool]) -> list[BufferEntry]:
+        """Remove the oldest idle groups while `fits(entry)` (it accounts for what it accepts),
+        stopping at the first that does not: groups start in age order."""
+        picked = []
+        for e in self.idle.oldest():
+            if not fits(e):
+                break
+            picked.append(e)
+        for e in picked:
+            self.idle.remove(e.group_id)
+        return picked
+
+    async def claim_entries(self, entries: list[BufferEntry], owner: str) -> list[Group]:
+        """Claim groups already taken out of the index by `pick_oldest`."""
+        return await self._take(entries, owner)
+
+    async def _take(self, entries: list[BufferEntry], owner: str) -> list[Group]:
+        for e in entries:  # held before the first await: nobody else can claim them now
+            self._hold(e.group_id, owner)
+            self._stored[e.group_id] = e
+        bodies = await self.store.read_groups([e.group_id for e in entries])
+        out = []
+        for e in entries:
+            g = bodies.get(e.group_id)
+            if g is None:  # summary without body: cannot happen short of a bug; say so
+                logger.error("april: buffered group %r has no stored body", e.group_id)
+                self._let_go(e.group_id)
+                self._stored.pop(e.group_id, None)
+                continue
+            self.claimed[e.group_id] = g
+            out.append(g)
+        return out
+
+    def _hold(self, gid: str, owner: str) -> None:
+        self.owner[gid] = owner
+        self._owned.setdefault(owner, set()).add(gid)
+
+    def _let_go(self, gid: str) -> None:
+        owner = self.owner.pop(gid)
+        mine = self._owned[owner]
+        mine.discard(gid)
+        if not mine:
+            del self._owned[owner]
+
+    def release(self, owner: str) -> None:
+        """Hand back what `owner` holds: durable groups go back to the index at their position
+        (their bodies leave memory); groups never made durable are forgotten."""
+        for gid in list(self._owned.get(owner, ())):
+            self._let_go(gid)
+            self.claimed.pop(gid, None)
+            entry = self._stored.pop(gid, None)
+            if entry is not None:
+                self.idle.add(entry)
+
+    def release_groups(self, owner: str, group_ids: list[str]) -> None:
+        """Hand back some of what `owner` holds (see `release`)."""
+        for gid in group_ids:
+            if self.owner.get(gid) == owner:
+                self._let_go(gid)
+                self.claimed.pop(gid, None)
+                entry = self._stored.pop(gid, None)
+                if entry is not None:
+                    self.idle.add(entry)
+
+    def owned(self, owner: str) -> set[str]:
+        return set(self._owned.get(owner, ()))
+
+    # ---- durability --------------------------------------------------------------------------
+
+    async def persist(
+        self, put: list[Group], delete: list[str], call: tuple[str, bytes] | None = None
+    ) -> None:
+        """Store claimed groups `put` (keeping each one's age position), delete `delete`,
+        remember `call`: durable (fsynced) when this returns."""
+        rows = []
+        for g in put:
+            old = self._stored.get(g.group_id)
+            seq = old.seq if old is not None else self._new_seq()
+            rows.append((g, summarize(g, seq)))
+        await self.store.commit(rows, delete, call)
+        for g, e in rows:
+            self._stored[g.group_id] = e
+        for gid in delete:
+            self._stored.pop(gid, None)
+
+    def _new_seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    # ---- integrity (tests): O(buffer) ----------------------------------------------------------
+
+    def check(self, quiescent: bool) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent. `quiescent`: no call is
+        running, so the store must hold exactly the idle groups, as summarized."""
+        assert set(self.claimed) == set(self.owner), (sorted(self.claimed), sorted(self.owner))
+        assert not (set(self.owner) & {e.group_id for e in self.idle.oldest()})
+        assert set(self._stored) <= set(self.owner)
+        assert sum(len(v) for v in self._owned.values()) == len(self.owner)
+        if quiescent:
+            stored = self.store.load_all()
+            idle = {e.group_id: e for e in self.idle.oldest()}
+            assert [g.group_id for g in stored] == list(idle), "store and index differ"
+            for g in stored:
+                assert summarize(g, idle[g.group_id].seq) == idle[g.group_id], g.group_id
+
+    def load_idle(self) -> list[Group]:
+        """Every idle group's body, oldest first: O(buffer), for tests only."""
+        return [g for g in self.store.load_all() if g.group_id in self.idle]

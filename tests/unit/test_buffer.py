@@ -1,0 +1,386 @@
+"""The partial buffer that scales (issue #11): index, store thread, migration, paging, ids,
+bounded admission beside a big buffer. Fake engine, real SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from fastapi import FastAPI
+
+from april_server import store as store_mod
+from april_server.app import create_router
+from april_server.buffer_index import BufferIndex, PartialsFilter, summarize
+from april_server.engine_base import SnapshotEngine
+from april_server.errors import ApiError
+from april_server.inflight import EngineCapacity
+from april_server.manager import RolloutManager
+from april_server.protocol import AbortReq, GroupSpec, RolloutReq
+from april_server.rollout import rollout
+from april_server.store import BufferStore
+from april_server.synthetic import fill, synthetic_group
+from tests.unit.fake_engine import FakeEngine
+
+R = "/april/v1"
+NO_EOS = {"ignore_eos": True}
+
+
+def entry(gid: str, seq: int, unfinished: int = 1, version: str = "0", age: float = 0.0) -> Any:
+    g = synthetic_group(gid, random.Random(seq), n=2, output_len=2, created_at=time.time() - age)
+    e = summarize(g, seq)
+    e.unfinished, e.versions = unfinished, (version,)
+    return e
+
+
+# ---- index -------------------------------------------------------------------------------------
+
+
+def test_index_keeps_age_order_and_counts_without_scanning() -> None:
+    idx = BufferIndex([entry("c", 3), entry("a", 1), entry("b", 2, unfinished=0)])
+    assert [e.group_id for e in idx.oldest()] == ["a", "b", "c"]
+    assert (len(idx), idx.samples, idx.unfinished_groups, idx.unfinished_samples) == (3, 6, 2, 2)
+    assert [e.group_id for e in idx.pop_oldest(2)] == ["a", "b"]
+    idx.add(entry("a", 1))  # a released group goes back to its old position
+    assert [e.group_id for e in idx.oldest()] == ["a", "c"]
+    assert idx.remove("zz") is None and len(idx) == 2 and idx.samples == 4
+    with pytest.raises(ValueError):
+        idx.add(entry("d", 3))  # two groups can never share a position
+
+
+def test_pages_never_skip_or_repeat_a_group_that_stayed() -> None:
+    idx = BufferIndex([entry(f"g{i}", i) for i in range(1, 11)])
+    seen: list[str] = []
+    start: int | None = 0
+    added = 100
+    while start is not None:
+        page, start = idx.page(start, 3, PartialsFilter(), time.time())
+        seen += [e.group_id for e in page]
+        idx.remove("g5")  # removed and added between pages
+        idx.add(entry(f"new{added}", added))
+        added += 1
+    stayed = [f"g{i}" for i in range(1, 11) if i != 5]
+    assert [g for g in seen if g in stayed] == stayed
+    assert len(seen) == len(set(seen))
+
+
+def test_page_filters_and_bounded_scans() -> None:
+    idx = BufferIndex(
+        [
+            entry("old-v0", 1, age=100),
+            entry("fin", 2, unfinished=0),
+            entry("new-v1", 3, version="1"),
+        ]
+    )
+    now = time.time()
+
+    def ids(where: PartialsFilter) -> list[str]:
+        return [e.group_id for e in idx.page(0, 10, where, now)[0]]
+
+    assert ids(PartialsFilter(status="finished")) == ["fin"]
+    assert ids(PartialsFilter(status="partial")) == ["old-v0", "new-v1"]
+    assert ids(PartialsFilter(min_age_s=50)) == ["old-v0"]
+    assert ids(PartialsFilter(weight_version="1")) == ["new-v1"]
+    # A selective filter stops after max_scan groups and says where to go on.
+    page, nxt = idx.page(0, 10, PartialsFilter(weight_version="1"), now, max_scan=2)
+    assert page == [] and nxt == 3
+    assert [e.group_id for e in idx.page(nxt, 10, PartialsFilter(weight_version="1"), now)[0]] == [
+        "new-v1"
+    ]
+
+
+# ---- store -------------------------------------------------------------------------------------
+
+
+def test_store_work_runs_off_the_calling_thread_in_submission_order(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path / "b.sqlite")
+    seen: list[str] = []
+    first = st._db.submit(lambda db: seen.append(threading.current_thread().name), write=True)
+    g = synthetic_group("x", random.Random(0))
+
+    async def go() -> None:
+        # A commit then a read, submitted back to back: the read sees the commit.
+        commit = asyncio.ensure_future(st.commit([(g, summarize(g, 1))], []))
+        await asyncio.sleep(0)
+        got = await st.read_groups(["x"])
+        await commit
+        assert got["x"] == g
+
+    asyncio.run(go())
+    first.result()
+    assert seen == ["april-store"]
+
+
+def test_a_failing_commit_does_not_take_its_batch_with_it(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path / "b.sqlite")
+    gate = threading.Event()
+    st._db.submit(lambda db: gate.wait(), write=False)  # hold the thread so commits queue up
+
+    def boom(db: sqlite3.Connection) -> None:
+        db.execute("INSERT INTO calls (request_id, seq, body) VALUES ('r', 1, x'00')")
+        raise RuntimeError("boom")
+
+    ok1 = st._db.submit(lambda db: db.execute("INSERT INTO calls VALUES ('a', 1, x'00')"), True)
+    bad = st._db.submit(boom, True)
+    ok2 = st._db.submit(lambda db: db.execute("INSERT INTO calls VALUES ('b', 2, x'00')"), True)
+    gate.set()
+    ok1.result(), ok2.result()
+    with pytest.raises(RuntimeError):
+        bad.result()
+    rows = st._blocking(lambda db: db.execute("SELECT request_id FROM calls").fetchall())
+    assert sorted(r[0] for r in rows) == ["a", "b"]  # the failed one left nothing behind
+
+
+def test_statements_use_indexes_not_scans(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path / "b.sqlite")
+
+    def plan(sql: str, *args: Any) -> str:
+        rows = st._blocking(lambda db: db.execute("EXPLAIN QUERY PLAN " + sql, args).fetchall())
+        return " | ".join(r[-1] for r in rows)
+
+    assert "COVERING INDEX buffer_summary_by_seq" in plan(
+        f"SELECT {store_mod._SUMMARY} FROM buffer ORDER BY seq"
+    )
+    assert "INDEX" in plan("SELECT body FROM buffer WHERE group_id IN (?, ?)", "a", "b")
+    assert "INDEX calls_by_seq" in plan("DELETE FROM calls WHERE seq <= ?", 5)
+    assert "INDEX" in plan("SELECT body FROM calls WHERE request_id = ?", "r")
+
+
+def test_version_1_state_dirs_load_and_their_odd_ids_stay_reachable(tmp_path: Path) -> None:
+    path = tmp_path / "buffer.sqlite"
+    legacy = synthetic_group("run/7 q", random.Random(1), n=2, vocab=64)  # "/" and a space
+    plain = synthetic_group("plain", random.Random(2), n=1, vocab=64)
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE groups (group_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, body BLOB);"
+        "CREATE TABLE calls (request_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, body BLOB);"
+    )
+    for seq, g in [(2, plain), (1, legacy)]:
+        db.execute("INSERT INTO groups VALUES (?, ?, ?)", (g.group_id, seq, msgspec.json.encode(g)))
+    db.commit()
+    db.close()
+
+    mgr = RolloutManager(FakeEngine(), BufferStore(path))
+    assert [e.group_id for e in mgr.buffer.idle.oldest()] == ["run/7 q", "plain"]
+    mgr.check_integrity()
+    app = FastAPI()
+    app.include_router(create_router(lambda: mgr))
+
+    async def go() -> None:
+        t = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=t, base_url="http://t") as c:
+            r = await c.get(R + "/partials/run%2F7%20q")
+            assert r.status_code == 200 and r.json()["samples"][1]["sample_id"] == "run/7 q/1"
+            listed = (await c.get(R + "/partials")).json()["groups"]
+            assert [g["group_id"] for g in listed] == ["run/7 q", "plain"]
+            # Resumable by sample id, and served by a call's resume_first (oldest first).
+            out = await mgr.resume(msgspec.convert({"sample_ids": ["run/7 q/0"]}, _resume_t()))
+            assert out[0].status == "truncated"
+            r = await c.delete(R + "/partials/run%2F7%20q")
+            assert r.json() == {"group_id": "run/7 q", "deleted": True}
+
+    asyncio.run(go())
+    mgr.check_integrity()
+
+
+def _resume_t() -> Any:
+    from april_server.protocol import ResumeReq
+
+    return ResumeReq
+
+
+# ---- identifiers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"groups": [{"group_id": "a/b", "input_ids": [1]}]},
+        {"groups": [{"group_id": "a b", "input_ids": [1]}]},
+        {"groups": [{"group_id": "", "input_ids": [1]}]},
+        {"groups": [{"group_id": "x" * 129, "input_ids": [1]}]},
+        {"groups": [{"group_id": "é", "input_ids": [1]}]},
+        {"groups": [{"group_id": "ok", "input_ids": [1]}], "request_id": "r\u0000"},
+        {"groups": [{"group_id": "ok", "input_ids": [1]}], "request_id": "r/1"},
+    ],
+)
+def test_ids_outside_the_contract_get_422_before_anything_starts(body: dict[str, Any]) -> None:
+    mgr = RolloutManager(FakeEngine(), BufferStore(None))
+    app = FastAPI()
+    app.include_router(create_router(lambda: mgr))
+
+    async def go() -> None:
+        t = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=t, base_url="http://t") as c:
+            r = await c.post(R + "/rollouts", json=body)
+            assert r.status_code == 422, r.text
+            assert r.json()["error"]["code"] == "invalid_id"
+
+    asyncio.run(go())
+    assert mgr.groups == {} and not mgr.engine.calls  # type: ignore[attr-defined]
+
+
+def test_ids_at_the_edge_of_the_contract_are_accepted() -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        gid = "A-z_0.9:" + "x" * 120
+        req = RolloutReq(
+            groups=[GroupSpec(gid, input_ids=[1], sampling_params={"max_new_tokens": 1})],
+            request_id="step:0017.a-b_c",
+        )
+        r = await rollout(mgr, req)
+        assert len(gid) == 128 and r.groups[0].group_id == gid
+
+    asyncio.run(go())
+
+
+# ---- bounded admission beside a big buffer -----------------------------------------------------
+
+
+class CapacityEngine(FakeEngine):
+    """A fake engine that reports SGLang-like limits and remembers its peak concurrency."""
+
+    def __init__(self, max_running: int, total_tokens: int) -> None:
+        super().__init__(delay_s=0.002, vocab=256, context_len=512)
+        self.cap = EngineCapacity(max_running, total_tokens)
+        self.peak = 0
+
+    async def capacity(self) -> EngineCapacity:
+        return self.cap
+
+    async def generate(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> Any:
+        self.peak = max(self.peak, len(self.active) + 1)
+        return await super().generate(rid, input_ids, params)
+
+
+@pytest.mark.parametrize("inflight", ["auto", 100_000])
+def test_a_call_beside_a_big_buffer_claims_only_what_it_runs(
+    tmp_path: Path, inflight: int | str
+) -> None:
+    st = BufferStore(tmp_path / "b.sqlite")
+    fill(st, 5_000, n=4, prompt_len=16, output_len=8, budget=24)
+    eng = CapacityEngine(max_running=16, total_tokens=100_000)
+    mgr = RolloutManager(eng, st)
+    assert len(mgr.buffer.idle) == 5_000
+
+    async def go() -> None:
+        seen_claimed = 0
+
+        async def watch() -> None:
+            nonlocal seen_claimed
+            while True:
+                seen_claimed = max(seen_claimed, len(mgr.groups))
+                await asyncio.sleep(0.001)
+
+        w = asyncio.ensure_future(watch())
+        new = [GroupSpec("new", n=4, input_ids=[5, 6])]
+        req = RolloutReq(groups=new, max_inflight_groups=inflight)  # type: ignore[arg-type]
+        r = await rollout(mgr, req)
+        w.cancel()
+        assert len(r.groups) == 1 and r.stats.quota_met
+        # Admission: at most 16 running + a queue of 8 at once, never the buffer.
+        assert eng.peak <= 16 + 8
+        assert r.stats.num_started_groups <= 6 and seen_claimed <= 6 + 1  # + the sent one
+        assert eng.peak >= (8 if inflight == "auto" else 16)
+        # The oldest were served; the rest stayed idle (nothing it did not need was claimed).
+        assert r.groups[0].group_id.startswith("syn-")
+        assert len(mgr.buffer.idle) == 5_000 - 1 + 1  # one returned, the new one buffered
+
+    asyncio.run(go())
+    mgr.check_integrity()
+
+
+def test_stats_count_the_buffer_without_listing_it(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path / "b.sqlite")
+    fill(st, 300, n=4, output_len=8)
+    mgr = RolloutManager(FakeEngine(vocab=256), st)
+    calls: list[list[str]] = []
+    real = st.read_groups
+
+    async def spy(ids: list[str]) -> Any:
+        calls.append(ids)
+        return await real(ids)
+
+    st.read_groups = spy  # type: ignore[method-assign]
+    stats = asyncio.run(mgr.stats())
+    assert (stats["buffered_groups"], stats["buffered_samples"]) == (300, 1200)
+    assert stats["buffered_output_tokens"] == 1200 * 8
+    assert calls == []  # no body was read
+
+
+def test_cancelled_api_error_leaves_nothing_claimed(tmp_path: Path) -> None:
+    mgr = RolloutManager(FakeEngine(), BufferStore(None))
+    with pytest.raises(ApiError):
+        asyncio.run(mgr.resume(msgspec.convert({"sample_ids": ["nope/0"]}, _resume_t())))
+    assert mgr.buffer.owner == {}
+
+
+# ---- a segment that ends during the wind-down --------------------------------------------------
+
+
+class SlowInfoSnapshotEngine(FakeEngine, SnapshotEngine):
+    """Takes a snapshot of a marked request that ends by abort; answers `snapshot_info` late
+    (a busy scheduler), so a segment lingers after its request returned."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.005)
+        self.marks: dict[str, str] = {}
+        self.snaps: set[str] = set()
+
+    def mark_snapshot(self, rid: str, key: str) -> None:
+        self.marks[rid] = key
+
+    async def generate(self, rid: str, ids: list[int], params: dict[str, Any]) -> Any:
+        out = await super().generate(rid, ids, params)
+        if out.finish_reason == "abort" and rid in self.marks:
+            self.snaps.add(self.marks[rid])
+        return out
+
+    async def restore_snapshot(self, key: str) -> int:
+        return 0
+
+    async def release_snapshot(self, key: str) -> None:
+        return None
+
+    async def drop_snapshot(self, key: str) -> None:
+        self.snaps.discard(key)
+
+    async def snapshot_info(self, key: str) -> dict[str, Any] | None:
+        await asyncio.sleep(0.3)
+        return {"tokens": 1, "bytes": 100} if key in self.snaps else None
+
+    async def snapshot_stats(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> None:
+    async def go() -> None:
+        eng = SlowInfoSnapshotEngine()
+        mgr = RolloutManager(eng, BufferStore(None))
+        groups = [
+            GroupSpec("long", input_ids=[1, 2], sampling_params={"max_new_tokens": 400, **NO_EOS}),
+            GroupSpec("short", input_ids=[3, 4], sampling_params={"max_new_tokens": 40, **NO_EOS}),
+        ]
+        req = RolloutReq(groups=groups, on_quota="tokens", max_inflight_groups=2)
+        call = asyncio.ensure_future(rollout(mgr, req))
+        await asyncio.sleep(0.05)
+        # "long" is stopped with a snapshot while "short" runs on and meets the quota during
+        # the slow snapshot_info: the call winds down before "long" has recorded its end.
+        abort = asyncio.ensure_future(mgr.abort(AbortReq(sample_ids=["long/0"], keep="snapshot")))
+        r = await call
+        await abort
+        assert [g.group_id for g in r.groups] == ["short"]
+        (stored,) = mgr.idle_groups()
+        assert stored.samples[0].snapshot_bytes == 100  # what the scheduler holds is known
+        assert eng.snaps == {"long/0"}
+        await mgr.delete("long")
+        assert eng.snaps == set()  # ... so deleting the group frees it
+
+    asyncio.run(go())
