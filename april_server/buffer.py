@@ -151,11 +151,10 @@ class PartialBuffer:
         rows = []
         for g in put:
             old = self._stored.get(g.group_id)
-            seq = old.seq if old is not None else self._new_seq()
-            rows.append((g, summarize(g, seq)))
-        await self.store.commit(rows, delete, call)
-        for g, e in rows:
-            self._stored[g.group_id] = e
+            rows.append((g, old.seq if old is not None else self._new_seq()))
+        entries = await self.store.commit(rows, delete, call)
+        for e in entries:
+            self._stored[e.group_id] = e
         for gid in delete:
             self._stored.pop(gid, None)
 

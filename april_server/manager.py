@@ -31,6 +31,7 @@ from april_server.inflight import (
     choose_running_target,
     kv_need,
 )
+from april_server.loop_lag import LoopLagMonitor
 from april_server.protocol import (
     AbortReq,
     AbortResp,
@@ -131,6 +132,7 @@ class RolloutManager:
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
         ) = None
         self.admission = Admission()  # shared by every call: what the engine is given
+        self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
         self._capacity_known = False
 
     @property
@@ -476,6 +478,7 @@ class RolloutManager:
             "buffered_unfinished_groups": idle.unfinished_groups,
             "buffered_unfinished_samples": idle.unfinished_samples,
             "claimed_groups": len(self.groups),
+            **({} if self.loop_lag is None else self.loop_lag.figures()),
             "running_samples": len(self.running),
             "active_calls": len(self.calls),
             **kv,

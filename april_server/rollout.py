@@ -75,11 +75,17 @@ class QuotaTracker:
         self.rejected.update(group_ids)
 
 
-def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
-    """Validate the request's groups and build them; raises ApiError, changes nothing."""
+YIELD_EVERY = 256  # groups validated between two yields to the event loop
+
+
+async def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
+    """Validate the request's groups and build them; raises ApiError, changes nothing. A big
+    call yields to the event loop as it goes, so other requests are not held up."""
     seen: set[str] = set()
     built = []
-    for spec in req.groups:
+    for i, spec in enumerate(req.groups):
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
         check_id("group_id", spec.group_id)
         if spec.group_id in seen:
             raise bad_request("duplicate_group_id", f"group_id {spec.group_id!r} is repeated")
@@ -120,7 +126,7 @@ class RolloutCall:
         self.discarded: list[Group] = []
         self.tasks: dict[asyncio.Task[None], str] = {}  # segment tasks not yet collected
 
-    def prepare(self) -> None:
+    async def prepare(self) -> None:
         """Step 1: validation. Raises ApiError before anything starts."""
         req, mgr = self.req, self.mgr
         if req.target_groups < 1:
@@ -133,7 +139,10 @@ class RolloutCall:
             raise bad_request(
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
-        fresh = new_groups(mgr, req)
+        fresh = await new_groups(mgr, req)
+        for g in fresh:  # the validation yielded: another call may have sent the same id
+            if mgr.buffer.known(g.group_id):
+                raise conflict("group_exists", f"group {g.group_id!r} is already known")
         buffered = len(mgr.buffer.idle) if req.resume_first else 0
         available = buffered + len(fresh)
         if req.target_groups > available:
@@ -463,7 +472,7 @@ async def rollout(
             return _resp_dec.decode(await asyncio.shield(mgr.inflight_requests[rid]))
     call = RolloutCall(mgr, req)
     call.events = events
-    call.prepare()
+    await call.prepare()
     _set(ready)
     fut: asyncio.Future[bytes] | None = None
     if rid is not None:

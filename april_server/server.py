@@ -9,6 +9,7 @@ from collections.abc import Callable
 from april_server.buffer import PartialBuffer
 from april_server.config import AprilConfig
 from april_server.engine_base import BaseEngine
+from april_server.loop_lag import LoopLagMonitor
 from april_server.manager import RolloutManager
 from april_server.store import BufferStore
 
@@ -45,4 +46,6 @@ class ManagerHolder:
                 allow_stale_kv=self.config.allow_stale_kv,
                 buffer=self.buffer,
             )
+            self._manager.loop_lag = LoopLagMonitor()
+            self._manager.loop_lag.start()  # first use is a request: on the server's loop
         return self._manager

@@ -296,32 +296,35 @@ class BufferStore:
 
     async def commit(
         self,
-        put: list[tuple[Group, BufferEntry]],
+        put: list[tuple[Group, int]],
         delete: list[str],
         call: tuple[str, bytes] | None = None,
-    ) -> None:
-        """Atomically upsert `put`, delete `delete` and remember `call`; durable on return.
-        The groups in `put` are encoded on the store's thread: the caller must not change
-        them until this returns (they are claimed by the caller's call)."""
+    ) -> list[BufferEntry]:
+        """Atomically upsert `put` (each group at its `seq`), delete `delete` and remember
+        `call`; durable on return, with the summaries written. The groups are summarized and
+        encoded on the store's thread: the caller must not change them until this returns
+        (they are claimed by the caller's call)."""
         call_seq = 0
         if call is not None:
             call_seq = self._next_call_seq
             self._next_call_seq += 1
         boot = self.boot
 
-        def write(db: sqlite3.Connection) -> None:
+        def write(db: sqlite3.Connection) -> list[BufferEntry]:
+            rows = [(g, summarize(g, seq)) for g, seq in put]
             if delete:
                 db.executemany("DELETE FROM buffer WHERE group_id = ?", [(g,) for g in delete])
-            if put:
-                _upsert(db, put, boot)
+            if rows:
+                _upsert(db, rows, boot)
             if call is not None:
                 db.execute(
                     "INSERT OR REPLACE INTO calls (request_id, seq, body) VALUES (?, ?, ?)",
                     (call[0], call_seq, call[1]),
                 )
                 db.execute("DELETE FROM calls WHERE seq <= ?", (call_seq - MAX_REMEMBERED_CALLS,))
+            return [e for _, e in rows]
 
-        await self._async(write, write=True)
+        return await self._async(write, write=True)
 
     async def read_groups(self, group_ids: list[str]) -> dict[str, Group]:
         """The stored bodies of `group_ids` (absent ids are left out)."""

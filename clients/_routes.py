@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import msgspec
 
@@ -273,12 +273,27 @@ def resume(
     return Call("POST", f"{PREFIX}/resume", _resume_decoder.decode, _encode_req(req))
 
 
-def _partial_groups(content: bytes) -> list[Group]:
-    return _partials_decoder.decode(content).groups
-
-
-def partials() -> Call[list[Group]]:
-    return Call("GET", f"{PREFIX}/partials", _partial_groups, idempotent=True)
+def partials_page(
+    limit: int | None = None,
+    cursor: str | None = None,
+    status: Literal["partial", "finished"] | None = None,
+    min_age_s: float | None = None,
+    weight_version: str | None = None,
+) -> Call[PartialsResp]:
+    """One page of the idle buffer, oldest first; `next_cursor` of the answer goes on."""
+    query = {
+        k: v
+        for k, v in {
+            "limit": limit,
+            "cursor": cursor,
+            "status": status,
+            "min_age_s": min_age_s,
+            "weight_version": weight_version,
+        }.items()
+        if v is not None
+    }
+    path = f"{PREFIX}/partials" + ("?" + urlencode(query) if query else "")
+    return Call("GET", path, _partials_decoder.decode, idempotent=True)
 
 
 def partial(group_id: str) -> Call[Group]:

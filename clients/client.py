@@ -32,6 +32,7 @@ from april_server.protocol import (
     GroupSpec,
     KvMode,
     OnQuota,
+    PartialsResp,
     ResumeResp,
     RolloutResp,
 )
@@ -224,8 +225,37 @@ class AprilClient(_ClientBase):
         """Continue buffered samples; returns once they finish."""
         return self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
 
-    def partials(self) -> list[Group]:
-        return self._send(routes.partials())
+    def partials_page(
+        self,
+        limit: int | None = None,
+        cursor: str | None = None,
+        *,
+        status: Literal["partial", "finished"] | None = None,
+        min_age_s: float | None = None,
+        weight_version: str | None = None,
+    ) -> PartialsResp:
+        """One page of the idle buffer (oldest first); pass its `next_cursor` for the next."""
+        return self._send(routes.partials_page(limit, cursor, status, min_age_s, weight_version))
+
+    def partials(
+        self,
+        *,
+        status: Literal["partial", "finished"] | None = None,
+        min_age_s: float | None = None,
+        weight_version: str | None = None,
+    ) -> list[Group]:
+        """Every idle buffered group, oldest first, page after page (a big buffer is big:
+        prefer `partials_page`)."""
+        groups: list[Group] = []
+        cursor: str | None = None
+        while True:
+            page = self.partials_page(
+                None, cursor, status=status, min_age_s=min_age_s, weight_version=weight_version
+            )
+            groups += page.groups
+            if page.next_cursor is None:
+                return groups
+            cursor = page.next_cursor
 
     def partial(self, group_id: str) -> Group:
         return self._send(routes.partial(group_id))
@@ -429,8 +459,39 @@ class AsyncAprilClient(_ClientBase):
         """Continue buffered samples; returns once they finish."""
         return await self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
 
-    async def partials(self) -> list[Group]:
-        return await self._send(routes.partials())
+    async def partials_page(
+        self,
+        limit: int | None = None,
+        cursor: str | None = None,
+        *,
+        status: Literal["partial", "finished"] | None = None,
+        min_age_s: float | None = None,
+        weight_version: str | None = None,
+    ) -> PartialsResp:
+        """One page of the idle buffer (oldest first); pass its `next_cursor` for the next."""
+        return await self._send(
+            routes.partials_page(limit, cursor, status, min_age_s, weight_version)
+        )
+
+    async def partials(
+        self,
+        *,
+        status: Literal["partial", "finished"] | None = None,
+        min_age_s: float | None = None,
+        weight_version: str | None = None,
+    ) -> list[Group]:
+        """Every idle buffered group, oldest first, page after page (a big buffer is big:
+        prefer `partials_page`)."""
+        groups: list[Group] = []
+        cursor: str | None = None
+        while True:
+            page = await self.partials_page(
+                None, cursor, status=status, min_age_s=min_age_s, weight_version=weight_version
+            )
+            groups += page.groups
+            if page.next_cursor is None:
+                return groups
+            cursor = page.next_cursor
 
     async def partial(self, group_id: str) -> Group:
         return await self._send(routes.partial(group_id))

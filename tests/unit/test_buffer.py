@@ -107,7 +107,7 @@ def test_store_work_runs_off_the_calling_thread_in_submission_order(tmp_path: Pa
 
     async def go() -> None:
         # A commit then a read, submitted back to back: the read sees the commit.
-        commit = asyncio.ensure_future(st.commit([(g, summarize(g, 1))], []))
+        commit = asyncio.ensure_future(st.commit([(g, 1)], []))
         await asyncio.sleep(0)
         got = await st.read_groups(["x"])
         await commit
@@ -384,3 +384,21 @@ def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> N
         assert eng.snaps == set()  # ... so deleting the group frees it
 
     asyncio.run(go())
+
+
+def test_the_loop_lag_monitor_sees_a_blocked_loop() -> None:
+    from april_server.loop_lag import LoopLagMonitor
+
+    async def go() -> dict[str, float]:
+        mon = LoopLagMonitor()
+        mon.start()
+        await asyncio.sleep(0.05)
+        time.sleep(0.15)  # blocks the loop, as O(buffer) work on it once did
+        await asyncio.sleep(0.05)
+        assert mon._task is not None
+        mon._task.cancel()
+        return mon.figures()
+
+    figs = asyncio.run(go())
+    assert figs["event_loop_lag_max_s"] >= 0.12
+    assert figs["event_loop_lag_recent_max_s"] == figs["event_loop_lag_max_s"]

@@ -154,6 +154,10 @@ ROUTES: list[tuple[Callable[[Any], Any], str, str, Any, httpx.Response, Callable
      answer(body={"samples": []}), lambda r: r.samples == []),
     (lambda c: c.partials(), "GET", "/april/v1/partials", None, answer(body={"groups": [GROUP]}),
      lambda r: isinstance(r, list) and isinstance(r[0], Group) and r[0].group_id == "g"),
+    (lambda c: c.partials_page(50, "7", status="partial", min_age_s=1.5, weight_version="v 2"),
+     "GET", "/april/v1/partials?limit=50&cursor=7&status=partial&min_age_s=1.5&weight_version=v+2",
+     None, answer(body={"groups": [GROUP], "next_cursor": "9"}),
+     lambda r: r.next_cursor == "9" and r.groups[0].group_id == "g"),
     (lambda c: c.partial("a/b"), "GET", "/april/v1/partials/a%2Fb", None, answer(body=GROUP),
      lambda r: isinstance(r, Group)),
     (lambda c: c.delete_partial("g"), "DELETE", "/april/v1/partials/g", None,
@@ -198,6 +202,24 @@ def test_each_method_sends_the_contract_request(case: int) -> None:
         else:
             assert req.headers["content-type"] == "application/json"
             assert json.loads(req.content) == body
+
+
+def test_partials_walks_every_page_with_its_filters() -> None:
+    seen: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req.url.raw_path.decode())
+        nxt = {None: "3", "3": "8", "8": None}[req.url.params.get("cursor")]
+        g = {**GROUP, "group_id": f"g{len(seen)}"}
+        return answer(body={"groups": [g], "next_cursor": nxt})
+
+    for out in both(handler, lambda c: c.partials(status="finished")):
+        assert [g.group_id for g in out] in (["g1", "g2", "g3"], ["g4", "g5", "g6"])
+    assert seen[:3] == [
+        "/april/v1/partials?status=finished",
+        "/april/v1/partials?cursor=3&status=finished",
+        "/april/v1/partials?cursor=8&status=finished",
+    ]
 
 
 def test_no_api_key_sends_no_authorization_header() -> None:
