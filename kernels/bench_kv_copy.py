@@ -2,6 +2,7 @@
 
     python -m kernels.bench_kv_copy [--device cuda|cpu] [--quick] [--json-out FILE]
     python -m kernels.bench_kv_copy --check      # bit-exact Triton/torch vs reference on CUDA
+    TRITON_INTERPRET=1 python -m kernels.bench_kv_copy --check --tiny   # the same, CPU, small
 
 GB/s counts the KV bytes moved once (2 * layers * tokens * row bytes). Columns: "ceiling" is a
 plain copy of the same bytes in the same run (pinned device->host / host->device on CUDA, a
@@ -216,15 +217,17 @@ def _check_case(device, dtype, num_tokens, page_size, heads, head_dim, backend, 
     return ok
 
 
-def run_check(device: str) -> int:
-    """Bit-exact save/restore against the references on ``device``; returns failures."""
+def run_check(device: str, tiny: bool = False) -> int:
+    """Bit-exact save/restore against the references on ``device``; returns failures.
+    ``tiny``: a few small cases (seconds in the CPU interpreter), both kernel paths."""
     dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
     # On CPU the Triton path is only checked under the interpreter (slow: minutes).
     backends = ["triton", "torch"] if device == "cuda" or interpreting() else ["torch"]
     host_slabs = (True, False) if device == "cuda" else (False,)
-    grid = itertools.product(
-        dtypes, (0, 1, 7, 33, 1000, 4099), (1, 16), ((8, 128), (3, 5)), backends, host_slabs
-    )
+    tokens, pages = ((1, 33), (16,)) if tiny else ((0, 1, 7, 33, 1000, 4099), (1, 16))
+    # (8, 128): rows of 1024 elements, the aligned (vector) path; (3, 5): the unaligned one.
+    heads = ((2, 16), (3, 5)) if tiny else ((8, 128), (3, 5))
+    grid = itertools.product(dtypes, tokens, pages, heads, backends, host_slabs)
     cases = failures = 0
     for dtype, num_tokens, page_size, (heads, head_dim), backend, host_slab in grid:
         cases += 1
@@ -247,12 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS} only")
     parser.add_argument("--json-out", help="also write the rows as JSON to this file")
     parser.add_argument("--check", action="store_true", help="bit-exact checks, no timing")
+    parser.add_argument("--tiny", action="store_true", help="with --check: a few small cases")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False")
     torch.manual_seed(0)
     if args.check:
-        return 1 if run_check(args.device) else 0
+        return 1 if run_check(args.device, args.tiny) else 0
 
     tokens = QUICK_TOKENS if args.quick else TOKENS
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"

@@ -26,6 +26,13 @@ _INT_OF_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 # large tiles: 64 rows per program.
 _GPU_TILE_BYTES = 16 * 1024
 _GPU_MAX_COL_BYTES = 4 * 1024
+# Unaligned launches move one element per access, each with its own 64-bit address and mask
+# bit; 16 KiB of 1- or 2-byte elements (64-128 per thread at 4 warps) makes ptxas spill, and
+# so do 32 bytes per thread, so their tiles hold 2048 elements (16 per thread). Every row also
+# costs its threads a slot id: at most 1024 rows per tile (8 per thread).
+# tests/kernels/test_aot.py compiles every tile and fails on a spill.
+_GPU_UNALIGNED_TILE_ELEMS = 2048
+_GPU_MAX_BLOCK_TOKENS = 1024
 _INTERPRET_BLOCK_TOKENS = 64
 
 
@@ -38,7 +45,7 @@ def _kv_save_kernel(
     row_elems,  # num_kv_heads * head_dim; also the pool's row stride (contiguous NHD)
     BLOCK_TOKENS: tl.constexpr,  # slab rows per program
     BLOCK_COLS: tl.constexpr,  # row elements per inner step (power of two)
-    ALIGNED: tl.constexpr,  # every base address is 16-byte aligned (enables vector access)
+    ALIGNED: tl.constexpr,  # 16-byte aligned bases, rows of 16k elements: 128-bit access
 ):
     # int64 program ids: slot * row_elems and buf * num_tokens * row_elems overflow int32
     # for real pools (e.g. 1M slots x 1024 elements).
@@ -69,7 +76,7 @@ def _kv_restore_kernel(
     row_elems,  # num_kv_heads * head_dim; also the pool's row stride (contiguous NHD)
     BLOCK_TOKENS: tl.constexpr,  # slab rows per program
     BLOCK_COLS: tl.constexpr,  # row elements per inner step (power of two)
-    ALIGNED: tl.constexpr,  # every base address is 16-byte aligned (enables vector access)
+    ALIGNED: tl.constexpr,  # 16-byte aligned bases, rows of 16k elements: 128-bit access
 ):
     tok_block = tl.program_id(0).to(tl.int64)
     buf = tl.program_id(1).to(tl.int64)
@@ -108,17 +115,24 @@ def _ptr_table(ptrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def _geometry(
-    row_elems: int, itemsize: int, block_tokens: int | None, block_cols: int | None
+    row_elems: int,
+    itemsize: int,
+    block_tokens: int | None,
+    block_cols: int | None,
+    aligned: bool = True,
 ) -> tuple[int, int]:
     """(BLOCK_TOKENS, BLOCK_COLS) for one launch; None picks the default."""
     if block_cols is None:
         max_cols = max(16, _GPU_MAX_COL_BYTES // itemsize)
+        if not aligned:
+            max_cols = min(max_cols, _GPU_UNALIGNED_TILE_ELEMS)
         block_cols = min(triton.next_power_of_2(row_elems), max_cols)
     if block_tokens is None:
         if interpreting():
             block_tokens = _INTERPRET_BLOCK_TOKENS
         else:
-            block_tokens = max(1, _GPU_TILE_BYTES // (block_cols * itemsize))
+            tile_elems = _GPU_TILE_BYTES // itemsize if aligned else _GPU_UNALIGNED_TILE_ELEMS
+            block_tokens = max(1, min(tile_elems // block_cols, _GPU_MAX_BLOCK_TOKENS))
     return triton.next_power_of_2(block_tokens), triton.next_power_of_2(block_cols)
 
 
@@ -139,8 +153,11 @@ def _launch(
     ptrs = tuple(b.data_ptr() for b in buffers)
     table = _ptr_table(ptrs, buffers[0].device)
     aligned = all(p % 16 == 0 for p in ptrs) and slab.data_ptr() % 16 == 0
-    aligned = aligned and (row_elems * slab.element_size()) % 16 == 0
-    block_t, block_c = _geometry(row_elems, slab.element_size(), block_tokens, block_cols)
+    # Rows must be 16 *elements*, not merely 16 bytes: the JIT marks row_elems divisible by 16
+    # and nothing finer, and a hint cannot be added inside the kernel (tl.multiple_of on a
+    # kernel argument is silently dropped), so e.g. 8-element bf16 rows would not vectorize.
+    aligned = aligned and row_elems % 16 == 0
+    block_t, block_c = _geometry(row_elems, slab.element_size(), block_tokens, block_cols, aligned)
     grid = (triton.cdiv(num_tokens, block_t), len(buffers))
     kernel[grid](
         table,
