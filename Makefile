@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo sweep test test-fast check bench-kv bench-resume bench-buffer soak
+.PHONY: demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer gpu-check gpu-check-dry soak
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -15,6 +15,15 @@ test:  ## the whole suite: unit, kernels (Triton interpreter), end to end on a r
 
 test-fast:  ## without the end-to-end tests (no SGLang server)
 	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
+
+test-aot:  ## KV kernels compiled ahead of time for sm_80/90/100 and their code checked (no GPU, ~100 s)
+	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_aot.py
+
+gpu-check:  ## one CUDA device, <= 10 min: parity, KV GB/s, resume 1k/4k/16k on an 8B shape, april-bench
+	@bash scripts/gpu-check.sh
+
+gpu-check-dry:  ## what a CPU can check of the GPU run (~2 min)
+	@bash scripts/gpu-check.sh --dry-run
 
 check:  ## format, lint, types
 	@V=$(VENV) && $$V/bin/ruff format --check . && $$V/bin/ruff check . && $$V/bin/mypy
