@@ -68,6 +68,10 @@ def install_cpu_shim() -> None:
     os.environ["PYTHONPATH"] = str(SHIM_DIR) + (os.pathsep + old if old else "")
 
 
+# What the embedded models are called on the OpenAI routes (`/v1/models`, `model` fields).
+EMBEDDED_NAMES = {"tiny": "april-tiny", "smollm2": "SmolLM2-135M-Instruct"}
+
+
 def build_argv(argv: list[str], april: argparse.Namespace, cpu: bool) -> list[str]:
     out = list(argv)
     if not has_flag(out, "--model-path") and not has_flag(out, "--model"):
@@ -75,6 +79,8 @@ def build_argv(argv: list[str], april: argparse.Namespace, cpu: bool) -> list[st
 
         path = ensure_smollm2() if april.april_model == "smollm2" else ensure_tiny_model()
         out += ["--model-path", str(path)]
+        if not has_flag(out, "--served-model-name"):  # not the cache path, in /v1/models
+            out += ["--served-model-name", EMBEDDED_NAMES[april.april_model]]
     if cpu:
         for flag, value in CPU_DEFAULTS:
             if not has_flag(out, flag):
