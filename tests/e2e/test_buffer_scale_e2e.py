@@ -99,6 +99,9 @@ def test_a_default_call_beside_a_million_samples_returns_its_quota(big: ServerPr
         assert st["peak_running_samples"] <= 256, st
         after = stats(c)
         assert after["buffered_groups"] == before["buffered_groups"]  # one out, one in
+        # The embedded model is served under a readable name, not its cache path (this
+        # server never reloads weights: SGLang renames the model to the path it reloads).
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["april-tiny"]
         assert after["claimed_groups"] == 0 and after["running_samples"] == 0
     assert poll.failures == [] and len(poll.latencies) >= 1
     assert max(poll.latencies) < STALL_BOUND_S, max(poll.latencies)

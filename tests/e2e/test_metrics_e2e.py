@@ -39,15 +39,12 @@ def test_metrics_has_april_and_sglang_families(tiny_server: ServerProc) -> None:
     assert not any(name.startswith("sglang:") for name in ours)
 
 
-def test_event_loop_lag_and_model_name_are_served(tiny_server: ServerProc) -> None:
+def test_event_loop_lag_is_served(tiny_server: ServerProc) -> None:
     with tiny_server.client() as c:
         ok(c.get(R + "/stats"))  # the first april request starts the loop-lag monitor
         stats = ok(c.get(R + "/stats"))
         fams = families(c.get("/metrics").text)
-        models = ok(c.get("/v1/models"))
     assert 0 <= stats["event_loop_lag_p99_s"] <= stats["event_loop_lag_max_s"]
     assert fams["april_event_loop_lag_max_s"] == pytest.approx(
         stats["event_loop_lag_max_s"], abs=1.0
     )
-    # The embedded model is served under a readable name, not its cache path.
-    assert [m["id"] for m in models["data"]] == ["april-tiny"]

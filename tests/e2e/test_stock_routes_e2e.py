@@ -108,12 +108,16 @@ def test_weight_reload_with_abort_all_requests(http: httpx.Client) -> None:
     body = {"groups": groups, "target_groups": 2, "max_inflight_groups": 2}
     new = f"{before}-areal"
 
+    outcome: dict[str, int] = {}
+
     def reload() -> None:
         req = {"model_path": str(ensure_tiny_model()), "weight_version": new,
                "abort_all_requests": True}  # fmt: skip
         r = http.post("/update_weights_from_disk", json=req)
-        # SGLang's own answer when its flush comes before its abort has emptied the batch:
-        # the weights are loaded, the cache is not flushed (a 4xx of SGLang's, not ours).
+        outcome["status"] = r.status_code
+        # SGLang's own answer when its flush comes before its abort has emptied the batch
+        # (seen under load): weights loaded, cache not flushed, version not bumped. A 4xx of
+        # SGLang's, not ours; the buffer must be consistent either way.
         if r.status_code == 400:
             assert "Weights were updated" in r.json()["message"], r.text
         else:
@@ -121,13 +125,14 @@ def test_weight_reload_with_abort_all_requests(http: httpx.Client) -> None:
 
     r = run_beside(http, body, reload)
     buffered = check_consistent(http, [g["group_id"] for g in groups], r)
-    assert http.get(R + "/stats").json()["weight_version"] == new
+    now = http.get(R + "/stats").json()["weight_version"]
+    assert now == (new if outcome["status"] == 200 else before)
     for g in buffered:  # what was generated before the reload carries the old version
         for s in g["samples"]:
             assert {seg["weight_version"] for seg in s["segments"]} == {before}
-    # Continued under the new weights, the segment says so.
+    # Continued under the weights now served, the segment says which.
     out = http.post(R + "/resume", json={"sample_ids": ["w0/0"]}).json()["samples"][0]
-    assert [seg["weight_version"] for seg in out["segments"]][-1] == new
+    assert [seg["weight_version"] for seg in out["segments"]][-1] == now
 
 
 def test_stock_generate_runs_beside_an_april_call(http: httpx.Client) -> None:

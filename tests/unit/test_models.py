@@ -115,3 +115,13 @@ def test_greedy_generation_does_not_collapse(tiny: Path) -> None:
     text = tok.decode(new)
     assert all(c == "\n" or " " <= c <= "~" for c in text.replace("<|im_end|>", ""))
     assert "".join(tok.decode([i]) for i in new) == text
+
+
+def test_embedded_models_get_readable_names_unless_the_user_names_them() -> None:
+    from april_server.cli import april_parser, build_argv
+
+    april, rest = april_parser().parse_known_args(["--port", "1"])
+    argv = build_argv(rest, april, cpu=False)
+    assert argv[argv.index("--served-model-name") + 1] == "april-tiny"
+    april, rest = april_parser().parse_known_args(["--served-model-name", "mine"])
+    assert build_argv(rest, april, cpu=False).count("--served-model-name") == 1
