@@ -128,19 +128,6 @@ class PartialBuffer:
             if entry is not None:
                 self.idle.add(entry)
 
-    def release_groups(self, owner: str, group_ids: list[str]) -> None:
-        """Hand back some of what `owner` holds (see `release`)."""
-        for gid in group_ids:
-            if self.owner.get(gid) == owner:
-                self._let_go(gid)
-                self.claimed.pop(gid, None)
-                entry = self._stored.pop(gid, None)
-                if entry is not None:
-                    self.idle.add(entry)
-
-    def owned(self, owner: str) -> set[str]:
-        return set(self._owned.get(owner, ()))
-
     # ---- durability --------------------------------------------------------------------------
 
     async def persist(

@@ -248,11 +248,16 @@ def end_to_end(state: Path, add_groups: int) -> Table:
             def small(k: int) -> dict[str, Any]:
                 return {"groups": new_groups(f"e2e-one{k}", 1, budget=4)}
 
+            def alone(k: int) -> dict[str, Any]:
+                return {"groups": new_groups(f"e2e-own{k}", 1, budget=4), "resume_first": False}
+
             plan: list[tuple[str, str, Callable[[int], dict[str, Any]], int]] = [
                 ("e2e_add_call_s", f"call adding {add_groups:,} groups, resume_first false",
                  big, BIG_CALLS),
-                ("e2e_default_call_s", "default call beside the buffer, 1 group sent",
-                 small, SMALL_CALLS),
+                ("e2e_default_call_s", "default call beside the buffer, 1 group sent "
+                 "(resumes the oldest: real generation)", small, SMALL_CALLS),
+                ("e2e_own_call_s", "1-group call, resume_first false (its own 4 tokens)",
+                 alone, SMALL_CALLS),
             ]  # fmt: skip
             for key, what, make, repeat in plan:
                 walls, started, peak, met = [], 0, 0, True
