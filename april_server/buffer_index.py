@@ -39,22 +39,30 @@ class BufferEntry(msgspec.Struct, gc=False):
     remaining_tokens: int = 0
 
 
+def open_footprint(group: Group) -> tuple[int, int, int]:
+    """(unfinished members, their context tokens now, their budget left): what starting the
+    group asks of the engine."""
+    open_ = [s for s in group.samples if s.status == "partial"]
+    context = sum(
+        len(s.prompt_ids) + len(s.output_ids) + sum(len(a.ids) for a in s.appended) for s in open_
+    )
+    left = sum(max(0, s.max_new_tokens - len(s.output_ids)) for s in open_)
+    return len(open_), context, left
+
+
 def summarize(group: Group, seq: int) -> BufferEntry:
     versions = {seg.weight_version for s in group.samples for seg in s.segments}
-    open_ = [s for s in group.samples if s.status == "partial"]
+    unfinished, context, left = open_footprint(group)
     return BufferEntry(
         group_id=group.group_id,
         seq=seq,
         created_at=group.created_at,
         num_samples=len(group.samples),
-        unfinished=len(open_),
+        unfinished=unfinished,
         output_tokens=sum(len(s.output_ids) for s in group.samples),
         versions=tuple(sorted(versions)),
-        context_tokens=sum(
-            len(s.prompt_ids) + len(s.output_ids) + sum(len(a.ids) for a in s.appended)
-            for s in open_
-        ),
-        remaining_tokens=sum(max(0, s.max_new_tokens - len(s.output_ids)) for s in open_),
+        context_tokens=context,
+        remaining_tokens=left,
     )
 
 

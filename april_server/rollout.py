@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from april_server import samples as S
-from april_server.buffer_index import BufferEntry
+from april_server.buffer_index import BufferEntry, open_footprint
 from april_server.errors import bad_request, conflict
 from april_server.ids import check_id
 from april_server.inflight import kv_need
@@ -257,15 +257,12 @@ class RolloutCall:
         if not queue:
             return None
         group = mgr.groups[queue[0]]
-        open_ = [s for s in group.samples if not S.is_finished(s)]
-        need = kv_need(
-            sum(len(s.prompt_ids) + len(s.output_ids) + S.num_appended(s) for s in open_),
-            sum(S.remaining_budget(s) for s in open_),
-        )
+        unfinished, context, left = open_footprint(group)
+        need = kv_need(context, left)
         # Groups start whole; the running target is a ceiling, not a hint (a group larger
         # than the target may still run alone).
         if running and (
-            running + len(open_) > sample_target or not mgr.admission.fits(len(open_), need)
+            running + unfinished > sample_target or not mgr.admission.fits(unfinished, need)
         ):
             return None
         return queue.popleft()
