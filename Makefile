@@ -35,7 +35,7 @@ bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (t
 	@V=$(VENV) && $$V/bin/python -m kernels.bench_resume
 
 bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
-	@V=$(VENV) && $$V/bin/python -m clients.bench.buffer --json-out out/bench-buffer.json
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.buffer --json-out out/bench-buffer.json
 
 soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py

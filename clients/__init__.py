@@ -1,36 +1,43 @@
-"""Clients of april-server: the typed HTTP client (`client.py`) and `april-bench` (`bench/`).
+"""`april_client`: the typed HTTP client of april-server (`client.py`) and `april-bench` (`bench/`).
 
 Importing this package needs only httpx and msgspec: `AprilClient`/`AsyncAprilClient` cover
 every `/april/v1` route and the SGLang routes a trainer needs; their wire types are in
-`april_server.protocol`, which imports only msgspec.
+`april_server.protocol`, which imports only msgspec. The sources live in the `clients/` folder;
+the package is `april_client` (`from april_client import AprilClient`). The old `clients` name
+still works from a checkout, deprecated (`_legacy.py`).
 """
 
-from clients._errors import (
-    AprilError,
-    Conflict,
-    InvalidRequest,
-    NotFound,
-    ProtocolError,
-    RequestRejected,
-    ServerError,
-    TransportError,
-    Unauthorized,
-)
-from clients._stream import AsyncRolloutStream, RolloutStream
-from clients.client import AprilClient, AsyncAprilClient
+if __name__ == "clients":  # the deprecated name, imported from a checkout
+    from ._legacy import alias
 
-__all__ = [
-    "AprilClient",
-    "AprilError",
-    "AsyncAprilClient",
-    "AsyncRolloutStream",
-    "Conflict",
-    "InvalidRequest",
-    "NotFound",
-    "ProtocolError",
-    "RequestRejected",
-    "RolloutStream",
-    "ServerError",
-    "TransportError",
-    "Unauthorized",
-]
+    alias(__name__)
+else:
+    from ._errors import (
+        AprilError,
+        Conflict,
+        InvalidRequest,
+        NotFound,
+        ProtocolError,
+        RequestRejected,
+        ServerError,
+        TransportError,
+        Unauthorized,
+    )
+    from ._stream import AsyncRolloutStream, RolloutStream
+    from .client import AprilClient, AsyncAprilClient
+
+    __all__ = [
+        "AprilClient",
+        "AprilError",
+        "AsyncAprilClient",
+        "AsyncRolloutStream",
+        "Conflict",
+        "InvalidRequest",
+        "NotFound",
+        "ProtocolError",
+        "RequestRejected",
+        "RolloutStream",
+        "ServerError",
+        "TransportError",
+        "Unauthorized",
+    ]

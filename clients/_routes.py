@@ -33,7 +33,8 @@ from april_server.protocol import (
     RolloutResp,
     StreamEvent,
 )
-from clients._errors import (
+
+from ._errors import (
     AprilError,
     ProtocolError,
     ServerError,
@@ -41,7 +42,7 @@ from clients._errors import (
     error_from_response,
 )
 
-logger = logging.getLogger("clients")
+logger = logging.getLogger("april_client")
 
 PREFIX = "/april/v1"
 MAX_RETRIES = 10

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 
 from april_server.protocol import DoneEvent, Group
-from clients._errors import TransportError
-from clients._routes import Call, Event, EventReader
+
+from ._errors import TransportError
+from ._routes import Call, Event, EventReader
 
 
 class _StreamBase:

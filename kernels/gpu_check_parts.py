@@ -71,8 +71,8 @@ def configs(ctx: Context) -> dict[str, Any]:
 
     from transformers import AutoConfig
 
+    from april_client.bench.cli import parse_args as bench_parse_args
     from april_server.cli import april_parser
-    from clients.bench.cli import parse_args as bench_parse_args
 
     cfg = AutoConfig.from_pretrained(MODEL_DIR)
     with warnings.catch_warnings():  # SGLang warns on import about CPU-less quantizations
@@ -177,7 +177,7 @@ def kv_bandwidth(ctx: Context) -> dict[str, Any]:
 
 
 def start_server(ctx: Context) -> dict[str, Any]:
-    from clients.bench.launcher import LaunchedServer
+    from april_client.bench.launcher import LaunchedServer
 
     command = shown(["python", "-m", "april_server", *SERVER_ARGS])
     if not ctx.cuda:
@@ -254,7 +254,9 @@ def april_bench(ctx: Context) -> dict[str, Any]:
     """april-bench sync vs static (april@all) vs adaptive (april@auto) on the 8B server."""
     out = ctx.out_dir / "april_bench.jsonl"
     url = ctx.server.url if ctx.server is not None else "URL"
-    cmd = ctx.python("-m", "clients.bench.cli", "--url", url, *BENCH_ARGS, "--json-out", str(out))
+    cmd = ctx.python(
+        "-m", "april_client.bench.cli", "--url", url, *BENCH_ARGS, "--json-out", str(out)
+    )
     if ctx.server is None:
         status = NO_CUDA if not ctx.cuda else "skipped: no server"
         return {"status": status, "command": shown(cmd)}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.bench.launcher import LaunchedServer
+from april_client.bench.launcher import LaunchedServer
 
 
 class ServerProc(LaunchedServer):

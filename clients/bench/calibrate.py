@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from clients.bench.server_api import check
-from clients.bench.simulate import CostModel
+from .server_api import check
+from .simulate import CostModel
 
 BATCHES = (1, 4, 16, 32, 64)
 DECODE_TOKENS = 64

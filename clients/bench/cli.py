@@ -19,15 +19,15 @@ from typing import Any
 
 import httpx
 
-from clients.bench import simulate as sim
-from clients.bench.driver import MODES, BenchConfig, ModeSpec
-from clients.bench.launcher import LaunchedServer
-from clients.bench.metrics import ModeResult
-from clients.bench.metrics import __doc__ as metrics_doc
-from clients.bench.report import plot, records, summary_table, write_jsonl
-from clients.bench.server_api import BenchError
-from clients.bench.session import run_modes
-from clients.bench.sweep import (
+from . import simulate as sim
+from .driver import MODES, BenchConfig, ModeSpec
+from .launcher import LaunchedServer
+from .metrics import ModeResult
+from .metrics import __doc__ as metrics_doc
+from .report import plot, records, summary_table, write_jsonl
+from .server_api import BenchError
+from .session import run_modes
+from .sweep import (
     PRESETS,
     SWEEP_MODES,
     SweepPoint,

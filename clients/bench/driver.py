@@ -20,9 +20,9 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from clients.bench.accounting import Consumed, Ledger
-from clients.bench.metrics import ModeResult, StepRecord, timeline_stats
-from clients.bench.server_api import (
+from .accounting import Consumed, Ledger
+from .metrics import ModeResult, StepRecord, timeline_stats
+from .server_api import (
     BenchError,
     LoadPoller,
     R,
@@ -32,7 +32,7 @@ from clients.bench.server_api import (
     delete_groups,
     engine_clock,
 )
-from clients.bench.workload import WorkGroup, Workload
+from .workload import WorkGroup, Workload
 
 Mode = Literal["sync", "april", "april-kv"]
 MODES: tuple[Mode, ...] = ("sync", "april", "april-kv")

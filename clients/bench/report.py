@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clients.bench.metrics import ModeResult
+from .metrics import ModeResult
 
 
 def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from clients.bench.accounting import compare_modes
-from clients.bench.calibrate import measure_cost_model
-from clients.bench.driver import BenchConfig, ModeRunner, ModeSpec
-from clients.bench.metrics import ModeResult
-from clients.bench.server_api import (
+from .accounting import compare_modes
+from .calibrate import measure_cost_model
+from .driver import BenchConfig, ModeRunner, ModeSpec
+from .metrics import ModeResult
+from .server_api import (
     BenchError,
     LoadPoller,
     ServerInfo,
@@ -29,7 +29,7 @@ from clients.bench.server_api import (
     flush_cache,
     probe,
 )
-from clients.bench.workload import Workload, load_lengths
+from .workload import Workload, load_lengths
 
 
 def make_workload(args: argparse.Namespace, cfg: BenchConfig, vocab: int) -> Workload:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from clients.bench.metrics import StepRecord
-from clients.bench.workload import Workload
+from .metrics import StepRecord
+from .workload import Workload
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clients.bench.server_api import BenchError
+from .server_api import BenchError
 
 SWEEP_MODES = "sync,april@all,april@auto"
 _POINT = re.compile(r"^(tiny|smollm2):(\d+):(\d+)x(\d+)$")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.bench import cli
+from april_client.bench import cli
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e

@@ -244,7 +244,7 @@ def test_dropped_stream_keeps_stragglers_and_leaks_nothing(http: httpx.Client) -
 
 
 def test_typed_client_against_the_real_server(http: httpx.Client, tiny_server: ServerProc) -> None:
-    from clients import AprilClient, AsyncAprilClient, NotFound
+    from april_client import AprilClient, AsyncAprilClient, NotFound
 
     with AprilClient(tiny_server.url) as c:
         r = c.rollout([group("ca", [3], [4]), group("cb", [5], [300])], 1, on_quota="tokens")

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from clients.bench import cli
+from april_client.bench import cli
 
 
 class FakeServer:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from clients.bench import cli
-from clients.bench.driver import ModeSpec
-from clients.bench.server_api import BenchError
-from clients.bench.sweep import PRESETS, SweepPoint, repeat_order, sweep_points, sweep_table
+from april_client.bench import cli
+from april_client.bench.driver import ModeSpec
+from april_client.bench.server_api import BenchError
+from april_client.bench.sweep import PRESETS, SweepPoint, repeat_order, sweep_points, sweep_table
 
 
 def test_mode_spec_policies() -> None:

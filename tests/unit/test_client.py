@@ -1,33 +1,18 @@
-"""The typed client against httpx.MockTransport: every route, both clients, errors, retries,
-NDJSON streaming, and the light import (httpx + msgspec only)."""
+"""The typed client against httpx.MockTransport: every route on both clients, the constructor,
+and how errors map to exceptions (retries: test_client_retries.py; NDJSON streaming:
+test_client_stream.py; import paths: test_client_imports.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import os
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-import clients
-from april_server.protocol import (
-    AbortResp,
-    DeleteResp,
-    DoneEvent,
-    Group,
-    GroupFinishedEvent,
-    GroupSpec,
-    ResumeResp,
-    RolloutResp,
-)
-from clients import (
+import april_client
+from april_client import (
     AprilClient,
     AprilError,
     AsyncAprilClient,
@@ -40,88 +25,30 @@ from clients import (
     TransportError,
     Unauthorized,
 )
-from clients._routes import Call, RetryPolicy
-from clients.client import DEFAULT_TIMEOUT
-
-ROOT = Path(__file__).resolve().parents[2]
-URL = "http://april.test"
-Handler = Callable[[httpx.Request], httpx.Response]
-
-SAMPLE = {
-    "sample_id": "g/0", "group_id": "g", "index": 0, "status": "partial", "prompt_ids": [1],
-    "output_ids": [2], "output_logprobs": [-0.1], "segments": [], "max_new_tokens": 4,
-    "finish_reason": None,
-}  # fmt: skip
-GROUP = {"group_id": "g", "samples": [SAMPLE]}
-STATS = {
-    "wall_s": 0.1, "weight_version": "0", "num_finished_groups": 1, "num_buffered_groups": 0,
-    "output_tokens": 1, "offpolicy_tokens": 0, "resumed_samples": 0, "restored_kv_tokens": 0,
-    "recomputed_tokens": 0,
-}  # fmt: skip
-ROLLOUT = {"batch_id": "b", "groups": [GROUP], "buffered_group_ids": ["h"], "stats": STATS}
-SPEC = {"group_id": "g", "input_ids": [1]}
-FINISHED_LINE = json.dumps({"event": "group_finished", "group": GROUP}).encode() + b"\n"
-DONE_LINE = (
-    json.dumps({"event": "done", "batch_id": "b", "buffered_group_ids": [], "stats": STATS}) + "\n"
-).encode()
-
-
-def answer(status: int = 200, body: Any = None, content: bytes | None = None) -> httpx.Response:
-    if content is not None:
-        return httpx.Response(status, content=content)
-    return httpx.Response(status, json={} if body is None else body)
-
-
-def recorder(status: int = 200, body: Any = None, content: bytes | None = None) -> Any:
-    """A handler giving one canned answer, and the list of requests it saw."""
-    seen: list[httpx.Request] = []
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        seen.append(req)
-        return answer(status, body, content)
-
-    return seen, handler
-
-
-def run_sync(handler: Handler, call: Callable[[Any], Any], **kw: Any) -> Any:
-    with AprilClient(URL, transport=httpx.MockTransport(handler), **kw) as c:
-        return call(c)
-
-
-def run_async(handler: Handler, call: Callable[[Any], Any], **kw: Any) -> Any:
-    async def go() -> Any:
-        async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler), **kw) as c:
-            return await call(c)
-
-    return asyncio.run(go())
-
-
-RUNNERS = (run_sync, run_async)
-
-
-def both(handler: Handler, call: Callable[[Any], Any], **kw: Any) -> list[Any]:
-    """`call` on the sync client, then (awaited) on the async one, over the same handler."""
-    return [run(handler, call, **kw) for run in RUNNERS]
-
-
-def both_raise(handler: Handler, call: Callable[[Any], Any], **kw: Any) -> list[AprilError]:
-    errors: list[AprilError] = []
-    for run in RUNNERS:
-        with pytest.raises(AprilError) as e:
-            run(handler, call, **kw)
-        errors.append(e.value)
-    return errors
+from april_client.client import DEFAULT_TIMEOUT
+from april_server.protocol import AbortResp, DeleteResp, Group, GroupSpec, ResumeResp, RolloutResp
+from tests.unit.client_fakes import (
+    GROUP,
+    ROLLOUT,
+    SAMPLE,
+    SPEC,
+    URL,
+    answer,
+    both,
+    both_raise,
+    recorder,
+)
 
 
 def test_public_api_is_locked() -> None:
-    assert clients.__all__ == sorted(clients.__all__)
-    assert set(clients.__all__) == {
+    assert april_client.__all__ == sorted(april_client.__all__)
+    assert set(april_client.__all__) == {
         "AprilClient", "AprilError", "AsyncAprilClient", "AsyncRolloutStream", "Conflict",
         "InvalidRequest", "NotFound", "ProtocolError", "RequestRejected", "RolloutStream",
         "ServerError", "TransportError", "Unauthorized",
     }  # fmt: skip
-    for name in clients.__all__:
-        assert getattr(clients, name).__module__.startswith("clients.")
+    for name in april_client.__all__:
+        assert getattr(april_client, name).__module__.startswith("april_client.")
 
 
 # (call, method, raw path, JSON body sent or None, answer, check on the return value)
@@ -338,274 +265,3 @@ def test_bad_arguments_fail_before_sending(case: int) -> None:
 def test_bad_group_dict_error_names_the_group() -> None:
     with AprilClient(URL) as c, pytest.raises(ValueError, match=r"groups\[1\].*input_id"):
         c.rollout([SPEC, {"group_id": "h", "input_id": [1]}], 1)
-
-
-# ---- retries ---------------------------------------------------------------------------------
-
-
-def flaky(failures: int, fail: Callable[[httpx.Request], httpx.Response], ok: Any) -> Any:
-    """A handler that fails `failures` times (per client) then answers `ok`; counts calls."""
-    calls: list[str] = []
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        calls.append(req.url.path)
-        if len(calls) <= failures:
-            return fail(req)
-        return answer(body=ok)
-
-    return calls, handler
-
-
-def refuse(req: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectError("refused", request=req)
-
-
-def unavailable(req: httpx.Request) -> httpx.Response:
-    return answer(503, {"error": {"code": "overloaded", "message": "try later"}})
-
-
-IDEMPOTENT: list[tuple[Callable[[Any], Any], Any]] = [
-    (lambda c: c.stats(), {}),
-    (lambda c: c.partials(), {"groups": []}),
-    (lambda c: c.partial("g"), GROUP),
-    (lambda c: c.metrics(), {}),
-    (lambda c: c.abort(all=True), {"samples": []}),
-    (lambda c: c.rollout([SPEC], 1, request_id="step-1"), ROLLOUT),
-]
-NOT_IDEMPOTENT: list[Callable[[Any], Any]] = [
-    lambda c: c.rollout([SPEC], 1),  # no request_id
-    lambda c: c.resume(["g/0"]),
-    lambda c: c.reject("b", ["g"]),
-    lambda c: c.delete_partial("g"),
-    lambda c: c.generate([1]),
-    lambda c: c.update_weights_from_disk("/m"),
-    lambda c: c.flush_cache(),
-]
-
-
-@pytest.mark.parametrize("run", RUNNERS)
-@pytest.mark.parametrize("fail", [refuse, unavailable])
-@pytest.mark.parametrize("case", range(len(IDEMPOTENT)))
-def test_idempotent_calls_are_retried(case: int, fail: Handler, run: Any) -> None:
-    call, ok = IDEMPOTENT[case]
-    calls, handler = flaky(2, fail, ok)
-    assert run(handler, call, retries=2, retry_backoff_s=0) is not None
-    assert len(calls) == 3
-
-
-@pytest.mark.parametrize("run", RUNNERS)
-@pytest.mark.parametrize("case", range(len(NOT_IDEMPOTENT)))
-def test_other_calls_are_never_retried(case: int, run: Any) -> None:
-    calls, handler = flaky(1, refuse, {})
-    with pytest.raises(TransportError):
-        run(handler, NOT_IDEMPOTENT[case], retries=3, retry_backoff_s=0)
-    assert len(calls) == 1
-
-
-@pytest.mark.parametrize("run", RUNNERS)
-def test_retries_are_bounded_logged_and_reraise_the_last_error(
-    run: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    calls, handler = flaky(100, unavailable, {})
-    caplog.set_level(logging.WARNING, logger="clients")
-    with pytest.raises(ServerError) as e:
-        run(handler, lambda c: c.rollout([SPEC], 1, request_id="step-9"), retries=2,
-            retry_backoff_s=0)  # fmt: skip
-    assert e.value.code == "overloaded"
-    assert len(calls) == 3  # the call and two retries
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2
-    assert all("rid=step-9" in m and "ServerError" in m and "try later" in m for m in warnings)
-
-
-@pytest.mark.parametrize("run", RUNNERS)
-def test_client_errors_are_not_retried(run: Any) -> None:
-    calls, handler = flaky(100, lambda r: answer(404, {"error": {"code": "c", "message": "m"}}), {})
-    with pytest.raises(NotFound):
-        run(handler, lambda c: c.stats(), retries=3, retry_backoff_s=0)
-    assert len(calls) == 1
-
-
-def test_retry_backoff_doubles_and_is_capped() -> None:
-    policy = RetryPolicy(retries=3, backoff_s=20)
-    call = Call("GET", "/x", bytes, idempotent=True)
-    err = TransportError(httpx.ConnectError("x"))
-    assert [policy.next_delay(call, err, k) for k in range(4)] == [20, 30, 30, None]
-    assert RetryPolicy(retries=3, backoff_s=1).next_delay(call, err, 1) == 2
-
-
-# ---- streaming -------------------------------------------------------------------------------
-
-
-class Chunks(httpx.SyncByteStream, httpx.AsyncByteStream):
-    """A response body delivered in the given chunks, recording whether it was closed."""
-
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.chunks = chunks
-        self.sent = 0
-        self.closed = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.chunks:
-            self.sent += 1
-            yield chunk
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            self.sent += 1
-            yield chunk
-
-    def close(self) -> None:
-        self.closed = True
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-def split_every(data: bytes, n: int) -> list[bytes]:
-    return [data[i : i + n] for i in range(0, len(data), n)]
-
-
-def stream_both(handler: Handler, **kw: Any) -> list[tuple[list[Any], Any]]:
-    """Consume a rollout stream with both clients; returns (events, stream object) for each."""
-    with AprilClient(URL, transport=httpx.MockTransport(handler), **kw) as c:
-        s = c.rollout_stream([SPEC], 2, request_id="r")
-        out = [(list(s), s)]
-
-    async def go() -> tuple[list[Any], Any]:
-        async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler), **kw) as ac:
-            s = ac.rollout_stream([SPEC], 2, request_id="r")
-            return [e async for e in s], s
-
-    return [*out, asyncio.run(go())]
-
-
-@pytest.mark.parametrize("chunk_size", [1, 7, 10_000])
-def test_stream_decodes_ndjson_split_anywhere(chunk_size: int) -> None:
-    body = FINISHED_LINE + b"\n" + FINISHED_LINE + DONE_LINE.rstrip(b"\n")  # blank line, no EOL
-    seen: list[httpx.Request] = []
-    streams: list[Chunks] = []
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        seen.append(req)
-        streams.append(Chunks(split_every(body, chunk_size)))
-        return httpx.Response(200, stream=streams[-1])
-
-    for events, s in stream_both(handler):
-        assert [type(e) for e in events] == [GroupFinishedEvent, GroupFinishedEvent, DoneEvent]
-        assert [g.group_id for g in s.groups] == ["g", "g"]
-        assert s.batch_id == "b" and s.done is events[-1]
-    assert all(st.closed for st in streams)
-    for req in seen:
-        assert (req.method, req.url.path) == ("POST", "/april/v1/rollouts")
-        assert json.loads(req.content) == {
-            "groups": [SPEC], "target_groups": 2, "stream": True, "request_id": "r",
-        }  # fmt: skip
-
-
-def test_stream_closed_early_closes_the_response() -> None:
-    streams: list[Chunks] = []
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        streams.append(Chunks([FINISHED_LINE, FINISHED_LINE, FINISHED_LINE, DONE_LINE]))
-        return httpx.Response(200, stream=streams[-1])
-
-    with AprilClient(URL, transport=httpx.MockTransport(handler)) as c:
-        with c.rollout_stream([SPEC], 3) as s:
-            assert isinstance(next(s), GroupFinishedEvent)
-        assert streams[0].closed and streams[0].sent == 1
-        assert list(s) == [] and s.batch_id is None
-
-    async def go() -> None:
-        async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler)) as ac:
-            async with ac.rollout_stream([SPEC], 3) as s:
-                async for _ in s:
-                    break
-            assert streams[1].closed and streams[1].sent == 1
-
-    asyncio.run(go())
-
-
-def test_stream_error_before_the_first_event() -> None:
-    _, handler = recorder(422, {"error": {"code": "invalid_schema", "message": "bad n"}})
-    with AprilClient(URL, transport=httpx.MockTransport(handler)) as c:
-        s = c.rollout_stream([SPEC], 1)  # nothing sent yet
-        with pytest.raises(InvalidRequest, match="bad n"):
-            next(s)
-
-    async def go() -> None:
-        async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler)) as ac:
-            with pytest.raises(InvalidRequest, match="bad n"):
-                [e async for e in ac.rollout_stream([SPEC], 1)]
-
-    asyncio.run(go())
-
-
-@pytest.mark.parametrize(
-    ("body", "match"),
-    [(FINISHED_LINE, "before its done"), (FINISHED_LINE + b"{oops}\n", "bad event line"),
-     (b'{"event": "started"}\n', "bad event line"), (DONE_LINE + FINISHED_LINE, "after its done")],
-)  # fmt: skip
-def test_broken_streams_are_protocol_errors(body: bytes, match: str) -> None:
-    def handler(req: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, stream=Chunks([body]))
-
-    with AprilClient(URL, transport=httpx.MockTransport(handler)) as c:
-        with pytest.raises(ProtocolError, match=match):
-            list(c.rollout_stream([SPEC], 1))
-
-    async def go() -> None:
-        async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler)) as ac:
-            with pytest.raises(ProtocolError, match=match):
-                [e async for e in ac.rollout_stream([SPEC], 1)]
-
-    asyncio.run(go())
-
-
-def test_stream_open_is_retried_only_with_a_request_id() -> None:
-    def handler_for(calls: list[int]) -> Handler:
-        def handler(req: httpx.Request) -> httpx.Response:
-            calls.append(1)
-            if len(calls) == 1:
-                return unavailable(req)
-            return httpx.Response(200, stream=Chunks([FINISHED_LINE, DONE_LINE]))
-
-        return handler
-
-    sync_calls: list[int] = []
-    with AprilClient(URL, transport=httpx.MockTransport(handler_for(sync_calls)), retries=1,
-                     retry_backoff_s=0) as c:  # fmt: skip
-        assert len(list(c.rollout_stream([SPEC], 1, request_id="r"))) == 2
-        with pytest.raises(ServerError):
-            sync_calls.clear()
-            list(c.rollout_stream([SPEC], 1))  # no request_id: not retried
-    async_calls: list[int] = []
-
-    async def go() -> int:
-        async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler_for(async_calls)),
-                                    retries=1, retry_backoff_s=0) as ac:  # fmt: skip
-            return len([e async for e in ac.rollout_stream([SPEC], 1, request_id="r")])
-
-    assert asyncio.run(go()) == 2 and len(async_calls) == 2
-
-
-# ---- packaging -------------------------------------------------------------------------------
-
-
-def test_import_needs_only_httpx_and_msgspec() -> None:
-    heavy = ["torch", "sglang", "fastapi", "uvicorn", "starlette", "triton", "numpy", "pydantic"]
-    code = (
-        "import sys\n"
-        f"for m in {heavy!r}: sys.modules[m] = None\n"
-        "import clients, clients.client\n"
-        "print(clients.AprilClient.__name__, clients.AsyncAprilClient.__name__)\n"
-    )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["AprilClient", "AsyncAprilClient"]

@@ -1,0 +1,267 @@
+"""`AsyncAprilClient`: the asyncio twin of `AprilClient` (`_sync.py`), over one
+`httpx.AsyncClient`, with the same arguments and methods (awaited)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import httpx
+
+from april_server.protocol import (
+    AbortResp,
+    DeleteResp,
+    Group,
+    KvMode,
+    OnQuota,
+    PartialsResp,
+    ResumeResp,
+    RolloutResp,
+)
+
+from . import _routes as routes
+from ._base import DEFAULT_TIMEOUT, UNHEALTHY, GroupArg, _ClientBase
+from ._errors import AprilError
+from ._routes import Call
+from ._stream import AsyncRolloutStream
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class AsyncAprilClient(_ClientBase):
+    """Asyncio twin of `AprilClient`, over one `httpx.AsyncClient`; same arguments."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        retries: int = 0,
+        retry_backoff_s: float = 0.5,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(base_url, api_key, headers, retries, retry_backoff_s)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=self._headers,
+            timeout=self._timeout(timeout),
+            transport=transport,
+        )
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    async def _retrying(self, call: Call[Any], attempt: Callable[[], Awaitable[R]]) -> R:
+        n = 0
+        while True:
+            try:
+                return await attempt()
+            except AprilError as exc:
+                delay = self.retry.next_delay(call, exc, n)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)
+            n += 1
+
+    async def _send_once(self, call: Call[T]) -> T:
+        try:
+            r = await self._http.request(
+                call.method, call.path, content=call.body, headers=call.headers
+            )
+        except httpx.RequestError as exc:
+            raise self._transport_error(call, exc) from exc
+        return routes.finish(call, self._url(call), r.status_code, r.content)
+
+    async def _send(self, call: Call[T]) -> T:
+        return await self._retrying(call, lambda: self._send_once(call))
+
+    async def _open_stream_once(self, call: Call[Any]) -> httpx.Response:
+        request = self._http.build_request(
+            call.method, call.path, content=call.body, headers=call.headers
+        )
+        try:
+            response = await self._http.send(request, stream=True)
+            if not response.is_success:
+                try:
+                    content = await response.aread()
+                finally:
+                    await response.aclose()
+                routes.check_status(call, self._url(call), response.status_code, content)
+        except httpx.RequestError as exc:
+            raise self._transport_error(call, exc) from exc
+        return response
+
+    async def _open_stream(self, call: Call[Any]) -> httpx.Response:
+        return await self._retrying(call, lambda: self._open_stream_once(call))
+
+    # ---- april routes ------------------------------------------------------------------------
+
+    async def rollout(
+        self,
+        groups: GroupArg,
+        target_groups: int,
+        *,
+        resume_first: bool = True,
+        on_quota: OnQuota = "snapshot",
+        max_staleness: int | None = None,
+        max_inflight_groups: int | Literal["auto"] = "auto",
+        request_id: str | None = None,
+    ) -> RolloutResp:
+        """POST /rollouts: run until `target_groups` groups finish; the rest is buffered."""
+        return await self._send(
+            routes.rollout(
+                groups,
+                target_groups,
+                resume_first=resume_first,
+                on_quota=on_quota,
+                max_staleness=max_staleness,
+                max_inflight_groups=max_inflight_groups,
+                request_id=request_id,
+                stream=False,
+            )
+        )
+
+    def rollout_stream(
+        self,
+        groups: GroupArg,
+        target_groups: int,
+        *,
+        resume_first: bool = True,
+        on_quota: OnQuota = "snapshot",
+        max_staleness: int | None = None,
+        max_inflight_groups: int | Literal["auto"] = "auto",
+        request_id: str | None = None,
+    ) -> AsyncRolloutStream:
+        """POST /rollouts with `stream: true`: `async for` the events as groups finish."""
+        call = routes.rollout(
+            groups,
+            target_groups,
+            resume_first=resume_first,
+            on_quota=on_quota,
+            max_staleness=max_staleness,
+            max_inflight_groups=max_inflight_groups,
+            request_id=request_id,
+            stream=True,
+        )
+        return AsyncRolloutStream(call, self._url(call), lambda: self._open_stream(call))
+
+    async def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
+        """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""
+        return await self._send(routes.reject(batch_id, group_ids))
+
+    async def abort(
+        self,
+        batch_id: str | None = None,
+        *,
+        group_ids: Sequence[str] | None = None,
+        sample_ids: Sequence[str] | None = None,
+        all: bool = False,
+        keep: OnQuota = "tokens",
+    ) -> AbortResp:
+        """Stop generation in scope; returns once nothing in scope is generating."""
+        return await self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))
+
+    async def resume(
+        self,
+        sample_ids: Sequence[str],
+        append_ids: Mapping[str, Sequence[int]] | None = None,
+        kv: KvMode = "auto",
+        sampling_params: Mapping[str, Any] | None = None,
+    ) -> ResumeResp:
+        """Continue buffered samples; returns once they finish."""
+        return await self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
+
+    async def partials_page(
+        self,
+        limit: int | None = None,
+        cursor: str | None = None,
+        *,
+        status: Literal["partial", "finished"] | None = None,
+        min_age_s: float | None = None,
+        weight_version: str | None = None,
+    ) -> PartialsResp:
+        """One page of the idle buffer (oldest first); pass its `next_cursor` for the next."""
+        return await self._send(
+            routes.partials_page(limit, cursor, status, min_age_s, weight_version)
+        )
+
+    async def partials(
+        self,
+        *,
+        status: Literal["partial", "finished"] | None = None,
+        min_age_s: float | None = None,
+        weight_version: str | None = None,
+    ) -> list[Group]:
+        """Every idle buffered group, oldest first, page after page (a big buffer is big:
+        prefer `partials_page`)."""
+        groups: list[Group] = []
+        cursor: str | None = None
+        while True:
+            page = await self.partials_page(
+                None, cursor, status=status, min_age_s=min_age_s, weight_version=weight_version
+            )
+            groups += page.groups
+            if page.next_cursor is None:
+                return groups
+            cursor = page.next_cursor
+
+    async def partial(self, group_id: str) -> Group:
+        return await self._send(routes.partial(group_id))
+
+    async def delete_partial(self, group_id: str) -> DeleteResp:
+        return await self._send(routes.delete_partial(group_id))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._send(routes.stats())
+
+    # ---- SGLang native routes ----------------------------------------------------------------
+
+    async def metrics(self) -> str:
+        """Prometheus text exposition."""
+        return await self._send(routes.metrics())
+
+    async def health(self) -> bool:
+        """True when /health answers 2xx; False on a 5xx or no connection (starting, down)."""
+        try:
+            await self._send(routes.health())
+        except UNHEALTHY:
+            return False
+        return True
+
+    async def generate(
+        self,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
+        sampling_params: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> Any:
+        """POST /generate (SGLang's answer: a dict, or a list of dicts for a batch)."""
+        return await self._send(routes.generate(input_ids, sampling_params, extra))
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        return await self._send(routes.update_weights_from_disk(model_path, weight_version, extra))
+
+    async def flush_cache(self) -> None:
+        """POST /flush_cache; SGLang answers 400 (`InvalidRequest`) while requests run."""
+        await self._send(routes.flush_cache())
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAprilClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
