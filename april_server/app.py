@@ -183,7 +183,7 @@ def create_router(
         entries, next_seq = mgr.buffer.idle.page(start, limit, where, time.time())
         bodies = await mgr.buffer.read_bodies([e.group_id for e in entries])
         groups = [bodies[e.group_id] for e in entries if e.group_id in bodies]
-        await mgr.snapshots.refresh([s for g in groups for s in g.samples])
+        await mgr.segments.refresh([s for g in groups for s in g.samples])
         cursor = None if next_seq is None else str(next_seq)
         return json_response(
             PartialsResp(groups=[mgr.listed(g) for g in groups], next_cursor=cursor)

@@ -48,6 +48,58 @@ def has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def int_flag(argv: list[str], names: tuple[str, ...], default: int = 1) -> int:
+    """The value of an integer flag given as `--name N` or `--name=N` (the last one wins)."""
+    value = default
+    for i, a in enumerate(argv):
+        for name in names:
+            if a == name and i + 1 < len(argv):
+                value = int(argv[i + 1])
+            elif a.startswith(name + "="):
+                value = int(a.split("=", 1)[1])
+    return value
+
+
+def world_size(argv: list[str]) -> int:
+    """Scheduler processes SGLang will start: data x tensor x pipeline parallel ranks."""
+    dp = int_flag(argv, ("--dp-size", "--data-parallel-size", "--dp"))
+    tp = int_flag(argv, ("--tp-size", "--tensor-parallel-size", "--tp"))
+    pp = int_flag(argv, ("--pp-size", "--pipeline-parallel-size"))
+    return dp * tp * pp
+
+
+def cpu_bind(cpus: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` CPU ranks: the cores split into that many
+    contiguous groups ("0|1" for 2 ranks on 2 cores, "0-3|4-7" on 8); with fewer cores than
+    ranks, ranks share cores round-robin."""
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(ranks))
+    groups = []
+    for r in range(ranks):
+        part = cpus[r * len(cpus) // ranks : (r + 1) * len(cpus) // ranks]
+        contiguous = part == list(range(part[0], part[-1] + 1))
+        groups.append(
+            f"{part[0]}-{part[-1]}" if contiguous and len(part) > 1 else ",".join(map(str, part))
+        )
+    return "|".join(groups)
+
+
+def numa_nodes() -> int:
+    return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+
+
+def set_cpu_parallel_env(argv: list[str]) -> None:
+    """SGLang's CPU engine binds each scheduler rank to one NUMA node unless told otherwise,
+    and refuses more ranks than nodes: with `--dp-size 2` on one node it needs
+    SGLANG_CPU_OMP_THREADS_BIND. Split this process's cores between the ranks, unless the
+    variable is set or there are enough nodes."""
+    ranks = world_size(argv)
+    if ranks <= 1 or ranks <= numa_nodes() or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        return
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind(sorted(os.sched_getaffinity(0)), ranks)
+
+
 def cuda_available() -> bool:
     import torch
 
@@ -102,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if cpu:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         install_cpu_shim()
+        set_cpu_parallel_env(rest)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("SGLANG_PLUGINS", "april")  # our scheduler hooks, no stray plugins
     # `/health` answers from the event loop (liveness: the loop, and so every route, is

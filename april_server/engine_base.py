@@ -6,11 +6,46 @@ Tests plug in a fake with the same interface, so the bookkeeping is tested witho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from april_server.inflight import EngineCapacity, StepStat
+from april_server.placement import Slot
 from april_server.samples import SegmentResult
+
+MAX_MARKED = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCall:
+    """One segment to run, as planned (`placement.plan_segment`)."""
+
+    rid: str
+    key: str  # the sample's snapshot key (its sample id)
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    slot: Slot
+    restore: bool = False  # restore `key`'s snapshot on `slot` first
+    drop: Slot | None = None  # free `key`'s snapshot held there first
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentOutcome:
+    result: SegmentResult
+    slot: Slot  # where it ran
+    restored: int = 0  # snapshot tokens made visible to prefix matching before it ran
+    # Bytes of the snapshot `slot` holds for `key` after a marked request ended by abort
+    # (None: not asked, or none taken).
+    snapshot_bytes: int | None = None
+
+
+def ran_on(planned: Slot, result: SegmentResult) -> Slot:
+    """Where a segment ran: the engine's own report wins over the plan."""
+    if result.dp_rank is None or result.dp_rank == planned.dp_rank:
+        return planned
+    return Slot(planned.engine, result.dp_rank)
 
 
 class BaseEngine(ABC):
@@ -44,6 +79,22 @@ class BaseEngine(ABC):
         """Ask the engine to stop `rid`. Fire and forget: a request the engine has not seen
         yet may miss it, so callers repeat until the generate call has returned."""
 
+    def slots(self) -> list[Slot]:
+        """Where segments can run (one per data-parallel rank)."""
+        return [Slot()]
+
+    def healthy(self, slot: Slot) -> bool:
+        return True
+
+    async def generate_on(self, slot: Slot, call: SegmentCall) -> SegmentResult:
+        """`generate` pinned to `slot` (an engine with one slot ignores it)."""
+        return await self.generate(call.rid, call.input_ids, call.sampling_params)
+
+    async def run_segment(self, call: SegmentCall) -> SegmentOutcome:
+        """Perform a planned segment: one call from the manager, whatever it takes."""
+        result = await self.generate_on(call.slot, call)
+        return SegmentOutcome(result, ran_on(call.slot, result))
+
     async def step_curve(self) -> Mapping[int, float | StepStat]:
         """Seconds per decode step by running-batch size, as measured by the engine: a
         `StepStat` (count, mean, spread) or a bare mean (empty when it measures nothing: the
@@ -68,32 +119,69 @@ class BaseEngine(ABC):
 class SnapshotEngine(BaseEngine):
     """An engine that can keep an interrupted request's KV on the host and restore it.
 
-    Keys are sample ids: one snapshot per sample, replaced by each new interruption."""
+    Keys are sample ids: one snapshot per sample, replaced by each new interruption. A
+    snapshot lives on the slot (DP rank) whose request it was taken from; every operation
+    names that slot."""
 
     snapshots_enabled: bool = True
 
-    @abstractmethod
-    def mark_snapshot(self, rid: str, key: str) -> None:
+    def _marked(self) -> OrderedDict[str, None]:
+        # Lazily: test doubles mix this class with engines that do not call its __init__.
+        marked: OrderedDict[str, None] = self.__dict__.setdefault("_marked_rids", OrderedDict())
+        return marked
+
+    def mark_snapshot(self, rid: str, key: str, slot: Slot) -> None:
         """Snapshot `rid`'s KV under `key` if it ends by abort. Must be ordered before the
         abort that ends it (both go down the same channel)."""
+        marked = self._marked()
+        marked[rid] = None
+        while len(marked) > MAX_MARKED:  # marks that raced their request's end
+            marked.popitem(last=False)
+        self.send_mark(rid, key, slot)
+
+    async def run_segment(self, call: SegmentCall) -> SegmentOutcome:
+        """Drop the unused snapshot, restore the used one, generate on its slot, let the
+        restore go, and say what a marked, aborted request left behind."""
+        if call.drop is not None:
+            await self.drop_snapshot(call.key, call.drop)
+        restored = await self.restore_snapshot(call.key, call.slot) if call.restore else 0
+        try:
+            result = await self.generate_on(call.slot, call)
+        finally:
+            if restored:
+                await self.release_snapshot(call.key, call.slot)
+        slot = ran_on(call.slot, result)
+        nbytes = None
+        marked = self._marked()
+        if call.rid in marked:
+            del marked[call.rid]
+            if result.finish_reason == "abort":
+                info = await self.snapshot_info(call.key, slot)
+                nbytes = None if info is None else int(info["bytes"])
+        return SegmentOutcome(result, slot, restored, nbytes)
 
     @abstractmethod
-    async def restore_snapshot(self, key: str) -> int:
+    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
+        """Tell `slot` to snapshot `rid` under `key` when it ends by abort."""
+
+    @abstractmethod
+    async def restore_snapshot(self, key: str, slot: Slot) -> int:
         """Make the snapshot visible to prefix matching and hold it; returns the tokens made
         visible (0: nothing usable, the continuation will re-prefill)."""
 
     @abstractmethod
-    async def release_snapshot(self, key: str) -> None:
+    async def release_snapshot(self, key: str, slot: Slot) -> None:
         """Let go of what `restore_snapshot` holds (after the continuation has matched it)."""
 
     @abstractmethod
-    async def drop_snapshot(self, key: str) -> None:
+    async def drop_snapshot(self, key: str, slot: Slot) -> None:
         """Free the host copy."""
 
     @abstractmethod
-    async def snapshot_info(self, key: str) -> dict[str, Any] | None:
+    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
         """{"tokens", "bytes"} of a live snapshot, None if absent (never taken or evicted)."""
 
     @abstractmethod
     async def snapshot_stats(self) -> dict[str, Any]:
-        """Store and pool figures: bytes used/budget, evictions, GB/s, free pool tokens."""
+        """Store and pool figures: bytes used/budget, evictions, GB/s, free pool tokens
+        (summed over slots, with a per-rank breakdown where there are several)."""

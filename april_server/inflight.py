@@ -14,7 +14,7 @@ so the policy goes and measures them rather than trusting a few noisy steps fore
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from statistics import median
@@ -157,6 +157,41 @@ class StepCurve:
         return b / self.step_time(b)
 
 
+def pool_steps(stats: Sequence[StepStat]) -> StepStat:
+    """One batch size measured on several ranks, as if measured on one (means weighted by
+    steps; the spreads and centred co-sums gain the between-rank terms)."""
+    if len(stats) == 1:
+        return stats[0]
+    n = sum(m.steps for m in stats)
+    if n <= 0:
+        return stats[0]
+    mt = sum(m.steps * m.mean_s for m in stats) / n
+    mc = sum(m.steps * m.mean_context for m in stats) / n
+    ss_t = sum((m.steps - 1) * m.std_s**2 + m.steps * (m.mean_s - mt) ** 2 for m in stats)
+    s_tc = sum(m.s_tc + m.steps * (m.mean_s - mt) * (m.mean_context - mc) for m in stats)
+    s_cc = sum(m.s_cc + m.steps * (m.mean_context - mc) ** 2 for m in stats)
+    return StepStat(n, mt, math.sqrt(max(ss_t, 0.0) / max(n - 1, 1)), mc, s_tc, s_cc)
+
+
+def aggregate_curve(per_rank: Sequence[Mapping[int, StepStat]]) -> dict[int, StepStat]:
+    """The whole server's step curve from its data-parallel ranks' curves. The policy and
+    admission reason about every sample the server runs; placement spreads them evenly (each
+    new segment goes to the least loaded rank), and ranks step side by side, so n x b samples
+    server-wide step in the time one rank takes for b. Each size is pooled over the ranks that
+    measured it, then put at n x b, with n times the context (what all ranks attend)."""
+    ranks = len(per_rank)
+    if ranks <= 1:
+        return dict(per_rank[0]) if per_rank else {}
+    sizes = sorted({b for curve in per_rank for b in curve})
+    out: dict[int, StepStat] = {}
+    for b in sizes:
+        m = pool_steps([curve[b] for curve in per_rank if b in curve])
+        out[ranks * b] = m._replace(
+            mean_context=ranks * m.mean_context, s_tc=ranks * m.s_tc, s_cc=ranks**2 * m.s_cc
+        )
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class InflightDecision:
     running_target: int  # samples to keep generating
@@ -192,7 +227,9 @@ def choose_running_target(curve: StepCurve, demand: int, cap: int) -> InflightDe
 
 @dataclass(frozen=True, slots=True)
 class EngineCapacity:
-    """What the engine can run at once (SGLang: its scheduler's limits)."""
+    """What the engine can run at once (SGLang: its scheduler's limits; with data
+    parallelism, the sum over its ranks: admission bounds the whole server, and placement
+    keeps the ranks evenly loaded, so no rank is handed more than its share)."""
 
     max_running_requests: int
     max_total_tokens: int  # KV pool size in tokens

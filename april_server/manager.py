@@ -16,7 +16,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from april_server import samples as S
@@ -29,7 +28,6 @@ from april_server.inflight import (
     StepCurve,
     StepStat,
     choose_running_target,
-    kv_need,
 )
 from april_server.loop_lag import LoopLagMonitor
 from april_server.protocol import (
@@ -42,13 +40,12 @@ from april_server.protocol import (
     ResumeReq,
     Sample,
 )
-from april_server.snapshots import SnapshotPolicy
+from april_server.segments import CallTally, Counters, Running, SegmentRunner
 from april_server.store import BufferStore
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
 MAX_REMEMBERED_BATCHES = 10_000
 
 
@@ -71,42 +68,6 @@ async def run_to_end(aw: Awaitable[T]) -> T:
     return result
 
 
-@dataclass
-class Running:
-    sample: Sample
-    owner: str  # batch id of the call that started it
-    rid: str
-    task: asyncio.Task[None]
-    keep: OnQuota = "tokens"
-    marked: bool = False  # a snapshot was requested from the scheduler
-
-
-@dataclass
-class Counters:
-    rollout_calls: int = 0
-    resume_calls: int = 0
-    abort_calls: int = 0
-    output_tokens: int = 0
-    resumed_samples: int = 0
-    recomputed_tokens: int = 0
-    restored_kv_tokens: int = 0
-    staleness_restarts: int = 0
-    engine_errors: int = 0
-    returned_groups: int = 0
-    dropped_groups: int = 0
-
-
-@dataclass
-class CallTally:
-    """Per-call figures, filled in by the segments the call ran."""
-
-    output_tokens: int = 0
-    resumed_samples: int = 0
-    recomputed_tokens: int = 0
-    restored_kv_tokens: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
 class RolloutManager:
     def __init__(
         self,
@@ -118,9 +79,7 @@ class RolloutManager:
         """`buffer`: one already loaded from `store` (the server loads it at start-up)."""
         self.engine = engine
         self.store = store
-        self.snapshots = SnapshotPolicy(engine, allow_stale_kv)
         self.buffer = buffer if buffer is not None else PartialBuffer(store)
-        self.running: dict[str, Running] = {}  # sample_id -> its engine request
         self.calls: dict[str, Any] = {}  # batch_id -> live RolloutCall (see rollout.py)
         self.inflight_requests: dict[str, asyncio.Future[bytes]] = {}  # request_id -> result
         # Recent batch ids, so an abort naming a finished call is a no-op, not a 404; bounded,
@@ -128,10 +87,12 @@ class RolloutManager:
         self.finished_batches: OrderedDict[str, None] = OrderedDict()
         self.version_history: list[str] = []
         self.counters = Counters()
+        self.admission = Admission()  # shared by every call: what the engine is given
+        self.segments = SegmentRunner(engine, self.counters, self.admission, allow_stale_kv)
+        self.running: dict[str, Running] = self.segments.running  # sample_id -> its request
         self.last_inflight: (
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
         ) = None
-        self.admission = Admission()  # shared by every call: what the engine is given
         self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
         self._capacity_known = False
 
@@ -203,7 +164,7 @@ class RolloutManager:
             self._capacity_known = True
         return self.admission
 
-    # ---- running segments --------------------------------------------------------------------
+    # ---- running segments (segments.py) -----------------------------------------------------
 
     def start_sample(
         self,
@@ -215,91 +176,21 @@ class RolloutManager:
         kv_mode: KvMode = "auto",
     ) -> asyncio.Task[None]:
         """Start the next segment of `sample` on the engine; the task records the result."""
-        if sample.sample_id in self.running:
-            raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
         version = self.current_version()
-        usable = self.snapshots.usable(sample, version, self.version_history, max_staleness)
-        cont = S.plan_continuation(
-            sample, version, max_staleness, self.version_history, override_params
+        return self.segments.start(
+            sample,
+            owner,
+            tally,
+            version,
+            self.version_history,
+            max_staleness,
+            override_params,
+            kv_mode,
         )
-        if cont.restarted:
-            self.counters.staleness_restarts += 1
-            tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
-            usable = False
-        rid = f"{sample.sample_id}@{owner}.{len(sample.segments)}.{uuid.uuid4().hex[:6]}"
-        seg = self._segment(sample, cont, rid, tally, kv_mode, usable)
-        task = asyncio.get_running_loop().create_task(seg)
-        self.running[sample.sample_id] = Running(sample, owner, rid, task)
-        need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
-        self.admission.take(1, need)
-        task.add_done_callback(lambda _: self.admission.give_back(1, need))
-        return task
-
-    async def _segment(
-        self,
-        sample: Sample,
-        cont: S.Continuation,
-        rid: str,
-        tally: CallTally,
-        kv_mode: KvMode,
-        usable: bool,
-    ) -> None:
-        if cont.restarted:  # the restart already zeroed its figures: drop what may be held
-            await self.snapshots.forget(sample, force=True)
-        restored = 0
-        try:
-            if cont.kv == "recomputed":
-                restored = await self.snapshots.restore(sample, kv_mode, usable)
-            result = await self.engine.generate(rid, cont.input_ids, cont.sampling_params)
-        except Exception as exc:  # an engine failure must not lose the sample
-            logger.exception("engine error on %s", rid)
-            self.counters.engine_errors += 1
-            tally.notes.append(f"{sample.sample_id}: engine error: {exc}")
-            result = S.SegmentResult([], [], None, self.engine.weight_version(), error=str(exc))
-        run = self.running.pop(sample.sample_id, None)
-        keep = "tokens" if run is None else run.keep
-        marked = run is not None and run.marked
-        natural = result.finish_reason in ("stop", "length")
-        if keep == "drop" and not natural:
-            await self.snapshots.after_segment(sample, restored, False, False, marked)
-            S.reset_output(sample)
-            return
-        before = len(sample.output_ids)
-        kv = "restored" if restored > 0 else cont.kv
-        S.apply_segment(sample, result, kv)
-        # "Interrupted" means still unfinished: an abort that lands on the last budgeted
-        # token ends a finished sample, whose snapshot would never be used.
-        await self.snapshots.after_segment(
-            sample, restored, sample.status == "partial", keep == "snapshot", marked
-        )
-        produced = len(sample.output_ids) - before
-        tally.output_tokens += produced
-        self.counters.output_tokens += produced
-        if cont.kv == "recomputed":
-            # Prefill work a full restore would have avoided (the newest token is always run).
-            redo = max(0, len(cont.input_ids) - 1 - result.cached_tokens)
-            tally.resumed_samples += 1
-            tally.recomputed_tokens += redo
-            tally.restored_kv_tokens += restored
-            self.counters.resumed_samples += 1
-            self.counters.recomputed_tokens += redo
-            self.counters.restored_kv_tokens += restored
 
     async def stop_running(self, runs: list[Running], keep: OnQuota | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
-        if keep is not None:
-            for r in runs:
-                r.keep = keep
-        for r in runs:
-            if r.keep == "snapshot" and not r.task.done() and not r.marked:
-                self.snapshots.mark(r.rid, r.sample)  # ordered before the abort below
-                r.marked = self.snapshots.enabled
-        pending = {r.task for r in runs if not r.task.done()}
-        while pending:
-            for r in runs:
-                if not r.task.done():
-                    self.engine.abort(r.rid)
-            _, pending = await asyncio.wait(pending, timeout=ABORT_POLL_S)
+        await self.segments.stop(runs, keep)
 
     # ---- routes other than rollouts ----------------------------------------------------------
 
@@ -381,7 +272,7 @@ class RolloutManager:
         for s in chosen:
             if S.is_finished(s) and s.sample_id not in appends:
                 raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
-            if req.kv == "restore" and not self.snapshots.usable(
+            if req.kv == "restore" and not self.segments.usable(
                 s, self.current_version(), self.version_history, req.max_staleness
             ):
                 raise conflict(
@@ -414,7 +305,7 @@ class RolloutManager:
         finally:
             self.release(owner)
         for s in group.samples:
-            await self.snapshots.forget(s)
+            await self.segments.forget(s)
         return DeleteResp(group_id=group_id, deleted=True)
 
     def _inflight_stats(self) -> dict[str, Any]:
@@ -467,7 +358,7 @@ class RolloutManager:
         idle = self.buffer.idle
         c = self.counters
         kv: dict[str, Any] = {"kv_snapshots": "disabled"}
-        snap_engine = self.snapshots.engine
+        snap_engine = self.segments.snap
         if snap_engine is not None:
             kv = {"kv_snapshots": "enabled", **await snap_engine.snapshot_stats()}
         return {
@@ -480,6 +371,7 @@ class RolloutManager:
             "claimed_groups": len(self.groups),
             **({} if self.loop_lag is None else self.loop_lag.figures()),
             "running_samples": len(self.running),
+            "running_by_slot": self.segments.by_slot(),
             "active_calls": len(self.calls),
             **kv,
             **{k: getattr(c, k) for k in c.__dataclass_fields__},

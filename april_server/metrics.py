@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from april_server.manager import Counters
+from april_server.segments import Counters
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 COUNTERS = frozenset(Counters.__dataclass_fields__) | {"snapshots_evicted", "snapshots_rejected"}
@@ -72,6 +72,22 @@ class _StatsCollector(Collector):
                 tokens.add_metric([kind], float(clock[f"{kind}_tokens"]))
             yield busy
             yield tokens
+        slots = s.get("running_by_slot") or []
+        if len(slots) > 1:  # data parallelism: what runs where, and each rank's snapshots
+            g = GaugeMetricFamily("april_running_samples_by_slot",
+                                  "samples generating now, by engine and DP rank",
+                                  labels=["engine", "dp_rank"])  # fmt: skip
+            for x in slots:
+                g.add_metric([str(x["engine"]), str(x["dp_rank"])], float(x["running_samples"]))
+            yield g
+        ranks = s.get("dp_ranks") or []
+        if ranks:
+            g = GaugeMetricFamily("april_snapshot_bytes_used_by_rank",
+                                  "host bytes held by KV snapshots, by DP rank",
+                                  labels=["dp_rank"])  # fmt: skip
+            for r in ranks:
+                g.add_metric([str(r["dp_rank"])], float(r.get("snapshot_bytes_used", 0)))
+            yield g
         curve = policy.get("step_time_s_by_batch") or {}
         if curve:
             g = GaugeMetricFamily("april_decode_step_seconds",

@@ -29,7 +29,8 @@ class _Resp(msgspec.Struct, omit_defaults=False):
 
 
 class Segment(_Resp):
-    """`output_ids[start:end]` came from `weight_version`; `kv` says how the segment began."""
+    """`output_ids[start:end]` came from `weight_version`; `kv` says how the segment began;
+    `engine` and `dp_rank` say where it ran (placement; defaults for rows stored before)."""
 
     start: int
     end: int
@@ -37,6 +38,8 @@ class Segment(_Resp):
     kv: KvOrigin
     finish_reason: str | None = None
     cached_tokens: int = 0
+    engine: str = "local"
+    dp_rank: int = 0
 
 
 class Appended(_Resp):
@@ -63,6 +66,9 @@ class Sample(_Resp):
     metadata: Any = None
     snapshot_bytes: int = 0
     snapshot_weight_version: str | None = None
+    # Where the KV snapshot lives (the slot of the segment it was taken from); null without one.
+    snapshot_engine: str | None = None
+    snapshot_dp_rank: int | None = None
 
 
 class Group(_Resp):

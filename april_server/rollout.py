@@ -29,7 +29,7 @@ from april_server.buffer_index import BufferEntry, open_footprint
 from april_server.errors import bad_request, conflict
 from april_server.ids import check_id
 from april_server.inflight import kv_need
-from april_server.manager import CallTally, run_to_end
+from april_server.manager import run_to_end
 from april_server.protocol import (
     Group,
     GroupFinishedEvent,
@@ -40,6 +40,7 @@ from april_server.protocol import (
     RolloutStats,
     StreamEvent,
 )
+from april_server.segments import CallTally
 
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager
@@ -345,7 +346,7 @@ class RolloutCall:
         resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
         for g in self.discarded:  # their KV snapshots go with them
             for sample in g.samples:
-                await mgr.snapshots.forget(sample)
+                await mgr.segments.forget(sample)
         return resp
 
     def _collect(
@@ -398,7 +399,7 @@ class RolloutCall:
         groups = [mgr.groups[g] for g in returned]
         notes = list(self.tally.notes)
         on_quota = req.on_quota
-        if on_quota == "snapshot" and not mgr.snapshots.enabled:
+        if on_quota == "snapshot" and not mgr.segments.snapshots_enabled:
             on_quota = "tokens"
             notes.append("on_quota=snapshot ran as tokens: this engine keeps no KV snapshots")
         stats = RolloutStats(

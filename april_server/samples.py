@@ -32,6 +32,7 @@ class SegmentResult:
     cached_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    dp_rank: int | None = None  # the data-parallel rank that ran it, when the engine says
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +190,14 @@ def reset_output(sample: Sample) -> None:
     sample.finish_reason = None
     sample.snapshot_bytes = 0
     sample.snapshot_weight_version = None
+    sample.snapshot_engine = sample.snapshot_dp_rank = None
 
 
-def apply_segment(sample: Sample, result: SegmentResult, kv: KvOrigin) -> None:
-    """Record one finished engine call on `sample` (mutates it)."""
+def apply_segment(
+    sample: Sample, result: SegmentResult, kv: KvOrigin, engine: str = "local", dp_rank: int = 0
+) -> None:
+    """Record one finished engine call on `sample` (mutates it); it ran on `engine`, rank
+    `dp_rank`."""
     budget = remaining_budget(sample)
     new_ids = result.output_ids[:budget]
     new_lps = list(result.output_logprobs[: len(new_ids)])
@@ -210,6 +215,8 @@ def apply_segment(sample: Sample, result: SegmentResult, kv: KvOrigin) -> None:
                 kv=kv,
                 finish_reason=result.finish_reason,
                 cached_tokens=result.cached_tokens,
+                engine=engine,
+                dp_rank=dp_rank,
             )
         )
     sample.finish_reason = result.finish_reason

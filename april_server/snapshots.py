@@ -1,91 +1,79 @@
-"""When to take, reuse and drop KV snapshots (the policy; the mechanics are the engine's).
+"""When KV snapshots are taken, reused and dropped: pure rules (the acts are the engine's).
 
-- Take: a sample interrupted with `keep: snapshot` (rollout `on_quota`, abort `keep`).
+- Take: a sample interrupted with `keep: snapshot` (rollout `on_quota`, abort `keep`): the
+  engine is asked to mark its request before the abort.
 - Reuse (`kv: auto`, and rollouts resuming buffered samples): only a snapshot taken under the
   current weight version, unless the server allows stale reuse (`--april-allow-stale-kv`) and
   the caller's `max_staleness` covers the version lag. `kv: restore` insists (409 otherwise);
-  `kv: recompute` never restores.
-- Drop: once a sample finishes, restarts, is dropped or deleted. A snapshot evicted by the
-  store's LRU simply isn't there: the continuation re-prefills and its segment says so.
+  `kv: recompute` never restores. Where it is restored is `placement.py`'s decision.
+- Drop: once a sample finishes, restarts, is dropped or deleted, and when a continuation does
+  not use it. A snapshot evicted by the store's LRU simply isn't there: the continuation
+  re-prefills and its segment says so.
+
+A snapshot lives where its segment ran (engine, DP rank); the sample records that slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
-from april_server.engine_base import BaseEngine, SnapshotEngine
+from april_server.placement import LOCAL, Slot
 from april_server.protocol import KvMode, Sample
 from april_server.samples import version_lag
 
 
-class SnapshotPolicy:
-    def __init__(self, engine: BaseEngine, allow_stale: bool) -> None:
-        self.engine: SnapshotEngine | None = None
-        if isinstance(engine, SnapshotEngine) and engine.snapshots_enabled:
-            self.engine = engine
-        self.allow_stale = allow_stale
+def usable(
+    sample: Sample,
+    current: str,
+    history: Sequence[str],
+    max_staleness: int | None,
+    allow_stale: bool,
+) -> bool:
+    """May a continuation of `sample` under weight version `current` restore its snapshot?"""
+    if sample.snapshot_bytes <= 0:
+        return False
+    version = sample.snapshot_weight_version
+    if version == current:
+        return True
+    if not allow_stale or max_staleness is None or version is None:
+        return False
+    return version_lag(version, current, history) <= max_staleness
 
-    @property
-    def enabled(self) -> bool:
-        return self.engine is not None
 
-    def usable(
-        self,
-        sample: Sample,
-        current: str,
-        history: Sequence[str],
-        max_staleness: int | None,
-    ) -> bool:
-        if self.engine is None or sample.snapshot_bytes <= 0:
-            return False
-        version = sample.snapshot_weight_version
-        if version == current:
-            return True
-        if not self.allow_stale or max_staleness is None or version is None:
-            return False
-        return version_lag(version, current, history) <= max_staleness
+def wants_restore(mode: KvMode, is_usable: bool, restarted: bool) -> bool:
+    return mode != "recompute" and is_usable and not restarted
 
-    def mark(self, rid: str, sample: Sample) -> None:
-        if self.engine is not None:
-            self.engine.mark_snapshot(rid, sample.sample_id)
 
-    async def restore(self, sample: Sample, mode: KvMode, usable: bool) -> int:
-        if self.engine is None or mode == "recompute" or not usable:
-            return 0
-        return await self.engine.restore_snapshot(sample.sample_id)
+def held_at(sample: Sample) -> Slot | None:
+    """The slot holding the sample's snapshot, None when it has none."""
+    if sample.snapshot_bytes <= 0:
+        return None
+    return Slot(sample.snapshot_engine or LOCAL, sample.snapshot_dp_rank or 0)
 
-    async def after_segment(
-        self, sample: Sample, restored: int, interrupted: bool, wanted: bool, marked: bool
-    ) -> None:
-        """Release what the restore held; record the new snapshot or forget any old one.
-        `marked`: a snapshot was requested for this segment, so the scheduler may hold one
-        even if the caller changed its mind (a later abort with another `keep`)."""
-        if self.engine is None:
-            return
-        if restored:
-            await self.engine.release_snapshot(sample.sample_id)
-        info = None
-        if interrupted and wanted:
-            info = await self.engine.snapshot_info(sample.sample_id)
-        if info is None:
-            await self.forget(sample, force=marked)
-        else:
-            sample.snapshot_bytes = int(info["bytes"])
-            sample.snapshot_weight_version = (
-                sample.segments[-1].weight_version if sample.segments else None
-            )
 
-    async def forget(self, sample: Sample, force: bool = False) -> None:
-        if self.engine is not None and (force or sample.snapshot_bytes > 0):
-            await self.engine.drop_snapshot(sample.sample_id)
-        sample.snapshot_bytes = 0
-        sample.snapshot_weight_version = None
+def record(sample: Sample, nbytes: int, slot: Slot) -> None:
+    sample.snapshot_bytes = nbytes
+    sample.snapshot_weight_version = sample.segments[-1].weight_version if sample.segments else None
+    sample.snapshot_engine, sample.snapshot_dp_rank = slot.engine, slot.dp_rank
 
-    async def refresh(self, samples: Sequence[Sample]) -> None:
-        """Clear the figures of snapshots the store has evicted since."""
-        if self.engine is None:
-            return
-        for s in samples:
-            if s.snapshot_bytes > 0 and await self.engine.snapshot_info(s.sample_id) is None:
-                s.snapshot_bytes = 0
-                s.snapshot_weight_version = None
+
+def clear(sample: Sample) -> None:
+    sample.snapshot_bytes = 0
+    sample.snapshot_weight_version = None
+    sample.snapshot_engine = sample.snapshot_dp_rank = None
+
+
+def after_segment(
+    snapshot_bytes: int | None, interrupted: bool, wanted: bool, marked: bool, restored: bool
+) -> Literal["keep", "drop", "none"]:
+    """What becomes of the segment slot's snapshot once the segment ended.
+    `snapshot_bytes`: what the engine holds for the sample there (asked only after a marked
+    request ended by abort); `marked`: a snapshot was requested, so the scheduler may hold one
+    even if the caller changed its mind (a later abort with another `keep`); `restored`: the
+    segment began from the snapshot, which is still held there."""
+    if interrupted and wanted and snapshot_bytes:
+        return "keep"
+    if marked or restored or snapshot_bytes:
+        return "drop"
+    return "none"

@@ -382,4 +382,5 @@ def _fresh_from(g: Group, this_boot: bool) -> Group:
     if not this_boot:  # KV snapshots are volatile: none survive a restart
         for s in g.samples:
             s.snapshot_bytes, s.snapshot_weight_version = 0, None
+            s.snapshot_engine = s.snapshot_dp_rank = None
     return g

@@ -12,12 +12,15 @@ import asyncio
 import itertools
 import json
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from april_server.config import AprilConfig
-from april_server.engine_base import BaseEngine, SnapshotEngine
+from april_server.engine_base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.errors import bad_request
-from april_server.inflight import EngineCapacity, StepStat
+from april_server.inflight import EngineCapacity, StepStat, aggregate_curve
+from april_server.placement import LOCAL, Slot
+from april_server.ranks import merge_rank_stats
 from april_server.samples import SegmentResult
 
 logger = logging.getLogger(__name__)
@@ -38,15 +41,31 @@ def check_sglang_version() -> None:
 
 
 KV_CALL_TIMEOUT_S = 60.0  # a scheduler busy with a long prefill answers between batches
+ALL_RANKS = -1
+Reply = tuple[bool, dict[str, Any]]
+
+
+@dataclass
+class _Gather:
+    """Answers to one KV message: one from the addressed rank, or one from every rank."""
+
+    call_id: int
+    expect: int
+    done: asyncio.Future[None]
+    replies: dict[int, Reply] = field(default_factory=dict)
 
 
 class SGLangEngine(SnapshotEngine):
     """SnapshotEngine over SGLang's TokenizerManager, in the HTTP server's event loop.
 
     KV control messages (`door/ipc.py`) go down the TokenizerManager's own socket to the
-    scheduler, so a `mark` is always ordered before the `abort` sent after it."""
+    scheduler, so a `mark` is always ordered before the `abort` sent after it. With
+    `--dp-size N` every segment is pinned to its rank (`GenerateReqInput.routed_dp_rank`),
+    each KV message names the rank that acts, and the figures come from all N."""
 
-    def __init__(self, tokenizer_manager: Any, snapshots_enabled: bool = True) -> None:
+    def __init__(
+        self, tokenizer_manager: Any, snapshots_enabled: bool = True, dp_size: int = 1
+    ) -> None:
         from sglang.utils import TypeBasedDispatcher
 
         from april_server.door.ipc import AprilKvResp
@@ -55,74 +74,111 @@ class SGLangEngine(SnapshotEngine):
         self.context_len = int(tokenizer_manager.context_len)
         self.vocab_size = int(tokenizer_manager.model_config.vocab_size)
         self.snapshots_enabled = snapshots_enabled
+        self.dp_size = max(1, dp_size)
         self.assigns_seeds = bool(
             getattr(tokenizer_manager.server_args, "enable_deterministic_inference", False)
         )
         self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
+        self._waiting: dict[int, _Gather] = {}
         self.tm._result_dispatcher += TypeBasedDispatcher([(AprilKvResp, self._on_kv_resp)])
 
-    def _on_kv_resp(self, resp: Any) -> None:
-        fut = self._waiting.pop(resp.call_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result((bool(resp.ok), json.loads(resp.payload)))
+    def slots(self) -> list[Slot]:
+        return [Slot(LOCAL, r) for r in range(self.dp_size)]
 
-    def _kv_send(self, op: str, key: str = "", target: str = "") -> asyncio.Future[Any]:
+    # ---- KV control messages -------------------------------------------------------------
+
+    def _on_kv_resp(self, resp: Any) -> None:
+        g = self._waiting.get(resp.call_id)
+        if g is None:
+            return  # a late answer to a call that timed out
+        g.replies[int(resp.dp_rank)] = (bool(resp.ok), json.loads(resp.payload))
+        if len(g.replies) >= g.expect:
+            del self._waiting[resp.call_id]
+            if not g.done.done():
+                g.done.set_result(None)
+
+    def _kv_send(self, op: str, key: str, dp_rank: int, target: str = "") -> _Gather:
         from april_server.door.ipc import AprilKvReq
 
         call_id = next(self._ids)
-        fut: asyncio.Future[tuple[bool, dict[str, Any]]] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self._waiting[call_id] = fut
-        self.tm._dispatch_to_scheduler(AprilKvReq(call_id=call_id, op=op, key=key, target=target))
-        return fut
+        expect = self.dp_size if dp_rank == ALL_RANKS else 1
+        g = _Gather(call_id, expect, asyncio.get_running_loop().create_future())
+        self._waiting[call_id] = g
+        req = AprilKvReq(call_id=call_id, op=op, key=key, target=target, dp_rank=dp_rank)
+        self.tm._dispatch_to_scheduler(req)
+        return g
 
-    async def _kv(self, op: str, key: str = "") -> tuple[bool, dict[str, Any]]:
-        fut = self._kv_send(op, key)
+    async def _gather(self, op: str, key: str = "", dp_rank: int = ALL_RANKS) -> dict[int, Reply]:
+        g = self._kv_send(op, key, dp_rank)
         try:
-            return await asyncio.wait_for(fut, KV_CALL_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(g.done), KV_CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            logger.error("april: scheduler did not answer kv %s (is the plugin loaded?)", op)
-            return False, {"error": "timeout"}
+            self._waiting.pop(g.call_id, None)
+            logger.error(
+                "april: kv %s: %d of %d ranks answered (is the plugin loaded?)",
+                op,
+                len(g.replies),
+                g.expect,
+            )
+        return g.replies
 
-    def mark_snapshot(self, rid: str, key: str) -> None:
-        self._kv_send("mark", key, rid)  # the answer only confirms; nobody waits for it
+    async def _kv(self, op: str, key: str, slot: Slot) -> Reply:
+        replies = await self._gather(op, key, slot.dp_rank)
+        return replies.get(slot.dp_rank, (False, {"error": "timeout"}))
 
-    async def restore_snapshot(self, key: str) -> int:
-        ok, payload = await self._kv("restore", key)
+    async def _per_rank(self, op: str) -> list[dict[str, Any]]:
+        """Every rank's answer to `op`, in rank order (ranks that failed are left out)."""
+        replies = await self._gather(op)
+        return [{"dp_rank": r, **p} for r, (ok, p) in sorted(replies.items()) if ok]
+
+    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
+        self._kv_send("mark", key, slot.dp_rank, rid)  # the answer only confirms; nobody waits
+
+    async def restore_snapshot(self, key: str, slot: Slot) -> int:
+        ok, payload = await self._kv("restore", key, slot)
         return int(payload.get("restored", 0)) if ok else 0
 
-    async def release_snapshot(self, key: str) -> None:
-        await self._kv("unlock", key)
+    async def release_snapshot(self, key: str, slot: Slot) -> None:
+        await self._kv("unlock", key, slot)
 
-    async def drop_snapshot(self, key: str) -> None:
-        await self._kv("drop", key)
+    async def drop_snapshot(self, key: str, slot: Slot) -> None:
+        await self._kv("drop", key, slot)
 
-    async def snapshot_info(self, key: str) -> dict[str, Any] | None:
-        ok, payload = await self._kv("info", key)
+    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
+        ok, payload = await self._kv("info", key, slot)
         return payload if ok else None
 
     async def snapshot_stats(self) -> dict[str, Any]:
-        return (await self._kv("stats"))[1]
+        ranks = await self._per_rank("stats")
+        merged = merge_rank_stats(ranks)
+        if self.dp_size > 1:
+            merged["dp_size"] = self.dp_size
+            merged["dp_ranks"] = ranks
+        return merged
 
     async def capacity(self) -> EngineCapacity | None:
-        ok, payload = await self._kv("stats")
-        if not ok or "max_running_requests" not in payload:
+        ranks = [r for r in await self._per_rank("stats") if "max_running_requests" in r]
+        if not ranks:
             return None
-        return EngineCapacity(
-            int(payload["max_running_requests"]), int(payload["max_total_tokens"])
+        return EngineCapacity(  # the whole server's: the sum over its ranks
+            sum(int(r["max_running_requests"]) for r in ranks),
+            sum(int(r["max_total_tokens"]) for r in ranks),
         )
 
     async def step_curve(self) -> dict[int, StepStat]:
-        ok, payload = await self._kv("curve")
-        if not ok:
-            return {}
-        return {int(b): StepStat(int(v[0]), *map(float, v[1:])) for b, v in payload.items()}
+        curves = [
+            {
+                int(b): StepStat(int(v[0]), *map(float, v[1:]))
+                for b, v in r.items()
+                if b != "dp_rank"
+            }
+            for r in await self._per_rank("curve")
+        ]
+        return aggregate_curve(curves)  # ranks step side by side: inflight.py
 
     async def engine_clock(self) -> dict[str, float]:
-        ok, payload = await self._kv("clock")
-        return {k: float(v) for k, v in payload.items()} if ok else {}
+        ranks = await self._per_rank("clock")
+        return {k: float(v) for k, v in merge_rank_stats(ranks).items()}
 
     def weight_version(self) -> str:
         return str(self.tm.config_value("weight_version"))
@@ -147,6 +203,15 @@ class SGLangEngine(SnapshotEngine):
     async def generate(
         self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
     ) -> SegmentResult:
+        return await self._generate(rid, input_ids, sampling_params, None)
+
+    async def generate_on(self, slot: Slot, call: SegmentCall) -> SegmentResult:
+        rank = slot.dp_rank if self.dp_size > 1 else None
+        return await self._generate(call.rid, call.input_ids, call.sampling_params, rank)
+
+    async def _generate(
+        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any], rank: int | None
+    ) -> SegmentResult:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         obj = GenerateReqInput(
@@ -156,6 +221,7 @@ class SGLangEngine(SnapshotEngine):
             return_logprob=True,
             logprob_start_len=-1,
             stream=False,
+            routed_dp_rank=rank,  # SGLang's DP controller sends it to that rank, unbalanced
         )
         final: dict[str, Any] | None = None
         async for out in self.tm.generate_request(obj, None):
@@ -173,6 +239,7 @@ class SGLangEngine(SnapshotEngine):
             weight_version=str(meta.get("weight_version", self.weight_version())),
             cached_tokens=int(meta.get("cached_tokens", 0)),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            dp_rank=None if meta.get("dp_rank") is None else int(meta["dp_rank"]),
         )
 
     def abort(self, rid: str) -> None:
@@ -198,10 +265,14 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
     server_args.resolve_once()
     if getattr(server_args, "tokenizer_worker_num", 1) != 1:
         raise SystemExit("april-server needs --tokenizer-worker-num 1 (one rollout manager)")
+    if int(getattr(server_args, "attn_dp_size", 1) or 1) > 1:
+        # Its control messages reach only the DP group leaders, not a chosen replica.
+        raise SystemExit("april-server supports --dp-size (replicas), not DP attention")
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
 
     def make_engine() -> BaseEngine:
         tm = http_server.get_global_state().tokenizer_manager
-        return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0)
+        return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0, dp_size=dp_size)
 
     holder = ManagerHolder(config, make_engine)
     auth = AuthPolicy(server_args.api_key, getattr(server_args, "admin_api_key", None))

@@ -12,15 +12,21 @@ from sglang.srt.managers.io_struct import BaseReq
 
 class AprilKvReq(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
     """`op`: mark (snapshot `key` when request `target` ends by abort) | restore | unlock |
-    drop | info | stats. `call_id` pairs the answer with its caller."""
+    drop | info | stats | curve | clock. `call_id` pairs the answers with their caller.
+
+    With data parallelism SGLang's DP controller broadcasts every message that is not a
+    generate request to all ranks: `dp_rank` says which one acts and answers (-1: all of
+    them, each with its own figures)."""
 
     call_id: int
     op: str
     key: str = ""
     target: str = ""
+    dp_rank: int = -1
 
 
 class AprilKvResp(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
     call_id: int
     ok: bool
     payload: str = "{}"  # JSON
+    dp_rank: int = 0  # the rank that answers (replies share the tokenizer's socket)

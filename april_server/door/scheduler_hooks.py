@@ -8,6 +8,8 @@ pyproject.toml); `april-server` sets `SGLANG_PLUGINS=april`. Hooks, each a short
 - AFTER `Scheduler.flush_cache`: a flush drops the whole tree, so our tree locks go with it.
 - AROUND `Scheduler.run_batch`: decode step times by batch size (the in-flight policy's curve)
   and seconds spent per forward kind (where the engine's time goes, `/stats` `engine_time`).
+With `--dp-size N` each rank has its own `SchedulerKv` (its share of the host budget, its
+snapshots); SGLang's DP controller broadcasts our messages, and only the addressed rank acts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from april_server import env
 from april_server.door.deterministic import register_deterministic_hooks
+from april_server.door.dp_hooks import register_dp_hooks
 from april_server.door.ipc import AprilKvReq, AprilKvResp
 from april_server.engine_clock import EngineClock, StepTimer
 from april_server.kv_store import HostKvStore
@@ -38,6 +41,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     register_deterministic_hooks()  # no-op off SGLang's CPU engine; see door/deterministic.py
+    register_dp_hooks()  # the DP controller's idle loop, on SGLang's CPU engine: dp_hooks.py
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
@@ -96,10 +100,21 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
     return result
 
 
+def dp_position() -> tuple[int, int]:
+    """(this scheduler's data-parallel rank, the number of ranks); (0, 1) without DP."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    rank = parallel.dp_rank
+    return (0 if rank is None else int(rank)), max(1, int(parallel.num_dp_ranks))
+
+
 class SchedulerKv:
     def __init__(self, scheduler: Any) -> None:
         self.sched = scheduler
-        self.store = HostKvStore(env.kv_host_bytes())
+        self.dp_rank, dp_size = dp_position()
+        # --april-kv-host-bytes is the whole server's: each DP rank holds its share.
+        self.store = HostKvStore(env.kv_host_bytes() // dp_size)
         self.marked: OrderedDict[str, str] = OrderedDict()  # rid -> snapshot key
         self.locks: dict[str, Any] = {}  # key -> TreeLock holding a restored prefix
         self.rank0 = getattr(scheduler, "tp_rank", 0) == 0
@@ -109,14 +124,20 @@ class SchedulerKv:
     # ---- messages ----------------------------------------------------------------------------
 
     def handle(self, req: AprilKvReq) -> AprilKvResp | None:
+        # SGLang's DP controller broadcasts our messages to every rank: only the addressed
+        # one acts (all of them for -1), and each answer says whose it is.
+        if req.dp_rank >= 0 and req.dp_rank != self.dp_rank:
+            return None
         try:
             ok, payload = getattr(self, "op_" + req.op)(req)
         except Exception as exc:
             logger.exception("april: kv op %s failed", req.op)
             ok, payload = False, {"error": str(exc)}
         if not self.rank0:
-            return None  # control replies come from rank 0 only
-        return AprilKvResp(call_id=req.call_id, ok=ok, payload=json.dumps(payload))
+            return None  # control replies come from TP rank 0 only
+        return AprilKvResp(
+            call_id=req.call_id, ok=ok, payload=json.dumps(payload), dp_rank=self.dp_rank
+        )
 
     def op_mark(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         self.marked[req.target] = req.key

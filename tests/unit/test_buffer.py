@@ -23,6 +23,7 @@ from april_server.engine_base import SnapshotEngine
 from april_server.errors import ApiError
 from april_server.inflight import EngineCapacity
 from april_server.manager import RolloutManager
+from april_server.placement import Slot
 from april_server.protocol import AbortReq, GroupSpec, RolloutReq
 from april_server.rollout import rollout
 from april_server.store import BufferStore
@@ -334,7 +335,7 @@ class SlowInfoSnapshotEngine(FakeEngine, SnapshotEngine):
         self.marks: dict[str, str] = {}
         self.snaps: set[str] = set()
 
-    def mark_snapshot(self, rid: str, key: str) -> None:
+    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
         self.marks[rid] = key
 
     async def generate(self, rid: str, ids: list[int], params: dict[str, Any]) -> Any:
@@ -343,16 +344,16 @@ class SlowInfoSnapshotEngine(FakeEngine, SnapshotEngine):
             self.snaps.add(self.marks[rid])
         return out
 
-    async def restore_snapshot(self, key: str) -> int:
+    async def restore_snapshot(self, key: str, slot: Slot) -> int:
         return 0
 
-    async def release_snapshot(self, key: str) -> None:
+    async def release_snapshot(self, key: str, slot: Slot) -> None:
         return None
 
-    async def drop_snapshot(self, key: str) -> None:
+    async def drop_snapshot(self, key: str, slot: Slot) -> None:
         self.snaps.discard(key)
 
-    async def snapshot_info(self, key: str) -> dict[str, Any] | None:
+    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
         await asyncio.sleep(0.3)
         return {"tokens": 1, "bytes": 100} if key in self.snaps else None
 

@@ -1,11 +1,14 @@
-"""Which snapshots `kv: auto` may reuse (weight-version policy)."""
+"""The snapshot policy's pure rules: which snapshots `kv: auto` may reuse (weight version),
+where a sample's snapshot lives, and what becomes of it after a segment."""
 
 from __future__ import annotations
 
 import pytest
 
-from april_server.protocol import Sample
-from april_server.snapshots import SnapshotPolicy
+from april_server import snapshots as K
+from april_server.placement import LOCAL, Slot
+from april_server.protocol import Sample, Segment
+from april_server.segments import SegmentRunner
 from tests.unit.fake_engine import FakeEngine
 
 
@@ -31,28 +34,51 @@ def sample(bytes_: int, version: str | None) -> Sample:
 def test_version_policy(
     allow_stale: bool, snap_v: str, current: str, max_staleness: int | None, expected: bool
 ) -> None:
-    from april_server.engine_base import SnapshotEngine
-
-    class Eng(SnapshotEngine, FakeEngine):  # only the interface matters here
-        def mark_snapshot(self, rid: str, key: str) -> None: ...
-        async def restore_snapshot(self, key: str) -> int:
-            return 0
-
-        async def release_snapshot(self, key: str) -> None: ...
-        async def drop_snapshot(self, key: str) -> None: ...
-        async def snapshot_info(self, key: str) -> None:
-            return None
-
-        async def snapshot_stats(self) -> dict[str, int]:
-            return {}
-
-    policy = SnapshotPolicy(Eng(), allow_stale)
     s = sample(100, snap_v)
-    assert policy.usable(s, current, ["a", "b"], max_staleness) is expected
-    assert policy.usable(sample(0, current), current, [], None) is False  # nothing kept
+    assert K.usable(s, current, ["a", "b"], max_staleness, allow_stale) is expected
+    assert K.usable(sample(0, current), current, [], None, allow_stale) is False  # none kept
 
 
 def test_engine_without_snapshots_disables_the_policy() -> None:
-    policy = SnapshotPolicy(FakeEngine(), allow_stale=True)
-    assert not policy.enabled
-    assert not policy.usable(sample(100, "0"), "0", [], None)
+    from april_server.inflight import Admission
+    from april_server.segments import Counters
+
+    runner = SegmentRunner(FakeEngine(), Counters(), Admission(), allow_stale=True)
+    assert not runner.snapshots_enabled
+    assert not runner.usable(sample(100, "0"), "0", [], None)
+
+
+def test_a_snapshot_lives_where_its_segment_ran() -> None:
+    s = sample(0, None)
+    assert K.held_at(s) is None
+    s.segments = [Segment(0, 1, "7", "fresh", engine=LOCAL, dp_rank=1)]
+    K.record(s, 640, Slot(LOCAL, 1))
+    assert (s.snapshot_bytes, s.snapshot_weight_version) == (640, "7")
+    assert K.held_at(s) == Slot(LOCAL, 1)
+    K.clear(s)
+    assert K.held_at(s) is None and s.snapshot_dp_rank is None
+    # A sample recorded before placement existed: its snapshot is on the local rank 0.
+    assert K.held_at(sample(10, "0")) == Slot()
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "interrupted", "wanted", "marked", "restored", "verdict"),
+    [
+        (100, True, True, True, False, "keep"),  # the snapshot asked for
+        (100, True, False, True, False, "drop"),  # a later abort changed its mind
+        (100, False, True, True, False, "drop"),  # the abort landed on the last token
+        (None, True, True, True, False, "drop"),  # marked, none reported: free anything held
+        (None, False, False, False, True, "drop"),  # finished from a restored snapshot
+        (None, False, False, False, False, "none"),  # nothing was ever held
+        (None, True, True, False, False, "none"),
+    ],
+)
+def test_after_segment(
+    nbytes: int | None,
+    interrupted: bool,
+    wanted: bool,
+    marked: bool,
+    restored: bool,
+    verdict: str,
+) -> None:
+    assert K.after_segment(nbytes, interrupted, wanted, marked, restored) == verdict

@@ -1,0 +1,255 @@
+"""Running segments: plan (pure), hand the plan to the engine (one call), record (pure).
+
+A segment is one engine request of a sample: prompt + output so far as input, the remaining
+budget. Starting one decides, without I/O, what it runs as (`samples.plan_continuation`),
+whether its KV snapshot may be reused (`snapshots.usable`) and where it runs
+(`placement.plan_segment`: the snapshot's slot, else the least loaded one); the engine then
+performs the whole plan in one `run_segment` call (free an unused snapshot, restore, generate
+pinned to the slot, release). Its end is recorded by `samples.apply_segment`, and
+`snapshots.after_segment` says whether the snapshot the engine holds is kept or freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from april_server import samples as S
+from april_server import snapshots as K
+from april_server.engine_base import BaseEngine, SegmentCall, SegmentOutcome, SnapshotEngine
+from april_server.errors import conflict
+from april_server.inflight import Admission, kv_need
+from april_server.placement import Slot, SlotLoad, plan_segment
+from april_server.protocol import KvMode, OnQuota, Sample
+
+logger = logging.getLogger(__name__)
+
+ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
+
+
+@dataclass
+class Running:
+    sample: Sample
+    owner: str  # batch id of the call that started it
+    rid: str
+    task: asyncio.Task[None]
+    slot: Slot = field(default_factory=Slot)
+    keep: OnQuota = "tokens"
+    marked: bool = False  # a snapshot was requested from the scheduler
+
+
+@dataclass
+class Counters:
+    rollout_calls: int = 0
+    resume_calls: int = 0
+    abort_calls: int = 0
+    output_tokens: int = 0
+    resumed_samples: int = 0
+    recomputed_tokens: int = 0
+    restored_kv_tokens: int = 0
+    staleness_restarts: int = 0
+    engine_errors: int = 0
+    returned_groups: int = 0
+    dropped_groups: int = 0
+
+
+@dataclass
+class CallTally:
+    """Per-call figures, filled in by the segments the call ran."""
+
+    output_tokens: int = 0
+    resumed_samples: int = 0
+    recomputed_tokens: int = 0
+    restored_kv_tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class SegmentRunner:
+    def __init__(
+        self, engine: BaseEngine, counters: Counters, admission: Admission, allow_stale: bool
+    ) -> None:
+        self.engine = engine
+        self.snap: SnapshotEngine | None = None
+        if isinstance(engine, SnapshotEngine) and engine.snapshots_enabled:
+            self.snap = engine
+        self.counters = counters
+        self.admission = admission
+        self.allow_stale = allow_stale
+        self.running: dict[str, Running] = {}  # sample_id -> its engine request
+        self.load: dict[Slot, list[float]] = {}  # slot -> [running samples, KV need]
+
+    @property
+    def snapshots_enabled(self) -> bool:
+        return self.snap is not None
+
+    def usable(
+        self, sample: Sample, current: str, history: Sequence[str], max_staleness: int | None
+    ) -> bool:
+        return self.snap is not None and K.usable(
+            sample, current, history, max_staleness, self.allow_stale
+        )
+
+    def loads(self) -> list[SlotLoad]:
+        out = []
+        for slot in self.engine.slots():
+            running, kv = self.load.get(slot, (0, 0.0))
+            out.append(SlotLoad(slot, int(running), kv, self.engine.healthy(slot)))
+        return out
+
+    def _add_load(self, slot: Slot, samples: int, kv: float) -> None:
+        acc = self.load.setdefault(slot, [0, 0.0])
+        acc[0] += samples
+        acc[1] += kv
+
+    # ---- start ---------------------------------------------------------------------------
+
+    def start(
+        self,
+        sample: Sample,
+        owner: str,
+        tally: CallTally,
+        version: str,
+        history: Sequence[str],
+        max_staleness: int | None = None,
+        override_params: dict[str, Any] | None = None,
+        kv_mode: KvMode = "auto",
+    ) -> asyncio.Task[None]:
+        """Start the next segment of `sample`; the task records the result."""
+        if sample.sample_id in self.running:
+            raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
+        held = K.held_at(sample) if self.snap is not None else None
+        usable = self.usable(sample, version, history, max_staleness)
+        cont = S.plan_continuation(sample, version, max_staleness, history, override_params)
+        if cont.restarted:
+            self.counters.staleness_restarts += 1
+            tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
+        restore = cont.kv == "recomputed" and K.wants_restore(kv_mode, usable, cont.restarted)
+        plan = plan_segment(self.loads(), held, restore)
+        if plan.drop is not None:
+            K.clear(sample)  # the engine frees it before the segment runs
+        rid = f"{sample.sample_id}@{owner}.{len(sample.segments)}.{uuid.uuid4().hex[:6]}"
+        call = SegmentCall(
+            rid,
+            sample.sample_id,
+            cont.input_ids,
+            cont.sampling_params,
+            plan.slot,
+            plan.restore,
+            plan.drop,
+        )
+        task = asyncio.get_running_loop().create_task(self._run(sample, cont, call, tally))
+        self.running[sample.sample_id] = Running(sample, owner, rid, task, plan.slot)
+        need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
+        self.admission.take(1, need)
+        self._add_load(plan.slot, 1, need)
+
+        def ended(_: object) -> None:
+            self.admission.give_back(1, need)
+            self._add_load(plan.slot, -1, -need)
+
+        task.add_done_callback(ended)
+        return task
+
+    # ---- end -----------------------------------------------------------------------------
+
+    async def _run(
+        self, sample: Sample, cont: S.Continuation, call: SegmentCall, tally: CallTally
+    ) -> None:
+        try:
+            out = await self.engine.run_segment(call)
+        except Exception as exc:  # an engine failure must not lose the sample
+            logger.exception("engine error on %s", call.rid)
+            self.counters.engine_errors += 1
+            tally.notes.append(f"{sample.sample_id}: engine error: {exc}")
+            version = self.engine.weight_version()
+            out = SegmentOutcome(S.SegmentResult([], [], None, version, error=str(exc)), call.slot)
+        run = self.running.pop(sample.sample_id, None)
+        keep = "tokens" if run is None else run.keep
+        marked = run is not None and run.marked
+        natural = out.result.finish_reason in ("stop", "length")
+        if keep == "drop" and not natural:
+            S.reset_output(sample)
+            await self._settle(sample, out, False, False, marked)
+            return
+        before = len(sample.output_ids)
+        kv = "restored" if out.restored > 0 else cont.kv
+        S.apply_segment(sample, out.result, kv, out.slot.engine, out.slot.dp_rank)
+        # "Interrupted" means still unfinished: an abort that lands on the last budgeted
+        # token ends a finished sample, whose snapshot would never be used.
+        if out.result.error is None:  # after an engine error, what was held stays as it was
+            await self._settle(sample, out, sample.status == "partial", keep == "snapshot", marked)
+        produced = len(sample.output_ids) - before
+        tally.output_tokens += produced
+        self.counters.output_tokens += produced
+        if cont.kv == "recomputed":
+            # Prefill work a full restore would have avoided (the newest token is always run).
+            redo = max(0, len(cont.input_ids) - 1 - out.result.cached_tokens)
+            tally.resumed_samples += 1
+            tally.recomputed_tokens += redo
+            tally.restored_kv_tokens += out.restored
+            self.counters.resumed_samples += 1
+            self.counters.recomputed_tokens += redo
+            self.counters.restored_kv_tokens += out.restored
+
+    async def _settle(
+        self, sample: Sample, out: SegmentOutcome, interrupted: bool, wanted: bool, marked: bool
+    ) -> None:
+        verdict = K.after_segment(out.snapshot_bytes, interrupted, wanted, marked, out.restored > 0)
+        if verdict == "keep" and out.snapshot_bytes:
+            K.record(sample, out.snapshot_bytes, out.slot)
+            return
+        if verdict == "drop" and self.snap is not None:
+            await self.snap.drop_snapshot(sample.sample_id, out.slot)
+        K.clear(sample)
+
+    # ---- stop, forget --------------------------------------------------------------------
+
+    async def stop(self, runs: list[Running], keep: OnQuota | None = None) -> None:
+        """Abort `runs` and return only when none of them is generating any more."""
+        if keep is not None:
+            for r in runs:
+                r.keep = keep
+        for r in runs:
+            if r.keep == "snapshot" and not r.task.done() and not r.marked and self.snap:
+                # Addressed to the request's slot, ordered before the abort below.
+                self.snap.mark_snapshot(r.rid, r.sample.sample_id, r.slot)
+                r.marked = True
+        pending = {r.task for r in runs if not r.task.done()}
+        while pending:
+            for r in runs:
+                if not r.task.done():
+                    self.engine.abort(r.rid)
+            _, pending = await asyncio.wait(pending, timeout=ABORT_POLL_S)
+
+    async def forget(self, sample: Sample) -> None:
+        """Free the sample's snapshot, wherever it lives."""
+        slot = K.held_at(sample)
+        if slot is not None and self.snap is not None:
+            await self.snap.drop_snapshot(sample.sample_id, slot)
+        K.clear(sample)
+
+    async def refresh(self, samples: Sequence[Sample]) -> None:
+        """Clear the figures of snapshots the store has evicted since."""
+        if self.snap is None:
+            return
+        for s in samples:
+            slot = K.held_at(s)
+            if slot is not None and await self.snap.snapshot_info(s.sample_id, slot) is None:
+                K.clear(s)
+
+    def by_slot(self) -> list[dict[str, Any]]:
+        """What this server runs where, for /stats."""
+        return [
+            {
+                "engine": x.slot.engine,
+                "dp_rank": x.slot.dp_rank,
+                "running_samples": x.running,
+                "kv_need_tokens": int(x.kv_tokens),
+                "healthy": x.healthy,
+            }
+            for x in self.loads()
+        ]
