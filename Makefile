@@ -2,10 +2,13 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer gpu-check gpu-check-dry soak
+.PHONY: demo train-demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer gpu-check gpu-check-dry soak
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
+
+train-demo:  ## TRL's GRPOTrainer on april-server, synchronous vs APRIL, same seed and steps: out/train.jsonl + out/train.png
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.train_demo --out out/train.jsonl --plot out/train.png
 
 sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations, 3 runs each (~60 min on a 2-core CPU)
 	@V=$(VENV) && $$V/bin/april-bench --quick --sweep --repeat 3 --json-out out/sweep.jsonl --plot-dir out/sweep

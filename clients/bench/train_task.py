@@ -1,0 +1,52 @@
+"""The verifiable task of `make train-demo` and the TRL end-to-end test.
+
+Each prompt asks for one digit ("Task 41: answer with the digit 7. Answer:"); its dataset row
+carries the `answer`. Two rule-based rewards, both computed from the completion text alone:
+
+- `digit_format`: the share of digits among the first 16 characters (a format reward: answer
+  with digits, not words), in [0, 1];
+- `digit_match`: 1 if the first digit in the completion is the row's `answer`, else 0.
+
+Why it is a fair stand-in for verifiable-reward RL (math with a checked answer) on the tiny
+random model: the reward is checked against per-prompt metadata, so a completion scored against
+the wrong row (a buffered group returning in a later step) would be scored wrongly; lengths are
+the model's own (sampling until its EOS or `max_completion_length`, a long tail from a few
+tokens to the cap, the straggler pattern APRIL targets), not imposed; and the tiny model's
+reward rises within tens of GRPO steps on 2 CPU cores (the format part first), so a learning
+curve fits in minutes. It is not a reasoning task: the model cannot learn arithmetic here.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+FORMAT_CHARS = 16
+_DIGIT = re.compile(r"\d")
+
+
+def dataset(size: int = 256, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        digit, task = rng.randint(0, 9), rng.randint(0, 99)
+        prompt = f"Task {task}: answer with the digit {digit}. Answer:"
+        rows.append({"prompt": prompt, "answer": str(digit)})
+    return rows
+
+
+def digit_format(completions: list[str], **_: Any) -> list[float | None]:
+    return [sum(ch.isdigit() for ch in c[:FORMAT_CHARS]) / FORMAT_CHARS for c in completions]
+
+
+def digit_match(completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
+    out: list[float | None] = []
+    for text, want in zip(completions, answer, strict=True):
+        found = _DIGIT.search(text)
+        out.append(1.0 if found is not None and found.group(0) == want else 0.0)
+    return out
+
+
+REWARDS: list[Callable[..., list[float | None]]] = [digit_format, digit_match]

@@ -1,0 +1,134 @@
+"""Trainer-neutral rollout bookkeeping: what to send, what came back, which tokens are stale.
+
+Pure functions over the wire types, shared by the trainer adapters (`trl.py`) and testable
+without a trainer or a server. A trainer's step hands us `P` prompts for `P` groups of `n`; we
+send them (plus extra prompts when over-provisioning), the server answers with exactly `P`
+whole groups, and these helpers turn those groups into rows in contiguous group order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from april_server.protocol import Group, Sample
+
+StaleTokens = Literal["mask", "keep"]
+
+
+def extra_groups(target: int, over_provision: float, buffered: int) -> int:
+    """How many extra prompts to send beside the step's own `target` groups.
+
+    APRIL keeps `over_provision * target` groups in play per step. Groups already waiting in the
+    buffer count toward it, so the buffer never grows past `(over_provision - 1) * target` from
+    this rule: every call sends `target + extra`, returns `target`, and buffers `extra` more.
+    """
+    if target < 1:
+        raise ValueError(f"target must be >= 1, got {target}")
+    if over_provision < 1.0:
+        raise ValueError(f"over_provision must be >= 1.0, got {over_provision}")
+    wanted = math.ceil(over_provision * target - 1e-9)
+    return max(0, wanted - target - buffered)
+
+
+def unique_prompts(prompts: Sequence[Any], n: int) -> list[Any]:
+    """The step's prompts, one per group: the trainer repeats each `n` times, contiguously."""
+    if n < 1 or len(prompts) % n:
+        raise ValueError(f"{len(prompts)} prompts do not split into groups of {n}")
+    firsts = [prompts[i] for i in range(0, len(prompts), n)]
+    for g, first in enumerate(firsts):
+        if any(p != first for p in prompts[g * n : (g + 1) * n]):
+            raise ValueError(
+                f"prompts {g * n}..{(g + 1) * n - 1} differ: expected each prompt repeated "
+                f"{n} times contiguously (the trainer's RepeatSampler order)"
+            )
+    return firsts
+
+
+def fresh_mask(sample: Sample, current_version: str) -> list[int]:
+    """1 for each output token generated under `current_version`, 0 for older ones."""
+    mask = [0] * len(sample.output_ids)
+    for seg in sample.segments:
+        if seg.weight_version == current_version:
+            mask[seg.start : seg.end] = [1] * (seg.end - seg.start)
+    return mask
+
+
+def stale_tokens(sample: Sample, current_version: str) -> int:
+    return len(sample.output_ids) - sum(fresh_mask(sample, current_version))
+
+
+@dataclass
+class Rows:
+    """Rows for the trainer, `n` per group, groups in the order the server finished them."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    completion_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    env_mask: list[list[int]] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    stale_tokens: int = 0
+
+    def columns(self) -> list[str]:
+        """Metadata keys present in every row (what reward functions receive as kwargs)."""
+        if not self.metadata:
+            return []
+        keys = set(self.metadata[0])
+        for m in self.metadata[1:]:
+            keys &= set(m)
+        return sorted(keys)
+
+
+def rows_from_groups(
+    groups: Iterable[Group], n: int, current_version: str, stale: StaleTokens
+) -> Rows:
+    """Flatten whole groups into rows; `stale="mask"` zeroes tokens from older weights."""
+    rows = Rows()
+    for group in groups:
+        if len(group.samples) != n:
+            raise ValueError(f"group {group.group_id} has {len(group.samples)} samples, not {n}")
+        meta = group.metadata if isinstance(group.metadata, dict) else {}
+        for sample in sorted(group.samples, key=lambda s: s.index):
+            if sample.status == "partial":
+                raise ValueError(f"sample {sample.sample_id} is unfinished")
+            fresh = fresh_mask(sample, current_version)
+            rows.stale_tokens += len(fresh) - sum(fresh)
+            rows.prompt_ids.append(list(sample.prompt_ids))
+            rows.completion_ids.append(list(sample.output_ids))
+            rows.logprobs.append(list(sample.output_logprobs))
+            rows.env_mask.append(fresh if stale == "mask" else [1] * len(fresh))
+            rows.group_ids.append(group.group_id)
+            rows.metadata.append(meta)
+    return rows
+
+
+@dataclass
+class Ledger:
+    """Every group sent, returned and cleared, so a run can prove nothing was lost or doubled."""
+
+    sent: dict[str, int] = field(default_factory=dict)  # group_id -> step it was sent at
+    returned: dict[str, int] = field(default_factory=dict)  # group_id -> step it came back at
+    cleared: set[str] = field(default_factory=set)  # left buffered at the end, then deleted
+
+    def on_sent(self, group_ids: Iterable[str], step: int) -> None:
+        for gid in group_ids:
+            if gid in self.sent:
+                raise ValueError(f"group {gid} sent twice")
+            self.sent[gid] = step
+
+    def on_returned(self, group_ids: Iterable[str], step: int) -> None:
+        for gid in group_ids:
+            if gid not in self.sent:
+                raise ValueError(f"group {gid} came back but was never sent by this run")
+            if gid in self.returned:
+                raise ValueError(
+                    f"group {gid} came back twice (steps {self.returned[gid]}, {step})"
+                )
+            self.returned[gid] = step
+
+    def outstanding(self) -> list[str]:
+        """Sent, not returned: buffered on the server (or lost, if it is not there)."""
+        return [g for g in self.sent if g not in self.returned and g not in self.cleared]

@@ -1,0 +1,279 @@
+"""TRL adapter: `GRPOTrainer(..., rollout_func=AprilRollout(client))` generates on april-server.
+
+Install with `pip install "april-server[trl]"` (pins TRL 1.16.0; `rollout_func` is experimental
+there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
+
+1. Weights: once per optimizer step it saves the trainer's model to `weights_dir` and calls
+   `/update_weights_from_disk` with `weight_version = str(global_step)`, so every segment the
+   server returns names the step whose weights produced it. The directory must be readable by
+   the server (same machine or a shared filesystem).
+2. Groups: TRL hands `P * n` prompts (each repeated `n = num_generations` times, contiguously).
+   Each unique prompt becomes one group of `n`, with its dataset row as `metadata`; with
+   `over_provision = F > 1` extra prompts drawn from the training set make `F * P` groups in
+   play (groups already buffered count toward that, so the buffer stays bounded).
+3. One `/rollouts` call with `target_groups = P`: the server runs buffered groups first and
+   answers with exactly `P` whole groups; the rest stays in its buffer for a later step.
+4. Rows: `n` per returned group, contiguous, with `prompt_ids` of the group that came back (a
+   buffered group from an earlier step may return instead of a prompt just sent). Its dataset
+   row's columns are returned as extra keys, so reward functions receive the `answer` (or any
+   column) of the sample they score - use those kwargs, not TRL's `prompts` argument, which
+   still holds the prompts the trainer sent.
+5. Stale tokens: a sample resumed across a weight push holds tokens from an older step.
+   `max_staleness` (sent to the server) restarts a sample from its prompt when its newest
+   segment is more than that many versions old. Within the bound, `stale_tokens="mask"` (the
+   default) sets `env_mask` to 0 on tokens from older versions, so they stay in the context
+   but carry no loss; `"keep"` trains on them as APRIL's paper does. TRL applies no
+   importance correction without vLLM; its `off_policy_mask_threshold` can use the returned
+   `logprobs` (the sampling policy's) to drop sequences that drifted too far.
+6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it
+   left on the server: nothing of the run stays buffered.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from . import AprilClient, NotFound
+from .trainer_batch import Ledger, StaleTokens, extra_groups, rows_from_groups, unique_prompts
+
+
+@dataclass
+class StepRecord:
+    """What one rollout call did (kept in `AprilRollout.records`)."""
+
+    call: int
+    step: int
+    mode: str
+    weight_version: str
+    sent: list[str]
+    returned: list[str]
+    stale_tokens: int
+    output_tokens: int
+    wall_s: float
+
+
+@dataclass
+class AprilRollout:
+    """A TRL `rollout_func` backed by april-server (see the module docstring)."""
+
+    client: AprilClient
+    over_provision: float = 1.0
+    max_staleness: int | None = 1
+    stale_tokens: StaleTokens = "mask"
+    on_quota: Literal["snapshot", "tokens", "drop"] = "snapshot"
+    max_inflight_groups: int | Literal["auto"] = "auto"
+    push_weights: bool = True
+    weights_dir: str | None = None
+    run_id: str = field(default_factory=lambda: "trl-" + uuid.uuid4().hex[:8])
+    seed: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+    records: list[StepRecord] = field(default_factory=list)
+    _pushed_step: int | None = None
+    _pushed_dir: Path | None = None
+    _calls: int = 0
+    _rows: dict[str, dict[str, Any]] | None = None
+    _pool: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.stale_tokens not in ("mask", "keep"):
+            raise ValueError(f"stale_tokens must be 'mask' or 'keep', got {self.stale_tokens!r}")
+        if self.over_provision < 1.0:
+            raise ValueError(f"over_provision must be >= 1.0, got {self.over_provision}")
+
+    # ---- the rollout function ----------------------------------------------------------------
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        training = bool(trainer.model.training)
+        n = trainer.num_generations if training else trainer.num_generations_eval
+        step = int(trainer.state.global_step)
+        if self.push_weights and step != self._pushed_step:
+            self.push(trainer, step)
+        firsts = unique_prompts(prompts, n)
+        self._index_dataset(trainer)
+        chosen = list(firsts)
+        if training:
+            extra = extra_groups(len(firsts), self.over_provision, len(self.ledger.outstanding()))
+            chosen += self._draw(extra, firsts, step)
+        call = self._calls
+        self._calls += 1
+        specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, trainer, call, k)
+                 for k, p in enumerate(chosen)]  # fmt: skip
+        t0 = time.perf_counter()
+        self.ledger.on_sent([s["group_id"] for s in specs], step)
+        resp = self.client.rollout(
+            specs,
+            len(firsts),
+            resume_first=training,
+            on_quota=self.on_quota if training else "drop",
+            max_staleness=self.max_staleness,
+            max_inflight_groups=self.max_inflight_groups,
+            request_id=f"{self.run_id}.c{call}",
+        )
+        returned = [g.group_id for g in resp.groups]
+        self.ledger.on_returned(returned, step)
+        version = resp.stats.weight_version
+        if self.push_weights and version != str(step):
+            raise RuntimeError(f"server reports weight version {version!r} after pushing {step}")
+        rows = rows_from_groups(resp.groups, n, version, self.stale_tokens)
+        self.records.append(
+            StepRecord(
+                call,
+                step,
+                "train" if training else "eval",
+                version,
+                [s["group_id"] for s in specs],
+                returned,
+                rows.stale_tokens,
+                resp.stats.output_tokens,
+                time.perf_counter() - t0,
+            )  # fmt: skip
+        )
+        out: dict[str, list[Any]] = {
+            "prompt_ids": rows.prompt_ids,
+            "completion_ids": rows.completion_ids,
+            "logprobs": rows.logprobs,
+            "env_mask": rows.env_mask,
+            "april_group_id": rows.group_ids,
+        }
+        for col in rows.columns():
+            out[col] = [m[col] for m in rows.metadata]
+        return out
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    def push(self, trainer: Any, step: int) -> None:
+        """Save the policy and load it into the server as weight version `step`."""
+        root = Path(self.weights_dir or tempfile.mkdtemp(prefix="april-weights-"))
+        self.weights_dir = str(root)
+        path = root / f"step-{step}"
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model.save_pretrained(path, safe_serialization=True)
+        resp = self.client.update_weights_from_disk(str(path), weight_version=str(step))
+        if not resp.get("success", False):
+            raise RuntimeError(f"weight push for step {step} failed: {resp.get('message')}")
+        if self._pushed_dir is not None:
+            shutil.rmtree(self._pushed_dir, ignore_errors=True)
+        self._pushed_step, self._pushed_dir = step, path
+
+    # ---- end of training -----------------------------------------------------------------------
+
+    def close(self) -> list[str]:
+        """Abort and delete every group this run left on the server; returns their ids."""
+        left = self.ledger.outstanding()
+        if left:
+            self.client.abort(group_ids=left, keep="drop")
+            for gid in left:
+                try:
+                    self.client.delete_partial(gid)
+                except NotFound:
+                    pass  # `keep: drop` may have removed it already
+                self.ledger.cleared.add(gid)
+        if self._pushed_dir is not None:
+            shutil.rmtree(self._pushed_dir, ignore_errors=True)
+        return left
+
+    def callback(self) -> Any:
+        """A transformers `TrainerCallback` that calls `close()` when training ends."""
+        from transformers import TrainerCallback
+
+        adapter = self
+
+        class _CloseAtEnd(TrainerCallback):
+            def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                adapter.close()
+
+        return _CloseAtEnd()
+
+    # ---- prompts, rows, specs ----------------------------------------------------------------
+
+    def _index_dataset(self, trainer: Any) -> None:
+        """Map each prompt of the trainer's datasets to its row (built once)."""
+        if self._rows is not None:
+            return
+        self._rows = {}
+        for ds in (trainer.train_dataset, getattr(trainer, "eval_dataset", None)):
+            if ds is None or isinstance(ds, dict):
+                continue
+            for row in ds:
+                self._rows.setdefault(_key(row["prompt"]), dict(row))
+        self._pool = [row["prompt"] for row in trainer.train_dataset]
+
+    def _draw(self, count: int, exclude: Sequence[Any], step: int) -> list[Any]:
+        """`count` distinct prompts from the training set, none of this step's own."""
+        taken = {_key(p) for p in exclude}
+        rng = random.Random(f"{self.seed}:{self.run_id}:{step}:{self._calls}")
+        order = rng.sample(range(len(self._pool)), len(self._pool))
+        out: list[Any] = []
+        for i in order:
+            if len(out) == count:
+                break
+            key = _key(self._pool[i])
+            if key not in taken:
+                taken.add(key)
+                out.append(self._pool[i])
+        return out
+
+    def _spec(
+        self, gid: str, prompt: Any, n: int, trainer: Any, call: int, k: int
+    ) -> dict[str, Any]:
+        row = (self._rows or {}).get(_key(prompt), {"prompt": prompt})
+        return {
+            "group_id": gid,
+            "input_ids": _encode(prompt, trainer.processing_class),
+            "n": n,
+            "sampling_params": _sampling_params(trainer),
+            "seed": (self.seed * 1_000_003 + call * 10_007 + k * n) % 2**31,
+            "metadata": _jsonable(row),
+        }
+
+
+def _key(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+
+
+def _encode(prompt: Any, tokenizer: Any) -> list[int]:
+    """Token ids as TRL would build them: chat template for messages, plain text otherwise."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _sampling_params(trainer: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "max_new_tokens": int(trainer.max_completion_length),
+        "temperature": float(trainer.temperature),
+        "top_p": float(trainer.top_p),
+        "min_p": float(trainer.min_p or 0.0),
+        "repetition_penalty": float(trainer.repetition_penalty),
+    }
+    if trainer.top_k:
+        params["top_k"] = int(trainer.top_k)
+    return params
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's columns that survive JSON (images and tensors are left out of `metadata`)."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if key == "prompt":
+            continue
+        try:
+            msgspec.json.encode(value)
+        except (TypeError, msgspec.EncodeError):
+            continue
+        out[key] = value
+    return out
