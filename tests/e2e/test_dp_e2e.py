@@ -9,6 +9,8 @@ The server is started without SGLANG_CPU_OMP_THREADS_BIND: april-server sets it.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,35 @@ def test_resume_on_the_second_rank_equals_the_uninterrupted_run(http: httpx.Clie
     assert (seg["kv"], seg["dp_rank"], seg["engine"]) == ("restored", 1, "local")
     assert seg["cached_tokens"] >= len(prompt) + seg["start"] - PAGE
     assert s["output_ids"] == want  # a restore reuses the original bits
+
+
+def test_weight_update_and_abort_reach_both_ranks(
+    http: httpx.Client, dp_server: ServerProc
+) -> None:
+    from april_server.models import ensure_tiny_model
+
+    body = {"model_path": str(ensure_tiny_model()), "weight_version": "dp-v2"}
+    assert ok(http.post("/update_weights_from_disk", json=body))["success"]
+    # Long samples on both ranks (they alternate), stopped by one abort while they run.
+    groups = [group("a", [4, 2], [3000, 3000])]
+    ok(http.post(R + "/rollouts", json={"groups": groups + [group("a-t", [1], [2])],
+                                        "max_inflight_groups": 2}))  # fmt: skip
+    result: dict[str, Any] = {}
+
+    def resume() -> None:
+        with dp_server.client() as c:
+            result["r"] = c.post(R + "/resume", json={"sample_ids": ["a/0", "a/1"]})
+
+    t = threading.Thread(target=resume)
+    t.start()
+    while stats(http)["running_samples"] < 2 and t.is_alive():
+        time.sleep(0.05)
+    assert t.is_alive(), result["r"].text  # both were still generating
+    ok(http.post(R + "/abort", json={"all": True, "keep": "tokens"}))
+    t.join(timeout=300)
+    samples = ok(result["r"])["samples"]
+    assert all(s["status"] == "partial" for s in samples)  # the abort stopped both ranks
+    segs = [s["segments"][-1] for s in samples]
+    assert sorted(x["dp_rank"] for x in segs) == [0, 1]
+    assert {x["weight_version"] for x in segs} == {"dp-v2"}  # both ranks run the new weights
+    assert stats(http)["running_samples"] == 0
