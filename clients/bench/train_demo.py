@@ -41,6 +41,7 @@ class DemoConfig:
     learning_rate: float = 1e-2
     over_provision: float = 2.0
     max_staleness: int = 1
+    stale_tokens: str = "mask"
     seed: int = 0
 
 
@@ -50,6 +51,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
+    from transformers.utils import logging as hf_logging
     from trl.trainer.grpo_config import GRPOConfig
     from trl.trainer.grpo_trainer import GRPOTrainer
 
@@ -59,6 +61,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
     from ..trl import AprilRollout
     from . import train_task
 
+    hf_logging.disable_progress_bar()  # a bar per weight push would drown the step rows
     model_path = ensure_tiny_model()
     server = LaunchedServer(list(server_args))
     server.start()
@@ -69,6 +72,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
             client,
             over_provision=cfg.over_provision if mode == "april" else 1.0,
             max_staleness=cfg.max_staleness,
+            stale_tokens="keep" if cfg.stale_tokens == "keep" else "mask",
             run_id=f"demo-{mode}",
             seed=cfg.seed,
         )
@@ -148,13 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=DemoConfig.steps)
     p.add_argument("--over-provision", type=float, default=DemoConfig.over_provision)
     p.add_argument("--max-completion-length", type=int, default=DemoConfig.max_completion_length)
+    p.add_argument("--stale-tokens", choices=["mask", "keep"], default=DemoConfig.stale_tokens)
     p.add_argument("--seed", type=int, default=DemoConfig.seed)
     p.add_argument("--modes", default=",".join(MODES), help="comma list of sync,april")
     p.add_argument("--out", type=Path, default=Path("out/train.jsonl"))
     p.add_argument("--plot", type=Path, default=Path("out/train.png"))
     a = p.parse_args(argv)
     cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
-                     max_completion_length=a.max_completion_length, seed=a.seed)  # fmt: skip
+                     max_completion_length=a.max_completion_length, seed=a.seed,
+                     stale_tokens=a.stale_tokens)  # fmt: skip
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma list of {MODES}")
