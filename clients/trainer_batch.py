@@ -69,6 +69,7 @@ class Rows:
     logprobs: list[list[float]] = field(default_factory=list)
     env_mask: list[list[int]] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)  # completed (EOS/stop) | truncated
     metadata: list[dict[str, Any]] = field(default_factory=list)
     stale_tokens: int = 0
 
@@ -101,6 +102,7 @@ def rows_from_groups(
             rows.logprobs.append(list(sample.output_logprobs))
             rows.env_mask.append(fresh if stale == "mask" else [1] * len(fresh))
             rows.group_ids.append(group.group_id)
+            rows.statuses.append(sample.status)
             rows.metadata.append(meta)
     return rows
 

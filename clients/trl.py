@@ -17,7 +17,8 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
    buffered group from an earlier step may return instead of a prompt just sent). Its dataset
    row's columns are returned as extra keys, so reward functions receive the `answer` (or any
    column) of the sample they score - use those kwargs, not TRL's `prompts` argument, which
-   still holds the prompts the trainer sent.
+   still holds the prompts the trainer sent. Two more keys per row: `april_group_id`, and
+   `april_status` (`completed` at EOS/stop, `truncated` at `max_completion_length`).
 5. Stale tokens: a sample resumed across a weight push holds tokens from an older step.
    `max_staleness` (sent to the server) restarts a sample from its prompt when its newest
    segment is more than that many versions old. Within the bound, `stale_tokens="mask"` (the
@@ -145,6 +146,7 @@ class AprilRollout:
             "logprobs": rows.logprobs,
             "env_mask": rows.env_mask,
             "april_group_id": rows.group_ids,
+            "april_status": rows.statuses,
         }
         for col in rows.columns():
             out[col] = [m[col] for m in rows.metadata]

@@ -6,7 +6,10 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
 - `sync`: every step sends its own prompts and waits for all of them (no over-provisioning,
   nothing buffered): what a trainer does on a stock server;
 - `april`: `over_provision` times more groups in play, the step returns as soon as its quota of
-  groups has finished, the rest continues in a later step (stale tokens masked, `max_staleness`).
+  groups has finished, the rest continues in a later step. Tokens from the previous step's
+  weights are trained on (`stale_tokens="keep"`, bounded by `max_staleness=1`: one-step-stale,
+  APRIL's own setting); `--stale-tokens mask` gives them no loss instead (the adapter's
+  default), at the cost of most of APRIL's tokens (the README has both figures).
 
 Writes `out/train.jsonl` (one row per mode and step: `mode`, `step`, `wall_s` cumulative from
 the start of training, `reward_mean`, plus the rollout's own figures) and a plot of reward vs
@@ -41,7 +44,7 @@ class DemoConfig:
     learning_rate: float = 1e-2
     over_provision: float = 2.0
     max_staleness: int = 1
-    stale_tokens: str = "mask"
+    stale_tokens: str = "keep"  # see the module docstring
     seed: int = 0
 
 
@@ -61,7 +64,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
     from ..trl import AprilRollout
     from . import train_task
 
-    hf_logging.disable_progress_bar()  # a bar per weight push would drown the step rows
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per weight push
     model_path = ensure_tiny_model()
     server = LaunchedServer(list(server_args))
     server.start()

@@ -5,7 +5,8 @@ carries the `answer`. Two rule-based rewards, both computed from the completion 
 
 - `digit_format`: the share of digits among the first 16 characters (a format reward: answer
   with digits, not words), in [0, 1];
-- `digit_match`: 1 if the first digit in the completion is the row's `answer`, else 0.
+- `digit_match`: 1 if the first digit in the completion is the row's `answer` and the completion
+  ended (EOS) within its budget, else 0: like a math answer, a truncated one scores nothing.
 
 Why it is a fair stand-in for verifiable-reward RL (math with a checked answer) on the tiny
 random model: the reward is checked against per-prompt metadata, so a completion scored against
@@ -41,11 +42,15 @@ def digit_format(completions: list[str], **_: Any) -> list[float | None]:
     return [sum(ch.isdigit() for ch in c[:FORMAT_CHARS]) / FORMAT_CHARS for c in completions]
 
 
-def digit_match(completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
+def digit_match(
+    completions: list[str], answer: list[str], april_status: list[str] | None = None, **_: Any
+) -> list[float | None]:
+    statuses = april_status or ["completed"] * len(completions)
     out: list[float | None] = []
-    for text, want in zip(completions, answer, strict=True):
+    for text, want, status in zip(completions, answer, statuses, strict=True):
         found = _DIGIT.search(text)
-        out.append(1.0 if found is not None and found.group(0) == want else 0.0)
+        ok = status == "completed" and found is not None and found.group(0) == want
+        out.append(1.0 if ok else 0.0)
     return out
 
 

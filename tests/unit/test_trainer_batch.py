@@ -95,6 +95,7 @@ def test_rows_are_contiguous_groups_in_server_order_with_their_own_metadata() ->
     assert rows.group_ids == ["b", "b", "a", "a"]
     assert rows.prompt_ids == [[7, 0], [7, 1], [7, 0], [7, 1]]  # members in index order
     assert [m["answer"] for m in rows.metadata] == ["3", "3", "7", "7"]
+    assert rows.statuses == ["completed"] * 4
     assert rows.columns() == ["answer"]  # only keys every row has
     assert rows.env_mask[3] == [0, 0, 1, 1]
     assert rows.stale_tokens == 2
