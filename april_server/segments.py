@@ -214,7 +214,12 @@ class SegmentRunner:
             for r in runs:
                 r.keep = keep
         for r in runs:
-            if r.keep == "snapshot" and not r.task.done() and not r.marked and self.snap:
+            if (
+                r.keep == "snapshot"
+                and not r.task.done()
+                and not r.marked
+                and self.snap is not None
+            ):
                 # Addressed to the request's slot, ordered before the abort below.
                 self.snap.mark_snapshot(r.rid, r.sample.sample_id, r.slot)
                 r.marked = True
