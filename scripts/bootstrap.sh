@@ -24,7 +24,7 @@ if [ ! -f "$VENV/.complete" ]; then
   extras=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import sys, tomllib
 o = tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]
-print("\n".join(o["cpu"] + o["dev"]))
+print("\n".join(o["cpu"] + o["dev"] + o["trl"]))
 PYEOF
 )
   # torch/torchvision first, at SGLang's pins (a CUDA build that runs on CPU).
