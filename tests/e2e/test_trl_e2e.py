@@ -19,13 +19,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("trl", reason="the TRL extra (april-server[trl]) is not installed")
-
-from april_client import AprilClient  # noqa: E402
-from april_client.bench import train_task  # noqa: E402
-from april_client.trl import AprilRollout  # noqa: E402
-from april_server.models import ensure_tiny_model  # noqa: E402
-from tests.server_proc import ServerProc  # noqa: E402
+from april_client import AprilClient
+from april_client.bench import train_task
+from april_client.trl import AprilRollout
+from april_server.models import ensure_tiny_model
+from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
 
