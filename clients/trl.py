@@ -38,7 +38,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -83,8 +83,8 @@ class AprilRollout:
     _pushed_step: int | None = None
     _pushed_dir: Path | None = None
     _calls: int = 0
-    _rows: dict[str, dict[str, Any]] | None = None
-    _pool: list[Any] = field(default_factory=list)
+    _metadata: dict[str, dict[str, Any]] | None = None  # prompt key -> row as JSON metadata
+    _pool: list[tuple[str, Any]] = field(default_factory=list)  # training prompts, with keys
 
     def __post_init__(self) -> None:
         if self.stale_tokens not in ("mask", "keep"):
@@ -108,10 +108,12 @@ class AprilRollout:
             chosen += self._draw(extra, firsts, step)
         call = self._calls
         self._calls += 1
-        specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, trainer, call, k)
+        params = _sampling_params(trainer)
+        specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
                  for k, p in enumerate(chosen)]  # fmt: skip
+        sent = [s["group_id"] for s in specs]
         t0 = time.perf_counter()
-        self.ledger.on_sent([s["group_id"] for s in specs], step)
+        self.ledger.on_sent(sent, step)
         resp = self.client.rollout(
             specs,
             len(firsts),
@@ -128,18 +130,9 @@ class AprilRollout:
             raise RuntimeError(f"server reports weight version {version!r} after pushing {step}")
         rows = rows_from_groups(resp.groups, n, version, self.stale_tokens)
         self.records.append(
-            StepRecord(
-                call,
-                step,
-                "train" if training else "eval",
-                version,
-                [s["group_id"] for s in specs],
-                returned,
-                rows.stale_tokens,
-                resp.stats.output_tokens,
-                time.perf_counter() - t0,
-            )  # fmt: skip
-        )
+            StepRecord(call, step, "train" if training else "eval", version, sent, returned,
+                       rows.stale_tokens, resp.stats.output_tokens, time.perf_counter() - t0)
+        )  # fmt: skip
         out: dict[str, list[Any]] = {
             "prompt_ids": rows.prompt_ids,
             "completion_ids": rows.completion_ids,
@@ -200,44 +193,55 @@ class AprilRollout:
     # ---- prompts, rows, specs ----------------------------------------------------------------
 
     def _index_dataset(self, trainer: Any) -> None:
-        """Map each prompt of the trainer's datasets to its row (built once)."""
-        if self._rows is not None:
+        """Each prompt's row as JSON metadata, and the training prompts (built once)."""
+        if self._metadata is not None:
             return
-        self._rows = {}
+        self._metadata = {}
         for ds in (trainer.train_dataset, getattr(trainer, "eval_dataset", None)):
             if ds is None or isinstance(ds, dict):
                 continue
             for row in ds:
-                self._rows.setdefault(_key(row["prompt"]), dict(row))
-        self._pool = [row["prompt"] for row in trainer.train_dataset]
+                key = _key(row["prompt"])
+                if key not in self._metadata:
+                    self._metadata[key] = _jsonable(row)
+                if ds is trainer.train_dataset:
+                    self._pool.append((key, row["prompt"]))
 
     def _draw(self, count: int, exclude: Sequence[Any], step: int) -> list[Any]:
-        """`count` distinct prompts from the training set, none of this step's own."""
+        """`count` distinct prompts from the training set, none of this step's own.
+
+        Samples about as many indices as it needs (not a permutation of the whole set, which
+        would cost time proportional to the dataset every step); a full permutation only when
+        duplicates or exclusions leave it short.
+        """
         taken = {_key(p) for p in exclude}
         rng = random.Random(f"{self.seed}:{self.run_id}:{step}:{self._calls}")
-        order = rng.sample(range(len(self._pool)), len(self._pool))
         out: list[Any] = []
-        for i in order:
+        for i in _candidates(rng, len(self._pool), 2 * (count + len(taken))):
             if len(out) == count:
                 break
-            key = _key(self._pool[i])
+            key, prompt = self._pool[i]
             if key not in taken:
                 taken.add(key)
-                out.append(self._pool[i])
+                out.append(prompt)
         return out
 
     def _spec(
-        self, gid: str, prompt: Any, n: int, trainer: Any, call: int, k: int
+        self, gid: str, prompt: Any, n: int, params: dict[str, Any], trainer: Any, call: int, k: int
     ) -> dict[str, Any]:
-        row = (self._rows or {}).get(_key(prompt), {"prompt": prompt})
         return {
             "group_id": gid,
             "input_ids": _encode(prompt, trainer.processing_class),
             "n": n,
-            "sampling_params": _sampling_params(trainer),
+            "sampling_params": params,
             "seed": (self.seed * 1_000_003 + call * 10_007 + k * n) % 2**31,
-            "metadata": _jsonable(row),
+            "metadata": (self._metadata or {}).get(_key(prompt), {}),
         }
+
+
+def _candidates(rng: random.Random, size: int, first: int) -> Iterator[int]:
+    yield from rng.sample(range(size), min(size, first))
+    yield from rng.sample(range(size), size)  # only reached when the first draw fell short
 
 
 def _key(prompt: Any) -> str:

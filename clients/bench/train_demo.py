@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..trainer_batch import StaleTokens
 from .launcher import LaunchedServer
 from .train_report import plot, summarize, table
 
@@ -44,7 +45,7 @@ class DemoConfig:
     learning_rate: float = 1e-2
     over_provision: float = 2.0
     max_staleness: int = 1
-    stale_tokens: str = "keep"  # see the module docstring
+    stale_tokens: StaleTokens = "keep"  # see the module docstring
     seed: int = 0
 
 
@@ -75,7 +76,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
             client,
             over_provision=cfg.over_provision if mode == "april" else 1.0,
             max_staleness=cfg.max_staleness,
-            stale_tokens="keep" if cfg.stale_tokens == "keep" else "mask",
+            stale_tokens=cfg.stale_tokens,
             run_id=f"demo-{mode}",
             seed=cfg.seed,
         )
