@@ -188,6 +188,11 @@ def reset_output(sample: Sample) -> None:
     sample.appended = []
     sample.status = "partial"
     sample.finish_reason = None
+    clear_snapshot(sample)
+
+
+def clear_snapshot(sample: Sample) -> None:
+    """Forget the sample's KV snapshot figures and where it lived (it has none now)."""
     sample.snapshot_bytes = 0
     sample.snapshot_weight_version = None
     sample.snapshot_engine = sample.snapshot_dp_rank = None

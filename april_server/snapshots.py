@@ -20,7 +20,7 @@ from typing import Literal
 
 from april_server.placement import LOCAL, Slot
 from april_server.protocol import KvMode, Sample
-from april_server.samples import version_lag
+from april_server.samples import clear_snapshot, version_lag
 
 
 def usable(
@@ -58,10 +58,7 @@ def record(sample: Sample, nbytes: int, slot: Slot) -> None:
     sample.snapshot_engine, sample.snapshot_dp_rank = slot.engine, slot.dp_rank
 
 
-def clear(sample: Sample) -> None:
-    sample.snapshot_bytes = 0
-    sample.snapshot_weight_version = None
-    sample.snapshot_engine = sample.snapshot_dp_rank = None
+clear = clear_snapshot  # the sample holds no snapshot any more (samples.py)
 
 
 def after_segment(

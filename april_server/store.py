@@ -34,6 +34,7 @@ import msgspec
 
 from april_server.buffer_index import BufferEntry, summarize
 from april_server.protocol import Group
+from april_server.samples import clear_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -381,6 +382,5 @@ def _versions(blob: bytes) -> list[str]:
 def _fresh_from(g: Group, this_boot: bool) -> Group:
     if not this_boot:  # KV snapshots are volatile: none survive a restart
         for s in g.samples:
-            s.snapshot_bytes, s.snapshot_weight_version = 0, None
-            s.snapshot_engine = s.snapshot_dp_rank = None
+            clear_snapshot(s)
     return g
