@@ -234,10 +234,9 @@ class HostKvStore:
         """Keep `snap` under `key` (replacing an older one), evicting least recently used
         snapshots to fit. False when it alone exceeds the budget (then nothing is kept)."""
         self.drop(key)
-        if snap.nbytes > self.budget_bytes:
+        if not self.make_room(snap.nbytes):
             self.rejected += 1
             return False
-        self.make_room(snap.nbytes)
         self._snaps[key] = snap
         self.bytes_used += snap.nbytes
         return True
