@@ -126,10 +126,10 @@ class SGLangEngine(SnapshotEngine):
         replies = await self._gather(op, key, slot.dp_rank)
         return replies.get(slot.dp_rank, (False, {"error": "timeout"}))
 
-    async def _per_rank(self, op: str) -> list[dict[str, Any]]:
-        """Every rank's answer to `op`, in rank order (ranks that failed are left out)."""
+    async def _per_rank(self, op: str) -> dict[int, dict[str, Any]]:
+        """Every rank's answer to `op`, by rank in rank order (ranks that failed are left out)."""
         replies = await self._gather(op)
-        return [{"dp_rank": r, **p} for r, (ok, p) in sorted(replies.items()) if ok]
+        return {r: p for r, (ok, p) in sorted(replies.items()) if ok}
 
     def send_mark(self, rid: str, key: str, slot: Slot) -> None:
         self._kv_send("mark", key, slot.dp_rank, rid)  # the answer only confirms; nobody waits
@@ -150,14 +150,14 @@ class SGLangEngine(SnapshotEngine):
 
     async def snapshot_stats(self) -> dict[str, Any]:
         ranks = await self._per_rank("stats")
-        merged = merge_rank_stats(ranks)
+        merged = merge_rank_stats(list(ranks.values()))
         if self.dp_size > 1:
             merged["dp_size"] = self.dp_size
-            merged["dp_ranks"] = ranks
+            merged["dp_ranks"] = [{"dp_rank": r, **p} for r, p in ranks.items()]
         return merged
 
     async def capacity(self) -> EngineCapacity | None:
-        ranks = [r for r in await self._per_rank("stats") if "max_running_requests" in r]
+        ranks = [p for p in (await self._per_rank("stats")).values() if "max_running_requests" in p]
         if not ranks:
             return None
         return EngineCapacity(  # the whole server's: the sum over its ranks
@@ -167,18 +167,14 @@ class SGLangEngine(SnapshotEngine):
 
     async def step_curve(self) -> dict[int, StepStat]:
         curves = [
-            {
-                int(b): StepStat(int(v[0]), *map(float, v[1:]))
-                for b, v in r.items()
-                if b != "dp_rank"
-            }
-            for r in await self._per_rank("curve")
+            {int(b): StepStat(int(v[0]), *map(float, v[1:])) for b, v in p.items()}
+            for p in (await self._per_rank("curve")).values()
         ]
         return aggregate_curve(curves)  # ranks step side by side: inflight.py
 
     async def engine_clock(self) -> dict[str, float]:
         ranks = await self._per_rank("clock")
-        return {k: float(v) for k, v in merge_rank_stats(ranks).items()}
+        return {k: float(v) for k, v in merge_rank_stats(list(ranks.values())).items()}
 
     def weight_version(self) -> str:
         return str(self.tm.config_value("weight_version"))
