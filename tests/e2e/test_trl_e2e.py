@@ -16,6 +16,7 @@ mostly in masked stale segments, and 16 steps do not move it beyond noise); then
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import statistics
 from pathlib import Path
@@ -42,7 +43,8 @@ def welch_z(before: list[float], after: list[float]) -> float:
     return (statistics.fmean(after) - statistics.fmean(before)) / max(se**0.5, 1e-9)
 
 
-def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
+def train(url: str, workdir: str) -> dict[str, Any]:
+    """The training run, in a fresh interpreter (see the test): what the checks need."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -50,55 +52,69 @@ def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     model_path = ensure_tiny_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    client = AprilClient(url, timeout=600)
+    adapter = AprilRollout(
+        client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
+        max_inflight_groups=2 * PROMPTS, run_id="trl-e2e", seed=0,
+    )  # fmt: skip
+    outputs: list[tuple[int, dict[str, Any]]] = []
+    responses: list[RolloutResp] = []
+    send = client.rollout
+
+    def capture(*args: Any, **kw: Any) -> RolloutResp:
+        responses.append(send(*args, **kw))
+        return responses[-1]
+
+    client.rollout = capture  # type: ignore[method-assign]
+
+    def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        out = adapter(prompts, trainer)
+        outputs.append((int(trainer.state.global_step), out))
+        return out
+
+    scored: dict[int, list[float]] = {}
+
+    def recorded_format(completions: list[str], **kw: Any) -> list[float | None]:
+        values = train_task.digit_format(completions)
+        scored[int(kw["trainer_state"].global_step)] = [float(v or 0.0) for v in values]
+        return values
+
+    args = GRPOConfig(
+        output_dir=str(Path(workdir) / "trainer"), per_device_train_batch_size=PROMPTS * N,
+        num_generations=N, max_completion_length=128, learning_rate=1e-2,
+        lr_scheduler_type="constant", max_steps=STEPS, temperature=1.0, top_p=1.0, beta=0.0,
+        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_path),
+        reward_funcs=[recorded_format, train_task.digit_match],
+        args=args,
+        train_dataset=Dataset.from_list(train_task.dataset(seed=0)),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        rollout_func=rollout,
+        callbacks=[adapter.callback()],
+    )
+    trainer.train()
+    return {"scored": scored, "outputs": outputs, "responses": responses,
+            "records": adapter.records, "ledger": adapter.ledger}  # fmt: skip
+
+
+def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
     server = ServerProc(tmp_path / "state")
     (tmp_path / "state").mkdir()
     server.start()
     try:
+        # A fresh interpreter: the run must not depend on what earlier tests left in this
+        # process (in the full suite this training learned measurably less in-process).
+        with mp.get_context("spawn").Pool(1) as pool:
+            run = pool.apply(train, (server.url, str(tmp_path)))
+        scored, outputs, responses = run["scored"], run["outputs"], run["responses"]
+        records, ledger = run["records"], run["ledger"]
         client = AprilClient(server.url, timeout=600)
-        adapter = AprilRollout(
-            client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
-            max_inflight_groups=2 * PROMPTS, run_id="trl-e2e", seed=0,
-        )  # fmt: skip
-        outputs: list[tuple[int, dict[str, Any]]] = []
-        responses: list[RolloutResp] = []
-        send = client.rollout
-
-        def capture(*args: Any, **kw: Any) -> RolloutResp:
-            responses.append(send(*args, **kw))
-            return responses[-1]
-
-        client.rollout = capture  # type: ignore[method-assign]
-
-        def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
-            out = adapter(prompts, trainer)
-            outputs.append((int(trainer.state.global_step), out))
-            return out
-
-        scored: dict[int, list[float]] = {}
-
-        def recorded_format(completions: list[str], **kw: Any) -> list[float | None]:
-            values = train_task.digit_format(completions)
-            scored[int(kw["trainer_state"].global_step)] = [float(v or 0.0) for v in values]
-            return values
-
-        args = GRPOConfig(
-            output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=PROMPTS * N,
-            num_generations=N, max_completion_length=128, learning_rate=1e-2,
-            lr_scheduler_type="constant", max_steps=STEPS, temperature=1.0, top_p=1.0, beta=0.0,
-            use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-            disable_tqdm=True, seed=0,
-        )  # fmt: skip
-        trainer = GRPOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(model_path),
-            reward_funcs=[recorded_format, train_task.digit_match],
-            args=args,
-            train_dataset=Dataset.from_list(train_task.dataset(seed=0)),
-            processing_class=tokenizer,
-            rollout_func=rollout,
-            callbacks=[adapter.callback()],
-        )
-        trainer.train()
 
         # Reward rises beyond noise.
         steps = sorted(scored)
@@ -111,7 +127,7 @@ def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
         assert z > 3, (before, after, z)
 
         # Every step's weights reached the server before its rollout.
-        train_records = [r for r in adapter.records if r.mode == "train"]
+        train_records = [r for r in records if r.mode == "train"]
         assert [r.step for r in train_records] == list(range(STEPS))
         assert all(r.weight_version == str(r.step) for r in train_records)
 
@@ -137,7 +153,6 @@ def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
         assert sum(r.stale_tokens for r in train_records) > 0, "no stale tokens: staleness untested"
 
         # Nothing lost or duplicated; nothing of the run left on the server.
-        ledger = adapter.ledger
         assert ledger.outstanding() == []
         assert set(ledger.sent) == set(ledger.returned) | ledger.cleared
         assert not set(ledger.returned) & ledger.cleared
