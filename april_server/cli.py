@@ -40,8 +40,63 @@ def april_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="model to prepare and serve when --model-path is absent",
     )
+    p.add_argument(
+        "--april-engines",
+        default=None,
+        help="owner mode: comma-separated URLs of april engine servers to drive (no local model)",
+    )
+    p.add_argument(
+        "--april-smg",
+        default=None,
+        help="owner mode: an sgl-model-gateway URL whose worker registry lists the engine servers",
+    )
+    p.add_argument(
+        "--april-tokenizer",
+        default=None,
+        help="owner mode: tokenizer path for text prompts (default: the engines' model path, "
+        "when it exists on this machine)",
+    )
+    p.add_argument(
+        "--april-engine-api-key",
+        default=None,
+        help="owner mode: the engine servers' admin (or API) key",
+    )
     p.add_argument("--april-help", action="store_true", help="show april-server's flags")
     return p
+
+
+OWNER_FLAGS = ("--host", "--port", "--api-key", "--admin-api-key", "--log-level")
+
+
+def owner_main(april: argparse.Namespace, rest: list[str], config: AprilConfig) -> None:
+    """Run the owner: quota, buffer and policy here; generation on the engine servers."""
+    from april_server.auth import AuthPolicy
+    from april_server.fleet.fleet import FleetEngine
+    from april_server.fleet.gateway import serve
+
+    opts = argparse.ArgumentParser(prog="april-server (owner mode)", allow_abbrev=False)
+    opts.add_argument("--host", default="127.0.0.1")
+    opts.add_argument("--port", type=int, default=30000)
+    opts.add_argument("--api-key", default=None)
+    opts.add_argument("--admin-api-key", default=None)
+    opts.add_argument("--log-level", default="info")
+    args, unknown = opts.parse_known_args(rest)
+    if unknown:
+        raise SystemExit(
+            f"april-server: the owner runs no model and takes only {OWNER_FLAGS} besides "
+            f"--april-*; give {unknown} to the engine servers"
+        )
+    urls = [u.strip() for u in (april.april_engines or "").split(",") if u.strip()]
+    discover = None
+    if april.april_smg:
+        from april_server.fleet.discovery import smg_discovery
+
+        discover = smg_discovery(april.april_smg)
+    if not urls and discover is None:
+        raise SystemExit("april-server: --april-engines lists no URL")
+    fleet = FleetEngine(urls, discover, april.april_engine_api_key, april.april_tokenizer)
+    auth = AuthPolicy(args.api_key, args.admin_api_key)
+    serve(fleet, config, auth, args.host, args.port, args.log_level)
 
 
 def has_flag(argv: list[str], flag: str) -> bool:
@@ -150,6 +205,14 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"april-server: unknown flag(s) {bad}; see --april-help")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = AprilConfig(
+        state_dir=april.april_state_dir,
+        kv_host_bytes=april.april_kv_host_bytes,
+        allow_stale_kv=april.april_allow_stale_kv,
+    )
+    if april.april_engines or april.april_smg:
+        owner_main(april, rest, config)
+        return
     cpu = not cuda_available()
     if cpu:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -162,11 +225,6 @@ def main(argv: list[str] | None = None) -> None:
     # check stays at `/health_generate`. Set the variable to 1 for SGLang's behaviour.
     os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
     env.set_kv_host_bytes(april.april_kv_host_bytes)
-    config = AprilConfig(
-        state_dir=april.april_state_dir,
-        kv_host_bytes=april.april_kv_host_bytes,
-        allow_stale_kv=april.april_allow_stale_kv,
-    )
     from april_server.door.engine import launch
 
     launch(build_argv(rest, april, cpu), config)

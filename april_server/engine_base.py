@@ -41,6 +41,16 @@ class SegmentOutcome:
     snapshot_bytes: int | None = None
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine holding `slot` is gone (dead or unreachable) before the segment ended: what
+    it generated there is lost, and so is every snapshot it held. The segment may run again
+    on another slot."""
+
+    def __init__(self, slot: Slot, why: str) -> None:
+        super().__init__(f"engine {slot.engine} unavailable: {why}")
+        self.slot = slot
+
+
 def ran_on(planned: Slot, result: SegmentResult) -> Slot:
     """Where a segment ran: the engine's own report wins over the plan."""
     if result.dp_rank is None or result.dp_rank == planned.dp_rank:

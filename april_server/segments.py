@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,15 +21,23 @@ from typing import Any
 
 from april_server import samples as S
 from april_server import snapshots as K
-from april_server.engine_base import BaseEngine, SegmentCall, SegmentOutcome, SnapshotEngine
+from april_server.engine_base import (
+    BaseEngine,
+    EngineUnavailable,
+    SegmentCall,
+    SegmentOutcome,
+    SnapshotEngine,
+)
 from april_server.errors import conflict
 from april_server.inflight import Admission, kv_need
-from april_server.placement import Slot, SlotLoad, plan_segment
+from april_server.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
 from april_server.protocol import KvMode, OnQuota, Sample
 
 logger = logging.getLogger(__name__)
 
 ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
+ENGINE_WAIT_S = 30.0  # how long a segment whose engine went away waits for a healthy one
+HEALTH_POLL_S = 0.5
 
 
 @dataclass
@@ -40,6 +49,7 @@ class Running:
     slot: Slot = field(default_factory=Slot)
     keep: OnQuota = "tokens"
     marked: bool = False  # a snapshot was requested from the scheduler
+    stopping: bool = False  # being aborted: a segment whose engine died does not run again
 
 
 @dataclass
@@ -53,6 +63,7 @@ class Counters:
     restored_kv_tokens: int = 0
     staleness_restarts: int = 0
     engine_errors: int = 0
+    engine_failovers: int = 0  # segments run again because their engine went away
     returned_groups: int = 0
     dropped_groups: int = 0
 
@@ -121,18 +132,40 @@ class SegmentRunner:
         """Start the next segment of `sample`; the task records the result."""
         if sample.sample_id in self.running:
             raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
-        held = K.held_at(sample) if self.snap is not None else None
         usable = self.usable(sample, version, history, max_staleness)
         cont = S.plan_continuation(sample, version, max_staleness, history, override_params)
         if cont.restarted:
             self.counters.staleness_restarts += 1
             tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
         restore = cont.kv == "recomputed" and K.wants_restore(kv_mode, usable, cont.restarted)
-        plan = plan_segment(self.loads(), held, restore)
+        need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
+        call = self._plan(sample, owner, cont, restore)  # None: no healthy slot right now
+        # The task starts at the next loop turn, once its `Running` entry is in place.
+        task = asyncio.get_running_loop().create_task(
+            self._run(sample.sample_id, cont, restore, call, need, tally)
+        )
+        run = Running(sample, owner, "", task)
+        if call is not None:
+            run.rid, run.slot = call.rid, call.slot
+            self._add_load(call.slot, 1, need)
+        self.running[sample.sample_id] = run
+        self.admission.take(1, need)
+        task.add_done_callback(lambda _: self.admission.give_back(1, need))
+        return task
+
+    def _plan(
+        self, sample: Sample, owner: str, cont: S.Continuation, restore: bool
+    ) -> SegmentCall | None:
+        """Where the segment runs and what the engine does first (None: nowhere healthy)."""
+        held = K.held_at(sample) if self.snap is not None else None
+        try:
+            plan = plan_segment(self.loads(), held, restore)
+        except NoHealthySlot:
+            return None
         if plan.drop is not None:
             K.clear(sample)  # the engine frees it before the segment runs
         rid = f"{sample.sample_id}@{owner}.{len(sample.segments)}.{uuid.uuid4().hex[:6]}"
-        call = SegmentCall(
+        return SegmentCall(
             rid,
             sample.sample_id,
             cont.input_ids,
@@ -141,35 +174,59 @@ class SegmentRunner:
             plan.restore,
             plan.drop,
         )
-        task = asyncio.get_running_loop().create_task(self._run(sample, cont, call, tally))
-        self.running[sample.sample_id] = Running(sample, owner, rid, task, plan.slot)
-        need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
-        self.admission.take(1, need)
-        self._add_load(plan.slot, 1, need)
 
-        def ended(_: object) -> None:
-            self.admission.give_back(1, need)
-            self._add_load(plan.slot, -1, -need)
-
-        task.add_done_callback(ended)
-        return task
+    async def _replan(
+        self, run: Running, cont: S.Continuation, restore: bool
+    ) -> SegmentCall | None:
+        """Plan again once a healthy slot exists; None when the run is being stopped, or
+        nothing became healthy within ENGINE_WAIT_S."""
+        deadline = time.monotonic() + ENGINE_WAIT_S
+        while not run.stopping and time.monotonic() < deadline:
+            call = self._plan(run.sample, run.owner, cont, restore)
+            if call is not None:
+                return call
+            await asyncio.sleep(HEALTH_POLL_S)
+        return None
 
     # ---- end -----------------------------------------------------------------------------
 
     async def _run(
-        self, sample: Sample, cont: S.Continuation, call: SegmentCall, tally: CallTally
+        self,
+        sample_id: str,
+        cont: S.Continuation,
+        restore: bool,
+        call: SegmentCall | None,
+        need: float,
+        tally: CallTally,
     ) -> None:
-        try:
-            out = await self.engine.run_segment(call)
-        except Exception as exc:  # an engine failure must not lose the sample
-            logger.exception("engine error on %s", call.rid)
-            self.counters.engine_errors += 1
-            tally.notes.append(f"{sample.sample_id}: engine error: {exc}")
-            version = self.engine.weight_version()
-            out = SegmentOutcome(S.SegmentResult([], [], None, version, error=str(exc)), call.slot)
-        run = self.running.pop(sample.sample_id, None)
-        keep = "tokens" if run is None else run.keep
-        marked = run is not None and run.marked
+        run = self.running[sample_id]
+        sample = run.sample
+        while True:
+            if call is None:  # the first plan found nothing healthy, or its engine died
+                call = await self._replan(run, cont, restore)
+                if call is None:
+                    why = "stopped" if run.stopping else f"no healthy engine in {ENGINE_WAIT_S} s"
+                    out = self._failed(sample, run.slot, f"engine unavailable ({why})", tally)
+                    break
+                run.rid, run.slot = call.rid, call.slot
+                self._add_load(call.slot, 1, need)
+            try:
+                out = await self.engine.run_segment(call)
+                break
+            except EngineUnavailable as exc:
+                # What it generated there is lost with the engine; the sample keeps what it
+                # had and, unless it is being stopped, its segment runs again elsewhere.
+                self.counters.engine_failovers += 1
+                tally.notes.append(f"{sample.sample_id}: {exc}; its segment runs again")
+                call = None
+            except Exception as exc:  # an engine failure must not lose the sample
+                logger.exception("engine error on %s", call.rid)
+                out = self._failed(sample, call.slot, f"engine error: {exc}", tally)
+                break
+            finally:
+                self._add_load(run.slot, -1, -need)
+        self.running.pop(sample.sample_id, None)
+        keep, marked = run.keep, run.marked
         natural = out.result.finish_reason in ("stop", "length")
         if keep == "drop" and not natural:
             S.reset_output(sample)
@@ -195,6 +252,13 @@ class SegmentRunner:
             self.counters.recomputed_tokens += redo
             self.counters.restored_kv_tokens += out.restored
 
+    def _failed(self, sample: Sample, slot: Slot, why: str, tally: CallTally) -> SegmentOutcome:
+        """The segment produced nothing we can keep: the sample stays as it was."""
+        self.counters.engine_errors += 1
+        tally.notes.append(f"{sample.sample_id}: {why}")
+        version = self.engine.weight_version()
+        return SegmentOutcome(S.SegmentResult([], [], None, version, error=why), slot)
+
     async def _settle(
         self, sample: Sample, out: SegmentOutcome, interrupted: bool, wanted: bool, marked: bool
     ) -> None:
@@ -214,6 +278,7 @@ class SegmentRunner:
             for r in runs:
                 r.keep = keep
         for r in runs:
+            r.stopping = True
             if (
                 r.keep == "snapshot"
                 and not r.task.done()

@@ -40,6 +40,21 @@ def check_sglang_version() -> None:
         )
 
 
+def check_sampling_params(params: dict[str, Any], vocab_size: int | None) -> None:
+    """Raise ApiError(400) for sampling params SGLang would reject (an owner of remote
+    engines checks them here too, before anything is sent)."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    bad = _FORBIDDEN_PARAMS & set(params)
+    if bad:
+        raise bad_request("invalid_sampling_params", f"not allowed here: {sorted(bad)}")
+    try:
+        sp = SamplingParams(**params)
+        sp.verify(vocab_size)
+    except (TypeError, ValueError) as exc:
+        raise bad_request("invalid_sampling_params", str(exc)) from None
+
+
 KV_CALL_TIMEOUT_S = 60.0  # a scheduler busy with a long prefill answers between batches
 ALL_RANKS = -1
 Reply = tuple[bool, dict[str, Any]]
@@ -185,16 +200,7 @@ class SGLangEngine(SnapshotEngine):
         return list(self.tm.tokenizer.encode(text))
 
     def check_sampling_params(self, params: dict[str, Any]) -> None:
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        bad = _FORBIDDEN_PARAMS & set(params)
-        if bad:
-            raise bad_request("invalid_sampling_params", f"not allowed here: {sorted(bad)}")
-        try:
-            sp = SamplingParams(**params)
-            sp.verify(self.vocab_size)
-        except (TypeError, ValueError) as exc:
-            raise bad_request("invalid_sampling_params", str(exc)) from None
+        check_sampling_params(params, self.vocab_size)
 
     async def generate(
         self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
@@ -242,7 +248,12 @@ class SGLangEngine(SnapshotEngine):
         self.tm.abort_request(rid=rid)
 
     def engine_stats(self) -> dict[str, Any]:
-        return {"context_len": self.context_len, "vocab_size": self.vocab_size}
+        return {
+            "context_len": self.context_len,
+            "vocab_size": self.vocab_size,
+            "model_path": str(self.tm.server_args.model_path),
+            "has_tokenizer": self.tm.tokenizer is not None,
+        }
 
 
 def launch(sglang_argv: list[str], config: AprilConfig) -> None:
@@ -254,6 +265,7 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
 
     from april_server.app import create_router, extend_app
     from april_server.auth import AuthPolicy
+    from april_server.fleet.engine_routes import create_engine_router
     from april_server.server import ManagerHolder
 
     load_plugins()
@@ -273,5 +285,7 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
     holder = ManagerHolder(config, make_engine)
     auth = AuthPolicy(server_args.api_key, getattr(server_args, "admin_api_key", None))
     http_server.app.include_router(create_router(holder.get, config, auth))
+    # Any april-server can be one engine of a fleet driven by an owner elsewhere.
+    http_server.app.include_router(create_engine_router(lambda: holder.get().engine, auth))
     extend_app(http_server.app)
     http_server.launch_server(server_args)

@@ -1,0 +1,226 @@
+"""The owner's HTTP server: `/april/v1` over a `FleetEngine`, and the SGLang routes a trainer or
+`april-bench` calls, spread over the engines. It runs no model (`april-server --april-engines`).
+
+SGLang routes, as the owner answers them:
+- `POST /update_weights_from_disk`: every engine, then one version everywhere (`fleet.py`);
+- `POST /generate`: passed through to the healthy engine with the fewest such requests
+  (plain generation, e.g. a trainer-side baseline; streamed answers stream);
+- `POST /abort_request`, `POST /flush_cache`: every healthy engine;
+- `GET /v1/loads`: every healthy engine's loads, one list;
+- `GET /health`: 200 while some engine is in the pool; `GET /model_info`, `/server_info`,
+  `/v1/models`, `/health_generate`: from one healthy engine (`/server_info` adds `engines`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from april_server.app import create_router, error_response, extend_app
+from april_server.auth import AuthPolicy
+from april_server.config import AprilConfig
+from april_server.errors import ApiError
+from april_server.fleet.fleet import FleetEngine
+from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
+from april_server.manager import RolloutManager
+from april_server.server import ManagerHolder
+
+logger = logging.getLogger(__name__)
+READY_WAIT_S = 600.0  # how long start-up waits for a first engine before serving 503s
+
+
+def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) -> FastAPI:
+    holder = ManagerHolder(config, lambda: fleet)
+    proxied: Counter[str] = Counter()  # /generate requests in flight, by engine
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await fleet.start()
+        try:
+            await asyncio.wait_for(fleet.ready.wait(), READY_WAIT_S)
+            holder.get()  # after the first engine answered: sizes and version are known
+        except TimeoutError:
+            logger.error("april: no engine answered in %.0f s; serving 503s", READY_WAIT_S)
+        yield
+        await fleet.close()
+
+    def get_manager() -> RolloutManager:
+        if not fleet.ready.is_set():
+            raise ApiError(503, "no_engine", "no engine server has answered yet")
+        if not fleet.pool():
+            raise ApiError(503, "no_engine", "no engine server is healthy")
+        return holder.get()
+
+    app = FastAPI(title="april-server (owner)", lifespan=lifespan)
+    app.include_router(create_router(get_manager, config, auth))
+    extend_app(app)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        # SGLang's own middleware is not here: the same rule, the owner's routes included.
+        if request.url.path not in ("/health", "/metrics"):
+            try:
+                auth.require_user(request.headers.get("authorization"))
+            except ApiError as exc:
+                return error_response(exc.status, exc.code, exc.message)
+        response: Response = await call_next(request)
+        return response
+
+    def one() -> RemoteEngine:
+        pool = fleet.pool()
+        if not pool:
+            raise ApiError(503, "no_engine", "no engine server is healthy")
+        return min(pool, key=lambda m: (proxied[m.name], m.name))
+
+    def answer(resp: httpx.Response) -> Response:
+        kind = resp.headers.get("content-type", "application/json")
+        return Response(resp.content, status_code=resp.status_code, media_type=kind)
+
+    async def forward(m: RemoteEngine, method: str, path: str, body: bytes = b"") -> Response:
+        resp = await fleet.http.request(
+            method,
+            m.url + path,
+            content=body or None,
+            headers={**m.headers, "content-type": "application/json"},
+            timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),
+        )
+        return answer(resp)
+
+    async def each(path: str, body: bytes) -> Response:
+        pool = fleet.pool()
+        resps = await asyncio.gather(
+            *(forward(m, "POST", path, body) for m in pool), return_exceptions=True
+        )
+        bad = {m.name: str(r) for m, r in zip(pool, resps, strict=True) if isinstance(r, Exception)}
+        bad |= {
+            m.name: f"HTTP {r.status_code}"
+            for m, r in zip(pool, resps, strict=True)
+            if isinstance(r, Response) and r.status_code >= 400
+        }
+        if bad:
+            return JSONResponse({"success": False, "failed": bad}, status_code=502)
+        return JSONResponse({"success": True, "engines": [m.name for m in pool]})
+
+    def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(request: Request) -> Response:
+            try:
+                return await fn(request)  # type: ignore[no-any-return]
+            except ApiError as exc:
+                return error_response(exc.status, exc.code, exc.message)
+            except httpx.HTTPError as exc:
+                return error_response(502, "engine_unreachable", str(exc))
+
+        wrapper.__name__ = fn.__name__
+        return wrapper
+
+    @app.get("/health")
+    async def health() -> Response:
+        if fleet.pool():
+            return Response(status_code=200)
+        return error_response(503, "no_engine", "no engine server is healthy")
+
+    @app.post("/update_weights_from_disk")
+    @guarded
+    async def update_weights(request: Request) -> Response:
+        body = await request.json()
+        if not isinstance(body, dict) or "model_path" not in body:
+            raise ApiError(
+                400, "invalid_request", "send {'model_path': ..., 'weight_version': ...}"
+            )
+        out = await fleet.update_weights(body)
+        return JSONResponse(out, status_code=200 if out["success"] else 502)
+
+    @app.post("/generate")
+    @guarded
+    async def generate(request: Request) -> Response:
+        m = one()
+        req = fleet.http.build_request(
+            "POST",
+            m.url + "/generate",
+            content=await request.body(),
+            headers={**m.headers, "content-type": "application/json"},
+            timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),
+        )
+        proxied[m.name] += 1
+        try:
+            resp = await fleet.http.send(req, stream=True)
+        except BaseException:
+            proxied[m.name] -= 1
+            raise
+
+        async def done() -> None:
+            proxied[m.name] -= 1
+            await resp.aclose()
+
+        return StreamingResponse(
+            resp.aiter_raw(),
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type"),
+            background=BackgroundTask(done),
+        )
+
+    @app.post("/abort_request")
+    @guarded
+    async def abort_request(request: Request) -> Response:
+        return await each("/abort_request", await request.body())
+
+    @app.post("/flush_cache")
+    @guarded
+    async def flush_cache(request: Request) -> Response:
+        return await each("/flush_cache", b"")
+
+    @app.get("/v1/loads")
+    @guarded
+    async def loads(request: Request) -> Response:
+        pool = fleet.pool()
+        resps = await asyncio.gather(
+            *(fleet.http.get(m.url + "/v1/loads", headers=m.headers) for m in pool)
+        )
+        out: list[Any] = []
+        for m, r in zip(pool, resps, strict=True):
+            for x in r.json().get("loads", []):
+                out.append({**x, "engine": m.name})
+        return JSONResponse({"loads": out})
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    @guarded
+    async def server_info(request: Request) -> Response:
+        m = one()
+        r = await fleet.http.get(m.url + request.url.path, headers=m.headers)
+        info = r.json()
+        info["engines"] = [x.describe() for x in fleet.members.values()]
+        info["weight_version"] = fleet.weight_version()
+        return JSONResponse(info, status_code=r.status_code)
+
+    for path in ("/model_info", "/get_model_info", "/v1/models", "/health_generate"):
+
+        async def passthrough(request: Request) -> Response:
+            return await forward(one(), "GET", request.url.path)
+
+        app.add_api_route(path, guarded(passthrough), methods=["GET"])
+
+    return app
+
+
+def serve(
+    fleet: FleetEngine,
+    config: AprilConfig,
+    auth: AuthPolicy,
+    host: str,
+    port: int,
+    log_level: str = "info",
+) -> None:
+    import uvicorn
+
+    app = create_owner_app(fleet, config, auth)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=75)

@@ -1,0 +1,303 @@
+"""One engine server on another machine, driven over HTTP (`engine_routes.py` on its side).
+
+Its state is what the owner last learnt: `healthy` (in the pool), `starting` (never answered
+yet), `down` (unreachable: a failed probe run, or a connection lost mid-segment), `stale`
+(answers, but with other weights than the fleet: out of the pool until it is brought level).
+While it is down, every segment in flight on it ends at once with `EngineUnavailable`, so a
+partitioned node (whose sockets hang rather than reset) holds nothing up.
+
+Marks and aborts go down one ordered channel (one worker, one POST at a time, batched), so a
+mark is in place on the engine before the abort that should trigger it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import httpx
+
+from april_server.engine_base import (
+    EngineUnavailable,
+    SegmentCall,
+    SegmentOutcome,
+    SnapshotEngine,
+)
+from april_server.errors import bad_request
+from april_server.fleet.wire import (
+    ENGINE_PREFIX,
+    ControlOp,
+    ControlReq,
+    EngineInfo,
+    KvReq,
+    KvResp,
+    encoder,
+    engine_info,
+    kv_resp,
+    segment_outcome,
+)
+from april_server.inflight import EngineCapacity, StepStat
+from april_server.placement import LOCAL, Slot
+from april_server.samples import SegmentResult
+
+logger = logging.getLogger(__name__)
+
+State = Literal["starting", "healthy", "down", "stale"]
+CONNECT_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 10.0  # an engine's event loop answers between scheduler batches
+UPDATE_TIMEOUT_S = 1800.0  # loading a large checkpoint from disk
+
+
+def engine_name(url: str) -> str:
+    """A stable name for the engine at `url` (it is recorded in every segment it runs)."""
+    return urlsplit(url).netloc or url
+
+
+class RemoteEngine(SnapshotEngine):
+    def __init__(self, url: str, http: httpx.AsyncClient, api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.name = engine_name(self.url)
+        self.http = http
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.info: EngineInfo | None = None
+        self.context_len = 0
+        self.vocab_size = None
+        self.state: State = "starting"
+        self.why = "not probed yet"
+        self.failures = 0  # probes failed in a row
+        self.since = time.monotonic()  # when it entered its state
+        self._down = asyncio.Event()  # set while it is out of reach: segments in flight end
+        self._ops: list[ControlOp] = []
+        self._ops_ready = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def set_state(self, state: State, why: str = "") -> None:
+        if state != self.state:
+            logger.warning("april: engine %s: %s -> %s %s", self.name, self.state, state, why)
+            self.since = time.monotonic()
+        self.state, self.why = state, why
+        if state == "down":
+            self._down.set()
+            self._ops.clear()  # nobody there to stop
+        else:
+            self._down.clear()
+
+    def learn(self, info: EngineInfo) -> None:
+        self.info = info
+        self.context_len, self.vocab_size = info.context_len, info.vocab_size
+        self.assigns_seeds = info.assigns_seeds
+        self.snapshots_enabled = info.snapshots_enabled
+        self.failures = 0
+
+    async def probe(self) -> EngineInfo:
+        """Ask the engine who it is; raises httpx.HTTPError when it does not answer."""
+        resp = await self.http.get(
+            self.url + ENGINE_PREFIX + "/info", headers=self.headers, timeout=PROBE_TIMEOUT_S
+        )
+        resp.raise_for_status()
+        info = engine_info.decode(resp.content)
+        self.learn(info)
+        return info
+
+    def slots(self) -> list[Slot]:
+        return [] if self.info is None else [Slot(self.name, r) for r in range(self.info.dp_size)]
+
+    def healthy(self, slot: Slot) -> bool:
+        return self.state == "healthy"
+
+    def weight_version(self) -> str:
+        return "" if self.info is None else self.info.weight_version
+
+    # ---- segments ------------------------------------------------------------------------
+
+    async def run_segment(self, call: SegmentCall) -> SegmentOutcome:
+        if self.state != "healthy":
+            raise EngineUnavailable(call.slot, f"{self.state}: {self.why}")
+        local = replace(
+            call,
+            slot=Slot(LOCAL, call.slot.dp_rank),
+            drop=None if call.drop is None else Slot(LOCAL, call.drop.dp_rank),
+        )
+        post = asyncio.ensure_future(
+            self.http.post(
+                self.url + ENGINE_PREFIX + "/segment",
+                content=encoder.encode(local),
+                headers={**self.headers, "content-type": "application/json"},
+                timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),  # a segment takes long
+            )
+        )
+        down = asyncio.ensure_future(self._down.wait())
+        try:
+            await asyncio.wait({post, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not post.done():
+                post.cancel()
+        if not post.done() or post.cancelled():
+            raise EngineUnavailable(call.slot, self.why)
+        try:
+            resp = post.result()
+        except httpx.TransportError as exc:
+            self.set_state("down", f"lost mid-segment: {type(exc).__name__}: {exc}")
+            raise EngineUnavailable(call.slot, self.why) from exc
+        if resp.status_code != 200:
+            raise RuntimeError(f"engine {self.name}: HTTP {resp.status_code}: {resp.text[:300]}")
+        out = segment_outcome.decode(resp.content)
+        return replace(out, slot=Slot(self.name, out.slot.dp_rank))
+
+    async def generate(
+        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
+    ) -> SegmentResult:
+        call = SegmentCall(rid, rid, input_ids, sampling_params, Slot(self.name, 0))
+        return (await self.run_segment(call)).result
+
+    # ---- marks and aborts: one ordered channel -------------------------------------------
+
+    def start(self) -> None:
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._send_ops())
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None
+
+    def _queue(self, op: ControlOp) -> None:
+        if self.state == "down":
+            return  # its requests are gone with it
+        self._ops.append(op)
+        self._ops_ready.set()
+
+    async def _send_ops(self) -> None:
+        while True:
+            await self._ops_ready.wait()
+            self._ops_ready.clear()
+            ops, self._ops = self._ops, []
+            if not ops:
+                continue
+            try:
+                resp = await self.http.post(
+                    self.url + ENGINE_PREFIX + "/control",
+                    content=encoder.encode(ControlReq(ops)),
+                    headers={**self.headers, "content-type": "application/json"},
+                    timeout=PROBE_TIMEOUT_S,
+                )
+                resp.raise_for_status()
+            except httpx.HTTPError as exc:  # aborts are repeated until their segment ends
+                logger.warning(
+                    "april: engine %s: %d control ops lost: %s", self.name, len(ops), exc
+                )
+
+    def mark_snapshot(self, rid: str, key: str, slot: Slot) -> None:
+        self.send_mark(rid, key, slot)  # the engine server keeps the marks (it runs segments)
+
+    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
+        self._queue(ControlOp("mark", rid, key, slot.dp_rank))
+
+    def abort(self, rid: str) -> None:
+        self._queue(ControlOp("abort", rid))
+
+    # ---- snapshots, figures, weights ----------------------------------------------------
+
+    async def _kv(self, op: Any, key: str, slot: Slot) -> KvResp:
+        """Best effort: an engine that does not answer holds nothing we can reach."""
+        if self.state == "down":
+            return KvResp()
+        try:
+            resp = await self.http.post(
+                self.url + ENGINE_PREFIX + "/kv",
+                content=encoder.encode(KvReq(op, key, slot.dp_rank)),
+                headers={**self.headers, "content-type": "application/json"},
+                timeout=PROBE_TIMEOUT_S * 6,
+            )
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.warning("april: engine %s: kv %s %s failed: %s", self.name, op, key, exc)
+            return KvResp()
+        return kv_resp.decode(resp.content)
+
+    async def restore_snapshot(self, key: str, slot: Slot) -> int:
+        return (await self._kv("restore", key, slot)).restored
+
+    async def release_snapshot(self, key: str, slot: Slot) -> None:
+        await self._kv("release", key, slot)
+
+    async def drop_snapshot(self, key: str, slot: Slot) -> None:
+        await self._kv("drop", key, slot)
+
+    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
+        return (await self._kv("info", key, slot)).info
+
+    async def figures(self) -> dict[str, Any]:
+        """Snapshot stats, capacity, step curve and clock (empty when it does not answer)."""
+        if self.state == "down":
+            return {}
+        try:
+            resp = await self.http.get(
+                self.url + ENGINE_PREFIX + "/figures", headers=self.headers, timeout=PROBE_TIMEOUT_S
+            )
+            resp.raise_for_status()
+            out: dict[str, Any] = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("april: engine %s: figures: %s", self.name, exc)
+            return {}
+        return out
+
+    async def snapshot_stats(self) -> dict[str, Any]:
+        return dict((await self.figures()).get("snapshots") or {})
+
+    async def capacity(self) -> EngineCapacity | None:
+        cap = (await self.figures()).get("capacity")
+        return None if not cap else EngineCapacity(int(cap[0]), int(cap[1]))
+
+    async def step_curve(self) -> dict[int, float | StepStat]:
+        raw = (await self.figures()).get("step_curve") or {}
+        return {
+            int(b): StepStat(int(v[0]), *map(float, v[1:])) if isinstance(v, list) else float(v)
+            for b, v in raw.items()
+        }
+
+    async def engine_clock(self) -> dict[str, float]:
+        return {k: float(v) for k, v in ((await self.figures()).get("clock") or {}).items()}
+
+    async def update_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's own `/update_weights_from_disk` on the engine server."""
+        resp = await self.http.post(
+            self.url + "/update_weights_from_disk",
+            json=body,
+            headers=self.headers,
+            timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=UPDATE_TIMEOUT_S),
+        )
+        out: dict[str, Any] = resp.json() if resp.content else {}
+        if resp.status_code != 200 or out.get("success") is False:
+            raise RuntimeError(f"HTTP {resp.status_code}: {out.get('message', resp.text[:300])}")
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        raise bad_request("no_tokenizer", "tokenization happens on the owner")
+
+    def check_sampling_params(self, params: dict[str, Any]) -> None:
+        from april_server.door.engine import check_sampling_params
+
+        check_sampling_params(params, self.vocab_size)
+
+    def describe(self) -> dict[str, Any]:
+        """For /stats: where it is and what the owner knows of it."""
+        info = self.info
+        return {
+            "engine": self.name,
+            "url": self.url,
+            "state": self.state,
+            "why": self.why,
+            "for_s": round(time.monotonic() - self.since, 1),
+            "weight_version": None if info is None else info.weight_version,
+            "dp_size": None if info is None else info.dp_size,
+            "model_path": None if info is None else info.model_path,
+        }

@@ -1,0 +1,247 @@
+"""Across machines (#13): an owner april-server driving two engine servers, on this CPU.
+
+The owner (`--april-engines URL,URL`) runs no model: it keeps the quota, the durable buffer and
+the policies, and sends every segment to one of two real april-servers (SGLang + our plugin).
+The quota stays exact across engines, a resume goes back to the engine holding its snapshot
+and restores it (the uninterrupted greedy output), weight updates and aborts reach both, and
+a kill -9 of one engine mid-call loses nothing: the call still returns `target_groups` whole
+groups, the engine leaves the pool, and rejoins once restarted and brought to the fleet's
+weights. The kill test comes last: it restarts an engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.test_rollouts_e2e import R, clear_buffer, group, ok, reference
+from tests.server_proc import ServerProc
+
+pytestmark = pytest.mark.e2e
+KV_BYTES = 128 * 1024**2  # each engine's snapshot budget
+PAGE = 1  # the CPU default page size
+
+
+class Fleet:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        args = ["--april-kv-host-bytes", str(KV_BYTES)]
+        self.engines = [ServerProc(self._dir(f"engine{i}"), args) for i in range(2)]
+        for e in self.engines:
+            e.start()
+        urls = ",".join(e.url for e in self.engines)
+        self.owner = ServerProc(self._dir("owner"), ["--april-engines", urls])
+        self.owner.start()
+
+    def _dir(self, name: str) -> Path:
+        d = self.root / name
+        d.mkdir(exist_ok=True)
+        return d
+
+    def name(self, i: int) -> str:
+        return f"127.0.0.1:{self.engines[i].port}"
+
+    def restart(self, i: int) -> None:
+        """Start engine `i` again on its port (a fresh process: no snapshots, first weights)."""
+        port = self.engines[i].port
+        e = ServerProc(self.engines[i].dir, self.engines[i].extra_args)
+        e.port = port
+        e.start()
+        self.engines[i] = e
+
+    def stop(self) -> None:
+        for p in [self.owner, *self.engines]:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("april-fleet"))
+    yield f
+    f.stop()
+
+
+@pytest.fixture()
+def http(fleet: Fleet) -> Iterator[httpx.Client]:
+    with fleet.owner.client() as c:
+        clear_buffer(c)
+        yield c
+        c.post(R + "/abort", json={"all": True})
+        clear_buffer(c)
+
+
+def engines(http: httpx.Client) -> dict[str, Any]:
+    return {e["engine"]: e for e in ok(http.get(R + "/stats"))["engine"]["engines"]}
+
+
+def wait_for(what: str, check: Any, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_the_owner_shows_both_engines_and_their_figures(http: httpx.Client, fleet: Fleet) -> None:
+    st = ok(http.get(R + "/stats"))
+    assert sorted(engines(http)) == sorted(fleet.name(i) for i in range(2))
+    assert all(e["state"] == "healthy" for e in engines(http).values())
+    assert [x["engine"] for x in st["running_by_slot"]] == [fleet.name(0), fleet.name(1)]
+    assert st["snapshot_bytes_budget"] == 2 * KV_BYTES  # the fleet's: the engines' sum
+    assert sorted(e["engine"] for e in st["engines"]) == sorted(fleet.name(i) for i in range(2))
+    assert http.get("/health").status_code == 200
+    loads = ok(http.get("/v1/loads"))["loads"]
+    assert {x["engine"] for x in loads} == {fleet.name(0), fleet.name(1)}
+
+
+def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
+    http: httpx.Client, fleet: Fleet
+) -> None:
+    # 8 samples at once over two idle engines: they alternate, so each long group has a
+    # sample on each engine. The shorts meet the quota; the longs keep snapshots.
+    longs = [group(f"l{i}", [20 + i, 7], [120, 140]) for i in range(2)]
+    shorts = [group(f"s{i}", [5 + i, 9], [6, 6]) for i in range(2)]
+    body = {"groups": longs + shorts, "target_groups": 2, "max_inflight_groups": 4}
+    r = ok(http.post(R + "/rollouts", json=body))
+    assert sorted(g["group_id"] for g in r["groups"]) == ["s0", "s1"]  # exactly the quota
+    assert sorted(r["buffered_group_ids"]) == ["l0", "l1"]
+    held = {
+        s["sample_id"]: s
+        for gid in ("l0", "l1")
+        for s in ok(http.get(f"{R}/partials/{gid}"))["samples"]
+    }
+    where = {sid: s["snapshot_engine"] for sid, s in held.items()}
+    assert set(where.values()) == {fleet.name(0), fleet.name(1)}, where  # both engines
+    for s in held.values():
+        assert s["status"] == "partial" and s["snapshot_bytes"] > 0
+        assert s["segments"][-1]["engine"] == s["snapshot_engine"]  # it lives where it ran
+    st = ok(http.get(R + "/stats"))
+    per_engine = {e["engine"]: e["snapshots"] for e in st["engines"]}
+    assert per_engine == {n: list(where.values()).count(n) for n in set(where.values())}
+    # The owner flushes both engines' prefix caches: only a snapshot can avoid re-prefill.
+    assert ok(http.post("/flush_cache"))["success"]
+    out = ok(http.post(R + "/resume", json={"sample_ids": sorted(held), "kv": "restore"}))
+    for s in out["samples"]:
+        seg = s["segments"][-1]
+        assert (seg["kv"], seg["engine"]) == ("restored", where[s["sample_id"]]), seg
+        assert seg["cached_tokens"] >= 2 + seg["start"] - PAGE, seg
+        assert s["status"] == "truncated" and len(s["output_ids"]) == s["max_new_tokens"]
+    end = ok(http.post(R + "/abort", json={"all": True}))
+    assert end is not None
+    assert ok(http.get(R + "/stats"))["snapshots"] == 0  # every one freed where it lived
+
+
+def test_a_resume_on_the_second_engine_equals_the_uninterrupted_run(
+    http: httpx.Client, fleet: Fleet
+) -> None:
+    prompt, budget = [11, 42, 7], 150
+    want, _ = reference(http, prompt, budget)  # /generate, through the owner
+    # The trigger starts first and takes the lowest-named engine (ties go to the lowest
+    # slot); x runs on the other one.
+    _, target = sorted([fleet.name(0), fleet.name(1)])
+    for _ in range(3):
+        body = {
+            "groups": [group("x-t", [1, 2], [8]), group("x", prompt, [budget])],
+            "target_groups": 1,
+            "on_quota": "snapshot",
+            "max_inflight_groups": 2,
+        }
+        r = ok(http.post(R + "/rollouts", json=body))
+        if r["groups"][0]["group_id"] == "x-t":
+            break
+        clear_buffer(http)  # a scheduling race on 2 busy cores: the long one won; again
+    else:
+        raise AssertionError("the trigger never finished first")
+    s = ok(http.get(f"{R}/partials/x"))["samples"][0]
+    assert s["snapshot_engine"] == target and s["snapshot_bytes"] > 0
+    assert ok(http.post("/flush_cache"))["success"]
+    # The other engine is idle, the least loaded: only affinity sends the resume back.
+    out = ok(http.post(R + "/resume", json={"sample_ids": ["x/0"], "kv": "auto"}))
+    s = out["samples"][0]
+    seg = s["segments"][-1]
+    assert (seg["kv"], seg["engine"]) == ("restored", target)
+    assert seg["cached_tokens"] >= len(prompt) + seg["start"] - PAGE
+    assert s["output_ids"] == want  # a restore reuses the original bits
+
+
+def test_weight_update_and_abort_reach_both_engines(http: httpx.Client, fleet: Fleet) -> None:
+    from april_server.models import ensure_tiny_model
+
+    body = {"model_path": str(ensure_tiny_model()), "weight_version": "fleet-v2"}
+    out = ok(http.post("/update_weights_from_disk", json=body))
+    assert out["success"] and set(out["engines"].values()) == {"fleet-v2"}
+    for i in range(2):  # each engine itself says so
+        with fleet.engines[i].client() as e:
+            assert ok(e.get("/model_info"))["weight_version"] == "fleet-v2"
+    # Long samples on both engines (they alternate), stopped by one abort while they run.
+    ok(http.post(R + "/rollouts", json={"groups": [group("a", [4, 2], [3000, 3000]),
+                                                   group("a-t", [1], [2])],
+                                        "max_inflight_groups": 2}))  # fmt: skip
+    result: dict[str, Any] = {}
+
+    def resume() -> None:
+        with fleet.owner.client() as c:
+            result["r"] = c.post(R + "/resume", json={"sample_ids": ["a/0", "a/1"]})
+
+    t = threading.Thread(target=resume)
+    t.start()
+    wait_for("both running", lambda: ok(http.get(R + "/stats"))["running_samples"] == 2)
+    ok(http.post(R + "/abort", json={"all": True, "keep": "tokens"}))
+    t.join(timeout=300)
+    samples = ok(result["r"])["samples"]
+    assert all(s["status"] == "partial" for s in samples)  # the abort stopped both engines
+    segs = [s["segments"][-1] for s in samples]
+    assert sorted(x["engine"] for x in segs) == sorted(fleet.name(i) for i in range(2))
+    assert {x["weight_version"] for x in segs} == {"fleet-v2"}
+    for i in range(2):
+        with fleet.engines[i].client() as e:
+            loads = ok(e.get("/v1/loads"))["loads"]
+            assert sum(int(x.get("num_running_reqs", 0)) for x in loads) == 0
+
+
+def test_kill9_of_an_engine_mid_call_loses_nothing(http: httpx.Client, fleet: Fleet) -> None:
+    # Every group is needed (no over-provisioning to cover the loss), greedy, long enough to
+    # be running on both engines when one dies.
+    groups = [group(f"k{i}", [3 + i, 9], [400, 400]) for i in range(3)]
+    want = {g["group_id"]: reference(http, g["input_ids"], 400)[0] for g in groups}
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        with fleet.owner.client() as c:
+            body = {"groups": groups, "target_groups": 3, "max_inflight_groups": 3}
+            result["r"] = c.post(R + "/rollouts", json=body)
+
+    t = threading.Thread(target=call)
+    t.start()
+    wait_for("6 running", lambda: ok(http.get(R + "/stats"))["running_samples"] == 6)
+    victim = fleet.name(1)
+    fleet.engines[1].kill9()
+    t.join(timeout=600)
+    r = ok(result["r"])
+    assert sorted(g["group_id"] for g in r["groups"]) == ["k0", "k1", "k2"]  # exactly the quota
+    assert r["buffered_group_ids"] == []
+    for g in r["groups"]:
+        for s in g["samples"]:
+            assert s["status"] in ("completed", "truncated")
+            # The uninterrupted greedy output (a stop token may end it before the budget).
+            assert s["output_ids"] == want[g["group_id"]][: len(s["output_ids"])]
+            assert all(seg["engine"] == fleet.name(0) for seg in s["segments"])
+    assert any("runs again" in n and victim in n for n in r["stats"]["notes"])
+    st = ok(http.get(R + "/stats"))
+    assert st["engine_failovers"] >= 1 and st["running_samples"] == 0
+    assert engines(http)[victim]["state"] == "down"
+    assert [x["healthy"] for x in st["running_by_slot"] if x["engine"] == victim] == [False]
+    # Restarted: fresh weights ("default"), so the fleet replays its last update first.
+    fleet.restart(1)
+    wait_for("the engine back", lambda: engines(http)[victim]["state"] == "healthy", 180)
+    assert engines(http)[victim]["weight_version"] == ok(http.get(R + "/stats"))["weight_version"]
+    again = ok(http.post(R + "/rollouts", json={"groups": [group("z", [8, 8], [4, 4])]}))
+    assert {seg["engine"] for s in again["groups"][0]["samples"] for seg in s["segments"]} == {
+        fleet.name(0),
+        victim,
+    }  # both serve again
