@@ -3,6 +3,7 @@
 april-bench --quick                       # launch the embedded default, compare all modes
 april-bench --url http://host:30000 --steps 10 --groups 32 --n 8 --max-tokens 8192
 april-bench --simulate                    # project the gain at 8xH200 scale (a model)
+april-bench --simulate --sim-engines 1,2,4,8,16   # the same model at each engine count
 april-bench --sweep                       # sync vs static vs adaptive APRIL on four configs
 """
 
@@ -138,14 +139,61 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="project the gain at scale with a discrete-event model",
     )
-    g.add_argument("--sim-engines", type=int, default=8)
-    g.add_argument("--sim-groups", type=int, default=32)
+    g.add_argument(
+        "--sim-engines",
+        type=engine_counts,
+        default=[8],
+        metavar="E[,E...]",
+        help="engines (or DP ranks); a comma list (1,2,4,8,16) prints one row per count and mode",
+    )
+    g.add_argument(
+        "--sim-groups-per-engine",
+        type=positive_int,
+        default=4,
+        metavar="G",
+        help="weak scaling (the default): K = G x engines groups per step, so every engine count "
+        "gets the same load per engine (4 x 8 engines = 32, the former fixed default)",
+    )
+    g.add_argument(
+        "--sim-groups",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="strong scaling instead: K groups per step at every engine count (small K starves "
+        "many engines)",
+    )
+    g.add_argument(
+        "--sim-routing",
+        choices=sim.ROUTINGS,
+        default="least_loaded",
+        help="least_loaded: april-server's placement (a resumed april-kv sample on the engine "
+        "holding its snapshot, the rest on the least loaded engine); round_robin: the earlier "
+        "model, for comparison (an april-kv resume elsewhere re-prefills)",
+    )
     g.add_argument("--sim-n", type=int, default=8)
     g.add_argument("--sim-max-tokens", type=int, default=16384)
     g.add_argument("--sim-steps", type=int, default=20)
     g.add_argument("--sim-a-ms", type=float, help="fixed ms per decode iteration")
     g.add_argument("--sim-c-ms", type=float, help="ms per running sequence per iteration")
     return p  # fmt: skip
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive integer")
+    return value
+
+
+def engine_counts(text: str) -> list[int]:
+    """`8` or `1,2,4,8,16`: engine counts, each positive, each once."""
+    counts = [positive_int(x.strip()) for x in text.split(",")]
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: name each engine count once")
+    return counts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,11 +243,14 @@ def simulation(
             c=(args.sim_c_ms or cost.c * 1e3) / 1e3, prefill_s=cost.prefill_s,
             restore_s=cost.restore_s, assumptions=cost.assumptions[2:],
         )  # fmt: skip
-    big = sim.SimSetup(steps=args.sim_steps, groups=args.sim_groups, n=args.sim_n,
+    per_engine = None if args.sim_groups is not None else args.sim_groups_per_engine
+    k = args.sim_groups or args.sim_groups_per_engine * args.sim_engines[0]
+    big = sim.SimSetup(steps=args.sim_steps, groups=k, n=args.sim_n,
                        over_sampling=args.over_sampling, max_tokens=args.sim_max_tokens,
-                       engines=args.sim_engines, seed=args.seed)  # fmt: skip
+                       engines=args.sim_engines[0], seed=args.seed,
+                       routing=args.sim_routing)  # fmt: skip
     print("\n== projection at scale ==")
-    print(sim.report(big, cost, modes))
+    print(sim.report(big, cost, modes, args.sim_engines, per_engine))
 
 
 def mode_specs(args: argparse.Namespace, sweep: bool = False) -> list[ModeSpec]:
