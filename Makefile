@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo train-demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer gpu-check gpu-check-dry soak
+.PHONY: demo train-demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -39,6 +39,9 @@ bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (t
 
 bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.buffer --json-out out/bench-buffer.json
+
+bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engine servers on the same cores (~5 min)
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --json-out out/fleet.jsonl
 
 soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py

@@ -152,7 +152,18 @@ def set_cpu_parallel_env(argv: list[str]) -> None:
     ranks = world_size(argv)
     if ranks <= 1 or ranks <= numa_nodes() or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
         return
-    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind(sorted(os.sched_getaffinity(0)), ranks)
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind(cores, ranks)
+    for key, value in cpu_share_env(max(1, len(cores) // ranks)).items():
+        os.environ.setdefault(key, value)
+
+
+def cpu_share_env(threads: int) -> dict[str, str]:
+    """Environment for CPU schedulers that share this machine, `threads` cores each. SGLang
+    applies SGLANG_CPU_OMP_THREADS_BIND only on AMX or arm64 CPUs; elsewhere each scheduler
+    would run one OpenMP thread per core, and schedulers sharing cores then spin against each
+    other (measured here: two engines on 2 cores ran ~6x slower than one)."""
+    return {"OMP_NUM_THREADS": str(threads)}
 
 
 def cuda_available() -> bool:

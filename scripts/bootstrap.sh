@@ -2,6 +2,8 @@
 # Creates (once) and prints the path of the project's virtual environment.
 # The venv lives outside the clone, keyed by a hash of the dependency pins, so CI and later
 # sessions reuse it: a fresh machine pays the ~6 GB install once, a warm one pays nothing.
+# Light extras (LIGHT below: one wheel each) stay out of the key and are installed with the
+# project itself, so adding one does not rebuild the heavy venv.
 # CPU-only x86: SGLang is installed with --no-deps and its CUDA-only dependencies are left out
 # (recipe: shared/docs/sglang-integration.md §6).
 set -euo pipefail
@@ -10,7 +12,8 @@ PY=${APRIL_PYTHON:-python3}
 KEY=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import hashlib, sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-blob = repr((p["dependencies"], p["optional-dependencies"], "v1")).encode()
+heavy = {k: v for k, v in p["optional-dependencies"].items() if k != "fleet"}  # LIGHT
+blob = repr((p["dependencies"], heavy, "v1")).encode()
 print(hashlib.sha256(blob).hexdigest()[:12])
 PYEOF
 )
@@ -38,6 +41,13 @@ fi
 # changes (entry points, scripts) or the venv points at another clone.
 STAMP="$VENV/.april-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/bootstrap.sh" | sha256sum | cut -c1-12)-$(echo "$ROOT" | sha256sum | cut -c1-8)"
 if [ ! -f "$STAMP" ]; then
+  light=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
+import sys, tomllib
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["fleet"]))
+PYEOF
+)
+  # shellcheck disable=SC2086
+  echo "$light" | xargs "$VENV/bin/pip" install -q --disable-pip-version-check >&2
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >&2
   rm -f "$VENV"/.april-* && touch "$STAMP"
 fi

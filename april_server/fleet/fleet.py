@@ -73,6 +73,7 @@ class FleetEngine(SnapshotEngine):
         self._open = asyncio.Event()  # closed while a weight update runs
         self._open.set()
         self._update_lock = asyncio.Lock()
+        self._first_lock = asyncio.Lock()
         self._syncing: set[str] = set()
         self._rids: dict[str, RemoteEngine] = {}  # segments in flight -> their engine
         self._loop: asyncio.Task[None] | None = None
@@ -167,14 +168,22 @@ class FleetEngine(SnapshotEngine):
             self._syncing.discard(m.name)  # the next probe decides
 
     async def _first_engine(self, m: RemoteEngine) -> None:
-        info = m.info
-        assert info is not None
-        self.assigns_seeds = info.assigns_seeds
-        self.snapshots_enabled = info.snapshots_enabled
-        path = self.tokenizer_path or (info.model_path if info.has_tokenizer else None)
-        if path and Path(path).exists():  # loading reads files: off the event loop
-            self._tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        self.ready.set()
+        # Once, even when several engines answer the first round together (two threads
+        # importing transformers at once can leave it half-imported for good).
+        async with self._first_lock:
+            if self.ready.is_set():
+                return
+            info = m.info
+            assert info is not None
+            self.assigns_seeds = info.assigns_seeds
+            self.snapshots_enabled = info.snapshots_enabled
+            path = self.tokenizer_path or (info.model_path if info.has_tokenizer else None)
+            if path and Path(path).exists():  # loading reads files: off the event loop
+                try:
+                    self._tokenizer = await asyncio.to_thread(load_tokenizer, path)
+                except Exception as exc:  # text prompts are refused; input_ids still work
+                    logger.warning("april: no tokenizer from %s: %s", path, exc)
+            self.ready.set()
 
     def _fit_sizes(self) -> None:
         """The fleet accepts what every engine it knows can run."""

@@ -29,8 +29,14 @@ def free_port() -> int:
 
 
 class LaunchedServer:
-    def __init__(self, extra_args: list[str] | None = None, keep_dir: bool = False) -> None:
+    def __init__(
+        self,
+        extra_args: list[str] | None = None,
+        keep_dir: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.extra_args = list(extra_args or [])
+        self.env = env  # added to this process's environment for the server
         self.keep_dir = keep_dir
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="april-bench-"))
@@ -51,7 +57,11 @@ class LaunchedServer:
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=None if self.env is None else {**os.environ, **self.env},
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

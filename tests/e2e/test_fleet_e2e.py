@@ -11,6 +11,9 @@ weights. The kill test comes last: it restarts an engine.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from april_client.bench.launcher import free_port
 from tests.e2e.test_rollouts_e2e import R, clear_buffer, group, ok, reference
 from tests.server_proc import ServerProc
 
@@ -97,6 +101,39 @@ def test_the_owner_shows_both_engines_and_their_figures(http: httpx.Client, flee
     assert http.get("/health").status_code == 200
     loads = ok(http.get("/v1/loads"))["loads"]
     assert {x["engine"] for x in loads} == {fleet.name(0), fleet.name(1)}
+    # Text prompts are tokenized on the owner (the engines' model path exists here).
+    text = {"group_id": "txt", "text": "Hello there", "n": 1,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
+    r = ok(http.post(R + "/rollouts", json={"groups": [text]}))
+    assert r["groups"][0]["samples"][0]["prompt_ids"]
+
+
+def running_on(engine: ServerProc) -> int:
+    with engine.client() as e:
+        return sum(int(x.get("num_running_reqs", 0)) for x in ok(e.get("/v1/loads"))["loads"])
+
+
+def test_an_engine_stops_what_a_dead_owner_started(fleet: Fleet) -> None:
+    urls = ",".join(e.url for e in fleet.engines)
+    owner = ServerProc(fleet._dir("owner-doomed"), ["--april-engines", urls])
+    owner.start()
+    try:
+        with owner.client() as c:
+            body = {"groups": [group("d", [6, 1], [8000, 8000])]}
+
+            def call() -> None:
+                with contextlib.suppress(httpx.HTTPError):  # its server is about to die
+                    c.post(R + "/rollouts", json=body)
+
+            t = threading.Thread(target=call, daemon=True)
+            t.start()
+            busy = lambda: sum(running_on(e) for e in fleet.engines) == 2  # noqa: E731
+            wait_for("both engines generating", busy, 60)
+            owner.kill9()
+        idle = lambda: sum(running_on(e) for e in fleet.engines) == 0  # noqa: E731
+        wait_for("the engines to abort what nobody will read", idle, 20)
+    finally:
+        owner.stop()
 
 
 def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
@@ -202,6 +239,70 @@ def test_weight_update_and_abort_reach_both_engines(http: httpx.Client, fleet: F
         with fleet.engines[i].client() as e:
             loads = ok(e.get("/v1/loads"))["loads"]
             assert sum(int(x.get("num_running_reqs", 0)) for x in loads) == 0
+
+
+@pytest.fixture()
+def smg(fleet: Fleet) -> Iterator[str]:
+    """A real sgl-model-gateway (PyPI `smg`) with both engines registered in it."""
+    port, metrics_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    exe = Path(sys.executable).with_name("smg")
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port),
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+         "--health-check-interval-secs", "1", "--shutdown-grace-period-secs", "0",
+         "--log-level", "warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for("smg", lambda: _answers(url + "/liveness"), 30)
+        for e in fleet.engines:
+            r = httpx.post(url + "/workers", json={"url": e.url})
+            assert r.status_code == 202, r.text
+        listed = lambda: len(httpx.get(url + "/workers").json()["workers"]) == 2  # noqa: E731
+        wait_for("both engines listed in smg", listed, 60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_an_owner_finds_its_engines_in_smgs_registry(fleet: Fleet, smg: str) -> None:
+    owner = ServerProc(fleet._dir("owner-smg"), ["--april-smg", smg])
+    owner.start()
+    try:
+        with owner.client() as c:
+            both = sorted([fleet.name(0), fleet.name(1)])
+            wait_for("both engines in the pool", lambda: sorted(engines(c)) == both, 60)
+            groups = [group(f"m{i}", [i + 1, 5], [4, 4]) for i in range(2)]
+            body = {"groups": groups, "target_groups": 2, "max_inflight_groups": 2}
+            r = ok(c.post(R + "/rollouts", json=body))
+            ran = {
+                seg["engine"] for g in r["groups"] for s in g["samples"] for seg in s["segments"]
+            }
+            assert ran == set(both)  # smg named them; the owner placed work on both
+            # An engine that leaves the registry leaves the pool.
+            gone = next(
+                w for w in httpx.get(smg + "/workers").json()["workers"]
+                if w["url"] == fleet.engines[1].url
+            )  # fmt: skip
+            assert httpx.delete(f"{smg}/workers/{gone['id']}").status_code == 202
+            left = lambda: engines(c)[fleet.name(1)]["state"] == "down"  # noqa: E731
+            wait_for("the engine out of the pool", left, 60)
+            assert engines(c)[fleet.name(1)]["why"] == "left the registry"
+            r = ok(c.post(R + "/rollouts", json={"groups": [group("m9", [9], [4, 4])]}))
+            assert [g["group_id"] for g in r["groups"]] == ["m9"]
+            ran = {seg["engine"] for s in r["groups"][0]["samples"] for seg in s["segments"]}
+            assert ran == {fleet.name(0)}
+    finally:
+        owner.stop()
 
 
 def test_kill9_of_an_engine_mid_call_loses_nothing(http: httpx.Client, fleet: Fleet) -> None:
