@@ -47,9 +47,12 @@ def bench(url: str, bench_args: list[str]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
 
-def run_layout(engines: int, bench_args: list[str], kv_bytes: str) -> list[dict[str, Any]]:
-    """engines = 0: one april-server, no owner; else an owner over that many engines."""
-    threads = max(1, len(os.sched_getaffinity(0)) // max(engines, 1))
+def run_layout(
+    engines: int, bench_args: list[str], kv_bytes: str, threads: int | None = None
+) -> list[dict[str, Any]]:
+    """engines = 0: one april-server, no owner; else an owner over that many engines, each
+    with `threads` torch threads (default: an equal share of the cores)."""
+    threads = threads or max(1, len(os.sched_getaffinity(0)) // max(engines, 1))
     procs = [
         LaunchedServer(["--april-kv-host-bytes", kv_bytes], env=cpu_share_env(threads))
         for _ in range(max(engines, 1))
@@ -95,13 +98,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layouts", default="0,1,2", help="0: one april-server; N: owner + N engines")
     p.add_argument("--kv-host-bytes", default=str(512 * 1024**2))
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument(
+        "--threads-per-engine",
+        type=int,
+        default=None,
+        help="torch threads of each engine (default: the cores split evenly between them)",
+    )
     args = p.parse_args(ours)
     bench_args = rest or ["--quick"]
     rows: list[dict[str, Any]] = []
     for layout in (int(x) for x in args.layouts.split(",")):
         name = "single" if layout == 0 else f"owner+{layout}"
         print(f"== {name} ==", file=sys.stderr, flush=True)
-        recs = [r for r in run_layout(layout, bench_args, args.kv_host_bytes) if r.get("mode")]
+        recs = [
+            r
+            for r in run_layout(layout, bench_args, args.kv_host_bytes, args.threads_per_engine)
+            if r.get("mode")
+        ]
         sync = next((r for r in recs if r["mode"] == "sync"), None)
         for r in recs:
             base = None if sync is None else sync.get("output_throughput")
