@@ -18,7 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_rollouts_e2e import R, clear_buffer, group, ok, reference
+from tests.e2e.test_rollouts_e2e import (
+    R,
+    clear_buffer,
+    group,
+    interrupted_on_the_second_slot,
+    ok,
+    reference,
+)
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
@@ -114,20 +121,7 @@ def test_resume_on_the_second_rank_equals_the_uninterrupted_run(http: httpx.Clie
     prompt, budget = [11, 42, 7], 150
     want, _ = reference(http, prompt, budget)
     # The trigger starts first and takes rank 0; the long sample runs on rank 1.
-    for _ in range(3):
-        body = {
-            "groups": [group("x-t", [1, 2], [8]), group("x", prompt, [budget])],
-            "target_groups": 1,
-            "on_quota": "snapshot",
-            "max_inflight_groups": 2,
-        }
-        r = ok(http.post(R + "/rollouts", json=body))
-        if r["groups"][0]["group_id"] == "x-t":
-            break
-        clear_buffer(http)  # a scheduling race on 2 busy cores: the long one won; again
-    else:
-        raise AssertionError("the trigger never finished first")
-    s = ok(http.get(f"{R}/partials/x"))["samples"][0]
+    s = interrupted_on_the_second_slot(http, prompt, budget)
     assert s["snapshot_dp_rank"] == 1 and s["snapshot_bytes"] > 0
     assert by_rank(stats(http))[1]["snapshots"] == 1
     assert http.post("/flush_cache").status_code == 200

@@ -24,7 +24,14 @@ import httpx
 import pytest
 
 from april_client.bench.launcher import free_port
-from tests.e2e.test_rollouts_e2e import R, clear_buffer, group, ok, reference
+from tests.e2e.test_rollouts_e2e import (
+    R,
+    clear_buffer,
+    group,
+    interrupted_on_the_second_slot,
+    ok,
+    reference,
+)
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
@@ -181,20 +188,7 @@ def test_a_resume_on_the_second_engine_equals_the_uninterrupted_run(
     # The trigger starts first and takes the lowest-named engine (ties go to the lowest
     # slot); x runs on the other one.
     _, target = sorted([fleet.name(0), fleet.name(1)])
-    for _ in range(3):
-        body = {
-            "groups": [group("x-t", [1, 2], [8]), group("x", prompt, [budget])],
-            "target_groups": 1,
-            "on_quota": "snapshot",
-            "max_inflight_groups": 2,
-        }
-        r = ok(http.post(R + "/rollouts", json=body))
-        if r["groups"][0]["group_id"] == "x-t":
-            break
-        clear_buffer(http)  # a scheduling race on 2 busy cores: the long one won; again
-    else:
-        raise AssertionError("the trigger never finished first")
-    s = ok(http.get(f"{R}/partials/x"))["samples"][0]
+    s = interrupted_on_the_second_slot(http, prompt, budget)
     assert s["snapshot_engine"] == target and s["snapshot_bytes"] > 0
     assert ok(http.post("/flush_cache"))["success"]
     # The other engine is idle, the least loaded: only affinity sends the resume back.

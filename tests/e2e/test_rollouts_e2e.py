@@ -87,6 +87,28 @@ def reference(http: httpx.Client, prompt: list[int], budget: int) -> tuple[list[
     return out["output_ids"], out["meta_info"]["output_top_logprobs"]
 
 
+def interrupted_on_the_second_slot(
+    http: httpx.Client, prompt: list[int], budget: int
+) -> dict[str, Any]:
+    """Start a short trigger group, then `prompt` (so it takes the second slot: a DP rank or
+    an engine), stop at the trigger's finish with a snapshot; the buffered sample `x/0`."""
+    for _ in range(3):
+        body = {
+            "groups": [group("x-t", [1, 2], [8]), group("x", prompt, [budget])],
+            "target_groups": 1,
+            "on_quota": "snapshot",
+            "max_inflight_groups": 2,
+        }
+        r = ok(http.post(R + "/rollouts", json=body))
+        if r["groups"][0]["group_id"] == "x-t":
+            break
+        clear_buffer(http)  # a scheduling race on 2 busy cores: the long one won; again
+    else:
+        raise AssertionError("the trigger never finished first")
+    sample: dict[str, Any] = ok(http.get(f"{R}/partials/x"))["samples"][0]
+    return sample
+
+
 NEAR_TIE = 1e-3  # fp32 re-prefill drift measured ~5e-7 (sglang-integration.md §10)
 
 
