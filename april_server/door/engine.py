@@ -55,6 +55,11 @@ def check_sampling_params(params: dict[str, Any], vocab_size: int | None) -> Non
         raise bad_request("invalid_sampling_params", str(exc)) from None
 
 
+def preload_sampling_params() -> None:
+    """Import what `check_sampling_params` needs (seconds, once), e.g. off the event loop."""
+    import sglang.srt.sampling.sampling_params  # noqa: F401
+
+
 KV_CALL_TIMEOUT_S = 60.0  # a scheduler busy with a long prefill answers between batches
 ALL_RANKS = -1
 Reply = tuple[bool, dict[str, Any]]

@@ -30,7 +30,7 @@ import httpx
 
 from april_server.engine_base import EngineUnavailable, SegmentCall, SegmentOutcome, SnapshotEngine
 from april_server.errors import ApiError, bad_request
-from april_server.fleet.remote import RemoteEngine, engine_name
+from april_server.fleet.remote import MakeClient, RemoteEngine, engine_name, new_client
 from april_server.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.placement import Slot
 from april_server.ranks import merge_rank_stats
@@ -50,13 +50,12 @@ class FleetEngine(SnapshotEngine):
         tokenizer_path: str | None = None,
         interval_s: float = 1.0,
         down_after: int = 3,
-        http: httpx.AsyncClient | None = None,
+        make_client: MakeClient = new_client,
     ) -> None:
         """`urls`: a static list of engine servers; `discover`: returns the current list (smg's
         worker registry), asked on every probe round; either or both."""
-        self.http = http or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        )
+        self.make_client = make_client
+        self.http = make_client()  # probes, control, proxied routes (segments: per engine)
         self.api_key = api_key
         self.discover = discover
         self.interval_s = interval_s
@@ -82,7 +81,7 @@ class FleetEngine(SnapshotEngine):
     def _add(self, url: str) -> RemoteEngine:
         name = engine_name(url)
         if name not in self.members:
-            self.members[name] = RemoteEngine(url, self.http, self.api_key)
+            self.members[name] = RemoteEngine(url, self.http, self.api_key, self.make_client)
         return self.members[name]
 
     # ---- lifecycle and health -----------------------------------------------------------

@@ -28,6 +28,7 @@ from starlette.background import BackgroundTask
 from april_server.app import create_router, error_response, extend_app
 from april_server.auth import AuthPolicy
 from april_server.config import AprilConfig
+from april_server.door.engine import preload_sampling_params
 from april_server.errors import ApiError
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
@@ -44,6 +45,9 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # SGLang's sampling-params check is imported on first use: now, not on the event loop
+        # under the first rollout (0.7 s measured).
+        await asyncio.to_thread(preload_sampling_params)
         await fleet.start()
         try:
             await asyncio.wait_for(fleet.ready.wait(), READY_WAIT_S)

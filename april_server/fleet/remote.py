@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -52,16 +53,64 @@ PROBE_TIMEOUT_S = 10.0  # an engine's event loop answers between scheduler batch
 UPDATE_TIMEOUT_S = 1800.0  # loading a large checkpoint from disk
 
 
+# Segments per httpx client. httpcore's pool checks every one of its connections (a syscall
+# each) on every request and response: with all segments in one pool that is quadratic in the
+# segments in flight, and it was over half the owner's CPU (py-spy, 64 segments in flight).
+LANE_SIZE = 16
+MakeClient = Callable[[], httpx.AsyncClient]
+
+
+def new_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    )
+
+
+class Lanes:
+    """Clients for segments, at most LANE_SIZE in flight on each: new ones as load grows."""
+
+    def __init__(self, make_client: MakeClient) -> None:
+        self.make_client = make_client
+        self.clients: list[httpx.AsyncClient] = []
+        self.busy: list[int] = []
+
+    def take(self) -> int:
+        free = [i for i, n in enumerate(self.busy) if n < LANE_SIZE]
+        if free:
+            i = min(free, key=lambda j: self.busy[j])
+        else:
+            self.clients.append(self.make_client())
+            self.busy.append(0)
+            i = len(self.clients) - 1
+        self.busy[i] += 1
+        return i
+
+    def give_back(self, i: int) -> None:
+        self.busy[i] -= 1
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.aclose()
+        self.clients, self.busy = [], []
+
+
 def engine_name(url: str) -> str:
     """A stable name for the engine at `url` (it is recorded in every segment it runs)."""
     return urlsplit(url).netloc or url
 
 
 class RemoteEngine(SnapshotEngine):
-    def __init__(self, url: str, http: httpx.AsyncClient, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        http: httpx.AsyncClient,
+        api_key: str | None = None,
+        make_client: MakeClient = new_client,
+    ) -> None:
         self.url = url.rstrip("/")
         self.name = engine_name(self.url)
-        self.http = http
+        self.http = http  # probes, control, snapshots, weights (segments: `lanes`)
+        self.lanes = Lanes(make_client)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.info: EngineInfo | None = None
         self.context_len = 0
@@ -124,8 +173,9 @@ class RemoteEngine(SnapshotEngine):
             slot=Slot(LOCAL, call.slot.dp_rank),
             drop=None if call.drop is None else Slot(LOCAL, call.drop.dp_rank),
         )
+        lane = self.lanes.take()
         post = asyncio.ensure_future(
-            self.http.post(
+            self.lanes.clients[lane].post(
                 self.url + ENGINE_PREFIX + "/segment",
                 content=encoder.encode(local),
                 headers={**self.headers, "content-type": "application/json"},
@@ -136,6 +186,7 @@ class RemoteEngine(SnapshotEngine):
         try:
             await asyncio.wait({post, down}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self.lanes.give_back(lane)
             down.cancel()
             if not post.done():
                 post.cancel()
@@ -168,6 +219,7 @@ class RemoteEngine(SnapshotEngine):
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
+        await self.lanes.close()
 
     def _queue(self, op: ControlOp) -> None:
         if self.state == "down":

@@ -20,6 +20,7 @@ import pytest
 from april_server import segments as segments_mod
 from april_server.engine_base import EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.fleet.fleet import FleetEngine
+from april_server.fleet.remote import LANE_SIZE, Lanes
 from april_server.fleet.wire import EngineInfo, encoder
 from april_server.manager import RolloutManager
 from april_server.placement import Slot
@@ -160,8 +161,10 @@ class FakeServers:
 
 
 def fleet_over(servers: FakeServers, hosts: list[str]) -> FleetEngine:
-    http = httpx.AsyncClient(transport=httpx.MockTransport(servers))
-    return FleetEngine([f"http://{h}" for h in hosts], http=http, down_after=2)
+    def client() -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(servers))
+
+    return FleetEngine([f"http://{h}" for h in hosts], make_client=client, down_after=2)
 
 
 def test_fleet_health_states_and_a_dead_engine_leaving_the_pool() -> None:
@@ -241,3 +244,21 @@ def test_without_an_update_to_replay_a_mismatched_engine_stays_out() -> None:
         await fleet.close()
 
     asyncio.run(go())
+
+
+def test_segments_spread_over_lanes_of_bounded_size() -> None:
+    made: list[httpx.AsyncClient] = []
+
+    def client() -> httpx.AsyncClient:
+        made.append(httpx.AsyncClient())
+        return made[-1]
+
+    lanes = Lanes(client)
+    taken = [lanes.take() for _ in range(2 * LANE_SIZE + 1)]
+    assert len(made) == 3 and max(lanes.busy) == LANE_SIZE  # no pool holds more
+    assert lanes.busy == [LANE_SIZE, LANE_SIZE, 1]
+    lanes.give_back(taken[0])
+    for _ in range(LANE_SIZE):  # the least busy lane first
+        lanes.take()
+    assert len(made) == 3 and lanes.busy == [LANE_SIZE] * 3  # room used before a new client
+    asyncio.run(lanes.close())
