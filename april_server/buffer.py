@@ -38,7 +38,9 @@ class PartialBuffer:
     # ---- lookups -----------------------------------------------------------------------------
 
     def known(self, group_id: str) -> bool:
-        return group_id in self.claimed or group_id in self.idle
+        # `owner`, not `claimed`: a group being claimed has left the index but its body is
+        # still being read; it must not look free to a call sending the same id as new.
+        return group_id in self.owner or group_id in self.idle
 
     async def read(self, group_ids: list[str]) -> dict[str, Group]:
         """Bodies to show (claimed ones as they are now, idle ones from the store); raises 404

@@ -81,7 +81,8 @@ class RolloutManager:
         self.store = store
         self.buffer = buffer if buffer is not None else PartialBuffer(store)
         self.calls: dict[str, Any] = {}  # batch_id -> live RolloutCall (see rollout.py)
-        self.inflight_requests: dict[str, asyncio.Future[bytes]] = {}  # request_id -> result
+        # request_id -> the running attempt's encoded response (None: it delivered none)
+        self.inflight_requests: dict[str, asyncio.Future[bytes | None]] = {}
         # Recent batch ids, so an abort naming a finished call is a no-op, not a 404; bounded,
         # since a multi-day run makes millions of calls.
         self.finished_batches: OrderedDict[str, None] = OrderedDict()

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 import uuid
@@ -45,6 +46,7 @@ from april_server.segments import CallTally
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager
 
+logger = logging.getLogger(__name__)
 MAX_REJECT_GRACE_S = 60.0
 _enc = msgspec.json.Encoder()
 _resp_dec = msgspec.json.Decoder(RolloutResp)
@@ -79,9 +81,13 @@ class QuotaTracker:
 YIELD_EVERY = 256  # groups validated between two yields to the event loop
 
 
-async def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
+async def new_groups(
+    mgr: RolloutManager, req: RolloutReq, handed_in: frozenset[str] = frozenset()
+) -> list[Group]:
     """Validate the request's groups and build them; raises ApiError, changes nothing. A big
-    call yields to the event loop as it goes, so other requests are not held up."""
+    call yields to the event loop as it goes, so other requests are not held up. Groups in
+    `handed_in` (an earlier attempt of the same `request_id` already handed them in) are
+    checked for their id only, and not built again."""
     seen: set[str] = set()
     built = []
     for i, spec in enumerate(req.groups):
@@ -91,6 +97,8 @@ async def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
         if spec.group_id in seen:
             raise bad_request("duplicate_group_id", f"group_id {spec.group_id!r} is repeated")
         seen.add(spec.group_id)
+        if spec.group_id in handed_in:
+            continue
         if mgr.buffer.known(spec.group_id):
             raise conflict("group_exists", f"group {spec.group_id!r} is already known")
         if (spec.input_ids is None) == (spec.text is None):
@@ -109,9 +117,12 @@ async def new_groups(mgr: RolloutManager, req: RolloutReq) -> list[Group]:
 
 
 class RolloutCall:
-    def __init__(self, mgr: RolloutManager, req: RolloutReq) -> None:
+    def __init__(
+        self, mgr: RolloutManager, req: RolloutReq, handed_in: frozenset[str] = frozenset()
+    ) -> None:
         self.mgr = mgr
         self.req = req
+        self.handed_in = handed_in  # sent groups an earlier attempt of this request_id buffered
         self.batch_id = f"b-{uuid.uuid4().hex[:12]}"
         self.quota = QuotaTracker(req.target_groups)
         self.tally = CallTally()
@@ -140,11 +151,15 @@ class RolloutCall:
             raise bad_request(
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
-        fresh = await new_groups(mgr, req)
+        fresh = await new_groups(mgr, req, self.handed_in)
         for g in fresh:  # the validation yielded: another call may have sent the same id
             if mgr.buffer.known(g.group_id):
                 raise conflict("group_exists", f"group {g.group_id!r} is already known")
-        buffered = len(mgr.buffer.idle) if req.resume_first else 0
+        # A retry takes back what its earlier attempt left idle in the buffer; those another
+        # call holds or already delivered are not this call's to run again.
+        again = [s.group_id for s in req.groups if s.group_id in self.handed_in]
+        again = [gid for gid in again if gid in mgr.buffer.idle]
+        buffered = len(mgr.buffer.idle) if req.resume_first else len(again)
         available = buffered + len(fresh)
         if req.target_groups > available:
             raise bad_request(
@@ -152,12 +167,16 @@ class RolloutCall:
                 f"target_groups {req.target_groups} exceeds the {available} groups available "
                 f"({len(fresh)} sent, {buffered} buffered and idle)",
             )
+        mgr.calls[self.batch_id] = self
+        if again:  # claimed whole now, started before anything else
+            taken = await mgr.buffer.claim(again, self.batch_id, busy_code="group_busy")
+            self.ready.extend(g.group_id for g in taken)
+            self.group_ids.extend(g.group_id for g in taken)
         # Sent groups are this call's from now on; buffered ones are claimed as it needs them
         # (`_next_group`), so the rest stay available to other calls.
         mgr.buffer.adopt(fresh, self.batch_id)
-        self.group_ids = [g.group_id for g in fresh]
-        self.fresh = deque(self.group_ids)
-        mgr.calls[self.batch_id] = self
+        self.group_ids.extend(g.group_id for g in fresh)
+        self.fresh = deque(g.group_id for g in fresh)
 
     def reject(self, body: RejectReq) -> None:
         if self.stopped:
@@ -181,6 +200,7 @@ class RolloutCall:
         active: dict[str, int] = {}
         time_to_quota = None
         cancelled = False
+        failure: Exception | None = None
         grace_until: float | None = None
         try:
             while True:
@@ -215,10 +235,18 @@ class RolloutCall:
                 self._collect(done, tasks, active)
         except asyncio.CancelledError:
             cancelled = True  # the caller went away: keep everything, acknowledge nothing
+        except Exception as exc:  # a bug: the caller gets a 500, its groups stay buffered
+            logger.exception(
+                "april: rollout %s failed; its groups go back to the buffer", self.batch_id
+            )
+            failure = exc
         # Steps 4-6 run to the end even if we are cancelled again meanwhile (a client that
         # disconnects can cancel more than once): half a wind-down would leave requests
         # generating or a buffer that differs from the disk.
-        resp = await run_to_end(self._wind_down(t0, time_to_quota, cancelled))
+        delivered = not cancelled and failure is None
+        resp = await run_to_end(self._wind_down(t0, time_to_quota, delivered))
+        if failure is not None:
+            raise failure
         if cancelled:
             raise asyncio.CancelledError
         return resp
@@ -310,7 +338,7 @@ class RolloutCall:
             self.inflight_target = None
             return req.max_inflight_groups, 1 << 30
         # O(target + sent), not O(buffer): the index keeps the buffered counts.
-        sizes: list[int] = []
+        sizes = [len(mgr.groups[gid].samples) for gid in self.ready][: req.target_groups]
         if req.resume_first:
             for e in mgr.buffer.idle.oldest():
                 if len(sizes) >= req.target_groups:
@@ -321,7 +349,7 @@ class RolloutCall:
                 break
             sizes.append(len(mgr.groups[gid].samples))
         demand = sum(sizes)  # what a synchronous step would run
-        can_run = sum(len(mgr.groups[g].samples) for g in self.fresh)
+        can_run = sum(len(mgr.groups[g].samples) for g in [*self.ready, *self.fresh])
         if req.resume_first:
             can_run += mgr.buffer.idle.unfinished_samples
         decision = await mgr.inflight_decision(demand, max(can_run, 1))
@@ -329,7 +357,7 @@ class RolloutCall:
         return 1 << 30, decision.running_target
 
     async def _wind_down(
-        self, t0: float, time_to_quota: float | None, cancelled: bool
+        self, t0: float, time_to_quota: float | None, deliver: bool
     ) -> RolloutResp:
         mgr = self.mgr
         self.stopped = True
@@ -343,7 +371,7 @@ class RolloutCall:
         ending = [t for t in self.tasks if not t.done()]
         if ending:
             await asyncio.wait(ending)
-        resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver=not cancelled)
+        resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
         for g in self.discarded:  # their KV snapshots go with them
             for sample in g.samples:
                 await mgr.segments.forget(sample)
@@ -434,9 +462,12 @@ class RolloutCall:
             stats=stats,
             dropped_group_ids=dropped,
         )
-        call = (
-            None if req.request_id is None or not deliver else (req.request_id, _enc.encode(resp))
-        )
+        call = None
+        if req.request_id is not None:
+            # Delivered: the response, for retries. Not delivered (the caller went away, or a
+            # bug): which sent groups this attempt handed in, so a retry runs again on them.
+            body = _enc.encode(resp) if deliver else attempt_record(req)
+            call = (req.request_id, body)
         # Dropped groups and returned ones leave the server: so do their KV snapshots.
         self.discarded = [mgr.groups[g] for g in dropped + returned]
         await mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
@@ -456,40 +487,62 @@ async def rollout(
     events: asyncio.Queue[StreamEvent | None] | None = None,
     ready: asyncio.Future[None] | None = None,
 ) -> RolloutResp:
-    """Run one call, honouring `request_id` idempotency (a retry gets the same response)."""
+    """Run one call, honouring `request_id` idempotency: a retry gets the response of the
+    attempt that delivered one; if none did (its caller went away, or it failed), the retry
+    runs again, on the groups the earlier attempt handed in."""
     mgr.counters.rollout_calls += 1
     rid = req.request_id
+    handed_in: frozenset[str] = frozenset()
     if rid is not None:
         check_id("request_id", rid)
-        stored = await mgr.store.load_call(rid)
-        if stored is not None:
-            _set(ready)
-            return _resp_dec.decode(stored)
-        if rid in mgr.inflight_requests:
-            _set(ready)
-            return _resp_dec.decode(await asyncio.shield(mgr.inflight_requests[rid]))
-    call = RolloutCall(mgr, req)
+        while True:
+            stored = await mgr.store.load_call(rid)
+            if stored is not None and not is_attempt(stored):
+                _set(ready)
+                return _resp_dec.decode(stored)
+            pending = mgr.inflight_requests.get(rid)
+            if pending is None:
+                handed_in = frozenset() if stored is None else handed_in_by(stored)
+                break
+            earlier = await asyncio.shield(pending)  # another attempt of this id is running
+            if earlier is not None:
+                _set(ready)
+                return _resp_dec.decode(earlier)
+    call = RolloutCall(mgr, req, handed_in)
     call.events = events
-    await call.prepare()
-    _set(ready)
-    fut: asyncio.Future[bytes] | None = None
-    if rid is not None:
+    fut: asyncio.Future[bytes | None] | None = None
+    if rid is not None:  # from here on, a retry waits for this attempt
         fut = asyncio.get_running_loop().create_future()
         mgr.inflight_requests[rid] = fut
+    outcome: bytes | None = None
     try:
+        await call.prepare()
+        _set(ready)
         resp = await call.run()
-        if fut is not None:
-            fut.set_result(_enc.encode(resp))
+        outcome = _enc.encode(resp)
         return resp
-    except BaseException as exc:
-        if fut is not None and not fut.done():
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved: a waiting retry re-raises it itself
-        raise
     finally:
         call.close()
-        if rid is not None:
+        if rid is not None and fut is not None:
             mgr.inflight_requests.pop(rid, None)
+            fut.set_result(outcome)  # None: not delivered, a waiting retry runs again
+
+
+_ATTEMPT = b"attempt:"  # a `calls` row that holds no response, only what an attempt handed in
+_ids_enc = msgspec.json.Encoder()
+_ids_dec = msgspec.json.Decoder(list[str])
+
+
+def attempt_record(req: RolloutReq) -> bytes:
+    return _ATTEMPT + _ids_enc.encode([g.group_id for g in req.groups])
+
+
+def is_attempt(stored: bytes) -> bool:
+    return stored.startswith(_ATTEMPT)
+
+
+def handed_in_by(stored: bytes) -> frozenset[str]:
+    return frozenset(_ids_dec.decode(stored[len(_ATTEMPT) :]))
 
 
 def _set(ready: asyncio.Future[None] | None) -> None:

@@ -147,10 +147,16 @@ class _DbThread:
                         and len(batch) < MAX_BATCHED_COMMITS
                     ):
                         batch.append(self._ops.popleft())
-                if batch[0].write:
-                    _run_writes(db, batch)
-                else:
-                    _run_read(db, batch[0])
+                try:
+                    if batch[0].write:
+                        _run_writes(db, batch)
+                    else:
+                        _run_read(db, batch[0])
+                except BaseException as exc:
+                    # One operation must never take the thread down: every later one would hang.
+                    logger.exception("april: buffer store operation failed")
+                    for op in batch:
+                        _settle(op.future, False, exc)
         finally:
             db.close()
 
@@ -217,7 +223,22 @@ def _upsert(db: sqlite3.Connection, put: Iterable[tuple[Group, BufferEntry]], bo
     )
 
 
+def _settle(future: cf.Future[Any], ok: bool, value: Any) -> None:
+    """Hand a result to whoever still waits. A caller that went away (a streamed call whose
+    client disconnected) has cancelled its future: setting it would raise and kill the thread."""
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
 def _run_writes(db: sqlite3.Connection, batch: list[_Op]) -> None:
+    # A write runs even if its caller was cancelled meanwhile: the caller's memory already
+    # counts on it (persist is awaited to its end, `run_to_end`), so skipping it could lose data.
+    for op in batch:
+        op.future.set_running_or_notify_cancel()  # from now on a cancel is refused
     results: list[tuple[bool, Any]] = []
     try:
         db.execute("BEGIN IMMEDIATE")
@@ -235,20 +256,21 @@ def _run_writes(db: sqlite3.Connection, batch: list[_Op]) -> None:
         if db.in_transaction:
             db.execute("ROLLBACK")
         for op in batch:
-            op.future.set_exception(exc)
+            _settle(op.future, False, exc)
         return
     for op, (ok, value) in zip(batch, results, strict=True):
-        if ok:
-            op.future.set_result(value)
-        else:
-            op.future.set_exception(value)
+        _settle(op.future, ok, value)
 
 
 def _run_read(db: sqlite3.Connection, op: _Op) -> None:
+    if not op.future.set_running_or_notify_cancel():
+        return  # nobody waits for this read any more
     try:
-        op.future.set_result(op.fn(db))
+        value = op.fn(db)
     except BaseException as exc:
-        op.future.set_exception(exc)
+        _settle(op.future, False, exc)
+        return
+    _settle(op.future, True, value)
 
 
 class BufferStore:

@@ -1,0 +1,260 @@
+"""Regressions of the review defects (issue #23) on the single-server bookkeeping: each test
+failed on the code before its fix. Fake engine, real SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from april_server.errors import ApiError
+from april_server.manager import RolloutManager
+from april_server.protocol import GroupSpec, RejectReq, RolloutReq
+from april_server.rollout import rollout
+from april_server.store import BufferStore
+from tests.unit.fake_engine import FakeEngine
+
+NO_EOS = {"ignore_eos": True, "temperature": 0.0}
+
+
+def spec(gid: str, budget: int, n: int = 1) -> GroupSpec:
+    return GroupSpec(
+        gid, n=n, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": budget, **NO_EOS}
+    )
+
+
+async def buffered(mgr: RolloutManager, gids: list[str], budget: int = 200) -> None:
+    """Leave `gids` idle in the buffer, each with a partial output (a call met its quota
+    on a short group and interrupted them)."""
+    groups = [spec("quick", 2)] + [spec(g, budget) for g in gids]
+    await rollout(mgr, RolloutReq(groups=groups, target_groups=1, on_quota="tokens"))
+    assert {e.group_id for e in mgr.buffer.idle.oldest()} == set(gids)
+
+
+# ---- 1: a cancelled store read must not kill the store thread ---------------------------------
+
+
+def test_a_cancelled_read_leaves_the_store_thread_serving(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path / "b.sqlite")
+    gate = threading.Event()
+    st._db.submit(lambda db: gate.wait(), write=False)  # the thread is busy: reads queue up
+
+    async def go() -> None:
+        read = asyncio.ensure_future(st.read_groups(["x"]))
+        await asyncio.sleep(0.01)
+        read.cancel()  # its caller went away (a streamed call whose client disconnected)
+        await asyncio.sleep(0.01)
+        gate.set()
+        # The thread must still answer: before the fix it died on the cancelled future.
+        assert await asyncio.wait_for(st.load_call("nope"), 5.0) is None
+        await asyncio.wait_for(st.commit([], [], ("r1", b"{}")), 5.0)
+        assert await asyncio.wait_for(st.load_call("r1"), 5.0) == b"{}"
+
+    asyncio.run(go())
+    assert st._db._thread.is_alive()
+
+
+def test_a_cancelled_commit_still_lands_and_the_thread_survives(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path / "b.sqlite")
+    gate = threading.Event()
+    st._db.submit(lambda db: gate.wait(), write=False)
+
+    async def go() -> None:
+        commit = asyncio.ensure_future(st.commit([], [], ("r2", b"{}")))
+        await asyncio.sleep(0.01)
+        commit.cancel()
+        await asyncio.sleep(0.01)
+        gate.set()
+        # The caller's memory may already count on the write: it lands all the same.
+        assert await asyncio.wait_for(st.load_call("r2"), 5.0) == b"{}"
+
+    asyncio.run(go())
+    assert st._db._thread.is_alive()
+
+
+def test_a_call_cancelled_while_claiming_buffered_groups_keeps_them(tmp_path: Path) -> None:
+    """The black-box trigger: a call whose client leaves while it reads buffered bodies."""
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.001), BufferStore(tmp_path / "b.sqlite"))
+        await buffered(mgr, ["g1", "g2"])
+        gate = threading.Event()
+        mgr.store._db.submit(lambda db: gate.wait(), write=False)  # reads queue behind it
+        call = asyncio.ensure_future(
+            rollout(mgr, RolloutReq(groups=[spec("new", 5)], target_groups=1))
+        )
+        await asyncio.sleep(0.05)  # the call is awaiting the bodies of g1, g2
+        call.cancel()
+        await asyncio.sleep(0.01)
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # Everything is back, and the server still answers.
+        idle = {e.group_id for e in mgr.buffer.idle.oldest()}
+        assert idle == {"g1", "g2", "new"}
+        r = await asyncio.wait_for(
+            rollout(mgr, RolloutReq(groups=[], target_groups=3, on_quota="tokens")), 30
+        )
+        assert sorted(g.group_id for g in r.groups) == ["g1", "g2", "new"]
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+# ---- 2: a group being claimed is known; a failing call releases its groups intact -------------
+
+
+def test_a_group_being_claimed_is_still_known(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.001), BufferStore(tmp_path / "b.sqlite"))
+        await buffered(mgr, ["g1"])
+        gate = threading.Event()
+        mgr.store._db.submit(lambda db: gate.wait(), write=False)
+        first = asyncio.ensure_future(
+            rollout(mgr, RolloutReq(groups=[], target_groups=1, on_quota="tokens"))
+        )
+        await asyncio.sleep(0.05)  # `first` is reading g1's body: g1 is in neither place
+        assert mgr.buffer.known("g1")
+        with pytest.raises(ApiError) as err:
+            await rollout(mgr, RolloutReq(groups=[spec("g1", 5)], target_groups=1))
+        assert err.value.status == 409
+        gate.set()
+        r = await first
+        assert [g.group_id for g in r.groups] == ["g1"]
+        assert len(r.groups[0].samples[0].output_ids) == 200
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_an_unexpected_error_in_a_call_puts_its_groups_back_intact(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        await buffered(mgr, ["old"], budget=300)
+        before = len((await mgr.read_group("old")).samples[0].output_ids)
+        req = RolloutReq(groups=[spec("new", 300)], target_groups=2, on_quota="tokens")
+        call = asyncio.ensure_future(rollout(mgr, req))
+        await asyncio.sleep(0.1)
+        (running,) = mgr.calls.values()
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise KeyError("a bug")
+
+        running._collect = broken  # the next segment that ends hits a bug in the call
+        mgr.engine.aborted.add(mgr.running["old/0"].rid)  # type: ignore[attr-defined]
+        with pytest.raises(KeyError):
+            await call
+        # Nothing generating, nothing lost: both groups are buffered with their tokens.
+        assert not mgr.running
+        assert {e.group_id for e in mgr.buffer.idle.oldest()} == {"old", "new"}
+        assert len((await mgr.read_group("old")).samples[0].output_ids) >= before
+        assert (await mgr.read_group("new")).samples[0].output_ids
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+# ---- 3: request_id retry after a cancelled call ---------------------------------------------
+
+
+def test_a_retry_after_a_cancelled_call_runs_again(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        req = RolloutReq(
+            groups=[spec("a", 400), spec("b", 400)], target_groups=1, request_id="step-7"
+        )
+        first = asyncio.ensure_future(rollout(mgr, req))
+        await asyncio.sleep(0.1)
+        # A retry sent while the first attempt winds down waits for it, then runs itself.
+        early = asyncio.ensure_future(rollout(mgr, req))
+        await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        r = await early
+        assert len(r.groups) == 1 and r.groups[0].group_id in ("a", "b")
+        other = ({"a", "b"} - {r.groups[0].group_id}).pop()
+        assert r.buffered_group_ids == [other]
+        # A later retry gets the same answer, and runs nothing.
+        calls = len(mgr.engine.calls)  # type: ignore[attr-defined]
+        assert await rollout(mgr, req) == r
+        assert len(mgr.engine.calls) == calls  # type: ignore[attr-defined]
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_retry_after_the_cancelled_call_ended_claims_its_groups(tmp_path: Path) -> None:
+    async def go() -> None:
+        path = tmp_path / "b.sqlite"
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        req = RolloutReq(
+            groups=[spec("a", 300), spec("b", 300)], target_groups=2, request_id="step-8"
+        )
+        first = asyncio.ensure_future(rollout(mgr, req))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert {e.group_id for e in mgr.buffer.idle.oldest()} == {"a", "b"}
+        # Even after a restart: the attempt is remembered with the buffer, durably.
+        mgr.store.close()
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        r = await rollout(mgr, req)  # before the fix: 409 group_exists
+        assert sorted(g.group_id for g in r.groups) == ["a", "b"]
+        assert all(len(g.samples[0].output_ids) == 300 for g in r.groups)
+        assert await rollout(mgr, req) == r
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_retry_does_not_recreate_a_group_another_call_delivered(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        req = RolloutReq(
+            groups=[spec("a", 300), spec("b", 300)], target_groups=1, request_id="step-9"
+        )
+        first = asyncio.ensure_future(rollout(mgr, req))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        other = await rollout(mgr, RolloutReq(groups=[], target_groups=1, on_quota="tokens"))
+        (taken,) = [g.group_id for g in other.groups]
+        r = await rollout(mgr, req)
+        assert [g.group_id for g in r.groups] == [({"a", "b"} - {taken}).pop()]
+        assert not len(mgr.buffer.idle)
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+# ---- suspected: a group finishing between the quota and the wind-down --------------------------
+
+
+def test_a_reject_race_loses_no_group(tmp_path: Path) -> None:
+    """Groups that finish after the quota was met (during a streamed call's reject grace, or
+    while the wind-down aborts) are buffered whole, never lost, never returned twice."""
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.001), BufferStore(tmp_path / "b.sqlite"))
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        groups = [spec(f"g{i}", 20 + 5 * i) for i in range(6)]
+        req = RolloutReq(groups=groups, target_groups=2, stream=True, reject_grace_s=0.3)
+        call = asyncio.ensure_future(rollout(mgr, req, events))
+        first = await events.get()
+        (call_obj,) = mgr.calls.values()
+        call_obj.reject(RejectReq(group_ids=[first.group.group_id]))
+        r = await call
+        returned = {g.group_id for g in r.groups}
+        assert len(returned) == 2 and first.group.group_id not in returned
+        left = {e.group_id for e in mgr.buffer.idle.oldest()}
+        assert returned | left | set(r.dropped_group_ids) == {g.group_id for g in groups}
+        assert not returned & left
+        mgr.check_integrity()
+
+    asyncio.run(go())
