@@ -50,6 +50,8 @@ class Running:
     keep: OnQuota = "tokens"
     marked: bool = False  # a snapshot was requested from the scheduler
     stopping: bool = False  # being aborted: a segment whose engine died does not run again
+    # A snapshot a staleness restart made useless, not yet handed to a plan to free.
+    unplanned_drop: Slot | None = None
 
 
 @dataclass
@@ -133,18 +135,21 @@ class SegmentRunner:
         if sample.sample_id in self.running:
             raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
         usable = self.usable(sample, version, history, max_staleness)
+        # Where its snapshot lives, read before planning: a staleness restart clears the
+        # sample's figures, and the snapshot it makes useless must still be freed.
+        held = K.held_at(sample) if self.snap is not None else None
         cont = S.plan_continuation(sample, version, max_staleness, history, override_params)
         if cont.restarted:
             self.counters.staleness_restarts += 1
             tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
         restore = cont.kv == "recomputed" and K.wants_restore(kv_mode, usable, cont.restarted)
         need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
-        call = self._plan(sample, owner, cont, restore)  # None: no healthy slot right now
+        call = self._plan(sample, owner, cont, restore, held)  # None: nothing healthy now
         # The task starts at the next loop turn, once its `Running` entry is in place.
         task = asyncio.get_running_loop().create_task(
             self._run(sample.sample_id, cont, restore, call, need, tally)
         )
-        run = Running(sample, owner, "", task)
+        run = Running(sample, owner, "", task, unplanned_drop=held if call is None else None)
         if call is not None:
             run.rid, run.slot = call.rid, call.slot
             self._add_load(call.slot, 1, need)
@@ -154,10 +159,10 @@ class SegmentRunner:
         return task
 
     def _plan(
-        self, sample: Sample, owner: str, cont: S.Continuation, restore: bool
+        self, sample: Sample, owner: str, cont: S.Continuation, restore: bool, held: Slot | None
     ) -> SegmentCall | None:
-        """Where the segment runs and what the engine does first (None: nowhere healthy)."""
-        held = K.held_at(sample) if self.snap is not None else None
+        """Where the segment runs and what the engine does first (None: nowhere healthy).
+        `held`: where the sample's snapshot lives (None: it has none)."""
         try:
             plan = plan_segment(self.loads(), held, restore)
         except NoHealthySlot:
@@ -182,8 +187,10 @@ class SegmentRunner:
         nothing became healthy within ENGINE_WAIT_S."""
         deadline = time.monotonic() + ENGINE_WAIT_S
         while not run.stopping and time.monotonic() < deadline:
-            call = self._plan(run.sample, run.owner, cont, restore)
+            held = run.unplanned_drop or (K.held_at(run.sample) if self.snap else None)
+            call = self._plan(run.sample, run.owner, cont, restore, held)
             if call is not None:
+                run.unplanned_drop = None
                 return call
             await asyncio.sleep(HEALTH_POLL_S)
         return None
@@ -225,6 +232,12 @@ class SegmentRunner:
                 break
             finally:
                 self._add_load(run.slot, -1, -need)
+        if run.unplanned_drop is not None and self.snap is not None:
+            # Never planned (stopped, or nothing healthy): free the restart's useless snapshot.
+            try:
+                await self.snap.drop_snapshot(sample.sample_id, run.unplanned_drop)
+            except Exception as exc:  # its engine is gone, and the snapshot with it
+                logger.warning("april: could not free %s's snapshot: %s", sample.sample_id, exc)
         self.running.pop(sample.sample_id, None)
         keep, marked = run.keep, run.marked
         natural = out.result.finish_reason in ("stop", "length")

@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
+from april_server.engine_base import SnapshotEngine
 from april_server.errors import ApiError
 from april_server.manager import RolloutManager
+from april_server.placement import Slot
 from april_server.protocol import GroupSpec, RejectReq, RolloutReq
 from april_server.rollout import rollout
 from april_server.store import BufferStore
@@ -255,6 +257,63 @@ def test_a_reject_race_loses_no_group(tmp_path: Path) -> None:
         left = {e.group_id for e in mgr.buffer.idle.oldest()}
         assert returned | left | set(r.dropped_group_ids) == {g.group_id for g in groups}
         assert not returned & left
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+# ---- 8: a staleness restart frees the snapshot it makes useless ------------------------------
+
+
+class SnapshotFake(FakeEngine, SnapshotEngine):
+    """Keeps a snapshot of each marked request that ends by abort; counts what is held."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.002)
+        self.marks: dict[str, str] = {}
+        self.snaps: set[str] = set()
+
+    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
+        self.marks[rid] = key
+
+    async def generate(self, rid: str, ids: list[int], params: dict[str, Any]) -> Any:
+        out = await super().generate(rid, ids, params)
+        if out.finish_reason == "abort" and rid in self.marks:
+            self.snaps.add(self.marks[rid])
+        return out
+
+    async def restore_snapshot(self, key: str, slot: Slot) -> int:
+        return 0
+
+    async def release_snapshot(self, key: str, slot: Slot) -> None:
+        return None
+
+    async def drop_snapshot(self, key: str, slot: Slot) -> None:
+        self.snaps.discard(key)
+
+    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
+        return {"tokens": 1, "bytes": 100} if key in self.snaps else None
+
+    async def snapshot_stats(self) -> dict[str, Any]:
+        return {"snapshot_bytes": 100 * len(self.snaps)}
+
+
+def test_a_staleness_restart_frees_the_snapshot(tmp_path: Path) -> None:
+    async def go() -> None:
+        eng = SnapshotFake()
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="snapshot")
+        await rollout(mgr, req)
+        assert eng.snaps == {"long/0"}
+        eng.version = "2"  # two weight updates later: too stale for max_staleness=1
+        call = asyncio.ensure_future(
+            rollout(mgr, RolloutReq(groups=[], target_groups=1, max_staleness=1))
+        )
+        await asyncio.sleep(0.1)
+        assert mgr.running["long/0"].sample.output_ids == []  # restarted from its prompt
+        assert mgr.counters.staleness_restarts == 1
+        assert eng.snaps == set()  # before the fix: held until the sample left the server
+        await call
         mgr.check_integrity()
 
     asyncio.run(go())
