@@ -270,10 +270,12 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
 
     from april_server.app import create_router, extend_app
     from april_server.auth import AuthPolicy
+    from april_server.door.weight_hooks import register_weight_hooks
     from april_server.fleet.engine_routes import create_engine_router
     from april_server.server import ManagerHolder
 
-    load_plugins()
+    register_weight_hooks()  # this process only: it serves the weight-update routes
+    load_plugins()  # ... and applies every registered hook
     server_args = prepare_server_args(sglang_argv)
     server_args.resolve_once()
     if getattr(server_args, "tokenizer_worker_num", 1) != 1:

@@ -102,41 +102,32 @@ def test_pause_and_continue_generation(http: httpx.Client, mode: str) -> None:
         assert r.json()["stats"]["quota_met"] is True
 
 
-def test_weight_reload_with_abort_all_requests(http: httpx.Client) -> None:
+@pytest.mark.parametrize("attempt", range(3))  # SGLang's flush raced its abort about 1 in 2
+def test_weight_reload_with_abort_all_requests(http: httpx.Client, attempt: int) -> None:
     before = http.get(R + "/stats").json()["weight_version"]
-    groups = long_groups("w")
+    groups = long_groups(f"w{attempt}-")
     body = {"groups": groups, "target_groups": 2, "max_inflight_groups": 2}
-    new = f"{before}-areal"
-
-    outcome: dict[str, int] = {}
+    new = f"{before}-areal{attempt}"
 
     def reload() -> None:
         req = {"model_path": str(ensure_tiny_model()), "weight_version": new,
                "abort_all_requests": True}  # fmt: skip
-        r = http.post("/update_weights_from_disk", json=req)
-        outcome["status"] = r.status_code
-        # SGLang's own answer when its flush comes before its abort has emptied the batch
-        # (seen under load): weights loaded, cache not flushed, version not bumped. A 4xx of
-        # SGLang's, not ours; the buffer must be consistent either way.
-        if r.status_code == 400:
-            assert "Weights were updated" in r.json()["message"], r.text
-        else:
-            ok(r)
+        # A push with abort answers 200 and means it (#23 item 11): before, SGLang's flush
+        # could come before its abort had emptied the batch and answer 400 though the
+        # weights had changed, leaving /stats at the old version and outputs at the new.
+        ok(http.post("/update_weights_from_disk", json=req))
 
     r = run_beside(http, body, reload)
     buffered = check_consistent(http, [g["group_id"] for g in groups], r)
-    now = http.get(R + "/stats").json()["weight_version"]
-    # After SGLang's own 400 the version it reports is its business (seen: the tokenizer side
-    # still says the old one while the scheduler stamps outputs with the new one).
-    assert now == new if outcome["status"] == 200 else now in (before, new)
+    assert http.get(R + "/stats").json()["weight_version"] == new
     for g in buffered:  # what was generated before the reload carries the old version
         for s in g["samples"]:
             assert {seg["weight_version"] for seg in s["segments"]} == {before}
-    # Continued afterwards, the new segment says which weights made it (SGLang's own stamp).
-    r2 = http.post(R + "/resume", json={"sample_ids": ["w0/0"]})
+    # Continued afterwards, the new segment says which weights made it (SGLang's own stamp),
+    # and that is the version /stats reports.
+    r2 = http.post(R + "/resume", json={"sample_ids": [f"w{attempt}-0/0"]})
     assert r2.status_code == 200, r2.text
-    last = r2.json()["samples"][0]["segments"][-1]["weight_version"]
-    assert last == new if outcome["status"] == 200 else last in (before, new)
+    assert r2.json()["samples"][0]["segments"][-1]["weight_version"] == new
 
 
 def test_stock_generate_runs_beside_an_april_call(http: httpx.Client) -> None:

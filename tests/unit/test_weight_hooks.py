@@ -1,0 +1,93 @@
+"""The weight-update hook (door/weight_hooks.py) over a fake TokenizerManager: a push with
+`abort_all_requests` whose flush raced the abort answers success once the flush went through,
+and the version the tokenizer reports equals the one the scheduler stamps."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from april_server.door import weight_hooks as W
+
+
+@dataclass
+class Obj:
+    weight_version: str | None = "v2"
+    abort_all_requests: bool = True
+
+
+@dataclass
+class Out:
+    success: bool
+
+
+class Lock:
+    @property
+    def writer_lock(self) -> Any:
+        @asynccontextmanager
+        async def held() -> Any:
+            yield
+
+        return held()
+
+
+@dataclass
+class FakeTm:
+    busy_flushes: int  # flushes refused before the aborted requests left
+    version: str = "v1"
+    aborts: int = 0
+    model_update_lock: Lock = field(default_factory=Lock)
+
+    async def flush_cache(self) -> Out:
+        self.busy_flushes -= 1
+        return Out(self.busy_flushes < 0)
+
+    def abort_request(self, abort_all: bool = False) -> None:
+        self.aborts += 1
+
+    def _update_weight_version_if_provided(self, v: str | None) -> None:
+        if v is not None:
+            self.version = v
+
+
+async def raced(tm: FakeTm, obj: Obj) -> tuple[bool, str, int]:
+    return False, W.UPDATED_BUT_NOT_FLUSHED + " because requests are still running", 0
+
+
+def test_a_raced_flush_is_retried_and_the_push_succeeds() -> None:
+    tm = FakeTm(busy_flushes=3)
+    ok, msg, _ = asyncio.run(W._around_update_from_disk(raced, tm, Obj()))
+    assert ok, msg
+    assert tm.version == "v2" and tm.aborts == 3
+
+
+def test_a_flush_that_never_goes_through_still_reports_the_version() -> None:
+    tm = FakeTm(busy_flushes=10**9)
+
+    async def go() -> tuple[bool, str, int]:
+        W.FLUSH_DEADLINE_S, old = 0.2, W.FLUSH_DEADLINE_S
+        try:
+            return await W._around_update_from_disk(raced, tm, Obj())
+        finally:
+            W.FLUSH_DEADLINE_S = old
+
+    ok, msg, _ = asyncio.run(go())
+    assert not ok and msg.startswith(W.UPDATED_BUT_NOT_FLUSHED)
+    assert tm.version == "v2"  # the weights did change: the version says so
+
+
+def test_without_abort_the_answer_passes_through_with_the_version() -> None:
+    tm = FakeTm(busy_flushes=0)
+    ok, _, _ = asyncio.run(W._around_update_from_disk(raced, tm, Obj(abort_all_requests=False)))
+    assert not ok and tm.aborts == 0 and tm.version == "v2"
+
+
+def test_other_answers_pass_through() -> None:
+    async def fine(tm: FakeTm, obj: Obj) -> tuple[bool, str, int]:
+        return True, "Succeeded", 0
+
+    tm = FakeTm(busy_flushes=0)
+    assert asyncio.run(W._around_update_from_disk(fine, tm, Obj()))[0]
+    assert tm.version == "v1"  # SGLang itself records it on success
