@@ -29,6 +29,8 @@ class SegmentCall:
     slot: Slot
     restore: bool = False  # restore `key`'s snapshot on `slot` first
     drop: Slot | None = None  # free `key`'s snapshot held there first
+    # Restore into, and generate within, this prefix-cache namespace (`snapshots.py`).
+    cache_ns: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +156,9 @@ class SnapshotEngine(BaseEngine):
         restore go, and say what a marked, aborted request left behind."""
         if call.drop is not None:
             await self.drop_snapshot(call.key, call.drop)
-        restored = await self.restore_snapshot(call.key, call.slot) if call.restore else 0
+        restored = 0
+        if call.restore:
+            restored = await self.restore_snapshot(call.key, call.slot, call.cache_ns)
         try:
             result = await self.generate_on(call.slot, call)
         finally:
@@ -175,9 +179,10 @@ class SnapshotEngine(BaseEngine):
         """Tell `slot` to snapshot `rid` under `key` when it ends by abort."""
 
     @abstractmethod
-    async def restore_snapshot(self, key: str, slot: Slot) -> int:
-        """Make the snapshot visible to prefix matching and hold it; returns the tokens made
-        visible (0: nothing usable, the continuation will re-prefill)."""
+    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
+        """Make the snapshot visible to prefix matching (within `namespace`, if given: only
+        requests naming it match) and hold it; returns the tokens made visible (0: nothing
+        usable, the continuation will re-prefill)."""
 
     @abstractmethod
     async def release_snapshot(self, key: str, slot: Slot) -> None:

@@ -43,6 +43,7 @@ class Continuation:
     sampling_params: dict[str, Any]
     kv: KvOrigin
     restarted: bool  # True when staleness forced a restart from the prompt
+    cache_ns: str | None = None  # the prefix-cache namespace of a stale restore (snapshots.py)
 
 
 def sample_id_of(group_id: str, index: int) -> str:

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from april_server import samples as S
@@ -144,6 +144,8 @@ class SegmentRunner:
             tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
         restore = cont.kv == "recomputed" and K.wants_restore(kv_mode, usable, cont.restarted)
         need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
+        if restore:
+            cont = replace(cont, cache_ns=K.cache_namespace(sample, version))
         call = self._plan(sample, owner, cont, restore, held)  # None: nothing healthy now
         # The task starts at the next loop turn, once its `Running` entry is in place.
         task = asyncio.get_running_loop().create_task(
@@ -178,6 +180,7 @@ class SegmentRunner:
             plan.slot,
             plan.restore,
             plan.drop,
+            cont.cache_ns if plan.restore else None,
         )
 
     async def _replan(

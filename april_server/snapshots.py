@@ -41,6 +41,16 @@ def usable(
     return version_lag(version, current, history) <= max_staleness
 
 
+def cache_namespace(sample: Sample, current: str) -> str | None:
+    """The prefix-cache namespace a restore of `sample`'s snapshot goes into (SGLang's
+    `extra_key`, which its continuation names too). A snapshot of older weights (stale reuse
+    the caller allowed) gets one of its own: its pages must never serve another request with
+    the same prefix, which did not ask for old-weights KV. A current one is shared (None)."""
+    if sample.snapshot_weight_version == current:
+        return None
+    return f"april-stale/{sample.sample_id}"
+
+
 def wants_restore(mode: KvMode, is_usable: bool, restarted: bool) -> bool:
     return mode != "recompute" and is_usable and not restarted
 

@@ -128,8 +128,10 @@ class SGLangEngine(SnapshotEngine):
         self.tm._dispatch_to_scheduler(req)
         return g
 
-    async def _gather(self, op: str, key: str = "", dp_rank: int = ALL_RANKS) -> dict[int, Reply]:
-        g = self._kv_send(op, key, dp_rank)
+    async def _gather(
+        self, op: str, key: str = "", dp_rank: int = ALL_RANKS, target: str = ""
+    ) -> dict[int, Reply]:
+        g = self._kv_send(op, key, dp_rank, target)
         try:
             await asyncio.wait_for(asyncio.shield(g.done), KV_CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -142,8 +144,8 @@ class SGLangEngine(SnapshotEngine):
             )
         return g.replies
 
-    async def _kv(self, op: str, key: str, slot: Slot) -> Reply:
-        replies = await self._gather(op, key, slot.dp_rank)
+    async def _kv(self, op: str, key: str, slot: Slot, target: str = "") -> Reply:
+        replies = await self._gather(op, key, slot.dp_rank, target)
         return replies.get(slot.dp_rank, (False, {"error": "timeout"}))
 
     async def _per_rank(self, op: str) -> dict[int, dict[str, Any]]:
@@ -154,8 +156,8 @@ class SGLangEngine(SnapshotEngine):
     def send_mark(self, rid: str, key: str, slot: Slot) -> None:
         self._kv_send("mark", key, slot.dp_rank, rid)  # the answer only confirms; nobody waits
 
-    async def restore_snapshot(self, key: str, slot: Slot) -> int:
-        ok, payload = await self._kv("restore", key, slot)
+    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
+        ok, payload = await self._kv("restore", key, slot, namespace or "")
         return int(payload.get("restored", 0)) if ok else 0
 
     async def release_snapshot(self, key: str, slot: Slot) -> None:
@@ -214,10 +216,17 @@ class SGLangEngine(SnapshotEngine):
 
     async def generate_on(self, slot: Slot, call: SegmentCall) -> SegmentResult:
         rank = slot.dp_rank if self.dp_size > 1 else None
-        return await self._generate(call.rid, call.input_ids, call.sampling_params, rank)
+        return await self._generate(
+            call.rid, call.input_ids, call.sampling_params, rank, call.cache_ns
+        )
 
     async def _generate(
-        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any], rank: int | None
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rank: int | None,
+        extra_key: str | None = None,
     ) -> SegmentResult:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -229,6 +238,7 @@ class SGLangEngine(SnapshotEngine):
             logprob_start_len=-1,
             stream=False,
             routed_dp_rank=rank,  # SGLang's DP controller sends it to that rank, unbalanced
+            extra_key=extra_key,  # a stale restore's own prefix-cache namespace
         )
         final: dict[str, Any] | None = None
         async for out in self.tm.generate_request(obj, None):

@@ -201,7 +201,8 @@ class SchedulerKv:
         n = len(snap.tokens) - len(snap.tokens) % page  # the radix tree keys whole pages only
         if n == 0:
             return False, {"reason": "shorter than one page"}
-        key = RadixKey(array("q", snap.tokens[:n]))
+        # A stale snapshot goes into its continuation's own namespace (`snapshots.py`).
+        key = RadixKey(array("q", snap.tokens[:n]), req.target or None)
         match = tree.match_prefix(MatchPrefixParams(key=key))
         copied = 0
         if match.device_prefix_len < n:
@@ -212,14 +213,11 @@ class SchedulerKv:
             if slots is None:
                 return False, {"reason": "no free KV slots"}
             slots = slots.to(torch.int64)
-            snap.wait()
-            kv = snap.head(n)  # pinned when the snapshot is: a CUDA restore needs that
-            k_bufs, v_bufs = mha_kv_buffers(alloc.get_kvcache())
-            t0 = time.perf_counter()
-            restore_kv(k_bufs, v_bufs, slots, kv)
-            if slots.is_cuda:
-                torch.cuda.current_stream().synchronize()
-            self.store.restore.add(int(kv.numel() * kv.element_size()), time.perf_counter() - t0)
+            try:
+                self._fill(slots, snap, n)
+            except BaseException:
+                alloc.free(slots)  # nobody owns them yet: a failed restore must not leak
+                raise
             # The tree adopts the slots; it frees those duplicating a prefix it already has.
             tree.insert(InsertParams(key=key, value=slots))
             copied = n
@@ -229,6 +227,17 @@ class SchedulerKv:
             tree.unlock(old)
         self.locks[req.key] = tree.lock(match.last_device_node)
         return True, {"restored": int(match.device_prefix_len), "copied": copied}
+
+    def _fill(self, slots: Any, snap: Any, n: int) -> None:
+        """Write the snapshot's first `n` tokens of K/V into freshly allocated `slots`."""
+        snap.wait()
+        kv = snap.head(n)  # pinned when the snapshot is: a CUDA restore needs that
+        k_bufs, v_bufs = mha_kv_buffers(self.sched.token_to_kv_pool_allocator.get_kvcache())
+        t0 = time.perf_counter()
+        restore_kv(k_bufs, v_bufs, slots, kv)
+        if slots.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.store.restore.add(int(kv.numel() * kv.element_size()), time.perf_counter() - t0)
 
     # ---- snapshot on release -----------------------------------------------------------------
 

@@ -132,7 +132,8 @@ def create_engine_router(get_engine: Callable[[], BaseEngine], auth: AuthPolicy)
         if req.op == "info":
             return _ok(KvResp(info=await engine.snapshot_info(req.key, slot)))
         if req.op == "restore":
-            return _ok(KvResp(restored=await engine.restore_snapshot(req.key, slot)))
+            restored = await engine.restore_snapshot(req.key, slot, req.namespace)
+            return _ok(KvResp(restored=restored))
         await engine.release_snapshot(req.key, slot)
         return _ok(KvResp())
 

@@ -259,9 +259,9 @@ class FleetEngine(SnapshotEngine):
     def mark_snapshot(self, rid: str, key: str, slot: Slot) -> None:
         self.send_mark(rid, key, slot)
 
-    async def restore_snapshot(self, key: str, slot: Slot) -> int:
+    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
         m = self.member(slot)
-        return 0 if m is None else await m.restore_snapshot(key, slot)
+        return 0 if m is None else await m.restore_snapshot(key, slot, namespace)
 
     async def release_snapshot(self, key: str, slot: Slot) -> None:
         m = self.member(slot)

@@ -258,14 +258,14 @@ class RemoteEngine(SnapshotEngine):
 
     # ---- snapshots, figures, weights ----------------------------------------------------
 
-    async def _kv(self, op: Any, key: str, slot: Slot) -> KvResp:
+    async def _kv(self, op: Any, key: str, slot: Slot, namespace: str | None = None) -> KvResp:
         """Best effort: an engine that does not answer holds nothing we can reach."""
         if self.state == "down":
             return KvResp()
         try:
             resp = await self.http.post(
                 self.url + ENGINE_PREFIX + "/kv",
-                content=encoder.encode(KvReq(op, key, slot.dp_rank)),
+                content=encoder.encode(KvReq(op, key, slot.dp_rank, namespace)),
                 headers={**self.headers, "content-type": "application/json"},
                 timeout=PROBE_TIMEOUT_S * 6,
             )
@@ -275,8 +275,8 @@ class RemoteEngine(SnapshotEngine):
             return KvResp()
         return kv_resp.decode(resp.content)
 
-    async def restore_snapshot(self, key: str, slot: Slot) -> int:
-        return (await self._kv("restore", key, slot)).restored
+    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
+        return (await self._kv("restore", key, slot, namespace)).restored
 
     async def release_snapshot(self, key: str, slot: Slot) -> None:
         await self._kv("release", key, slot)

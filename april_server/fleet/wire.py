@@ -45,6 +45,7 @@ class KvReq(msgspec.Struct, frozen=True):
     op: Literal["drop", "info", "restore", "release"]
     key: str
     dp_rank: int = 0
+    namespace: str | None = None  # restore: the prefix-cache namespace (`snapshots.py`)
 
 
 class KvResp(msgspec.Struct, frozen=True):

@@ -145,3 +145,23 @@ def test_weight_update_blocks_auto_reuse_unless_stale_allowed(http: httpx.Client
     seg = out["samples"][0]["segments"]
     assert [x["weight_version"] for x in seg] == [s3["snapshot_weight_version"], f"{v0}-third"]
     assert seg[-1]["kv"] == "restored"
+
+
+def test_restored_stale_pages_serve_only_their_own_continuation(http: httpx.Client) -> None:
+    """#23 (suspected): with stale reuse allowed, a snapshot of older weights restored for the
+    sample that opted in must not enter the shared prefix cache, where any request with the
+    same prefix (another member of the group, a plain /generate) would reuse old-weights KV
+    without having asked."""
+    s = interrupt(http, "sp", [11, 12, 13], 300, 5)
+    v0 = s["snapshot_weight_version"]
+    body = {"model_path": str(ensure_tiny_model()), "weight_version": f"{v0}-sp"}
+    assert ok(http.post("/update_weights_from_disk", json=body))["success"]
+    out = ok(
+        http.post(R + "/resume", json={"sample_ids": ["sp/0"], "kv": "auto", "max_staleness": 1})
+    )
+    seg = out["samples"][0]["segments"][-1]
+    assert seg["kv"] == "restored" and seg["cached_tokens"] > 0  # the caller's own reuse
+    prefix = [11, 12, 13] + s["output_ids"]
+    gen = {"input_ids": prefix, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    meta = ok(http.post("/generate", json=gen))["meta_info"]
+    assert meta["cached_tokens"] == 0, meta  # nothing of the old weights' KV is shared

@@ -147,7 +147,7 @@ class TwoRankEngine(FakeEngine, SnapshotEngine):
         self.acts.append(("mark", key, slot.dp_rank))
         self.marks[rid] = (key, slot.dp_rank)
 
-    async def restore_snapshot(self, key: str, slot: Slot) -> int:
+    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
         self.acts.append(("restore", key, slot.dp_rank))
         return self.snaps[slot.dp_rank].get(key, 0)
 

@@ -282,7 +282,7 @@ class SnapshotFake(FakeEngine, SnapshotEngine):
             self.snaps.add(self.marks[rid])
         return out
 
-    async def restore_snapshot(self, key: str, slot: Slot) -> int:
+    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
         return 0
 
     async def release_snapshot(self, key: str, slot: Slot) -> None:

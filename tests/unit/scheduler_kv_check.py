@@ -1,0 +1,93 @@
+"""`SchedulerKv.op_restore` over fake pools (run in a subprocess by test_scheduler_kv.py: it
+imports SGLang, which is slow and stubs sgl_kernel process-wide). Exit 0 = OK.
+
+Checks (#23): a restore that fails after allocating gives every slot back; a restore into a
+namespace inserts and matches with that namespace as the radix key's `extra_key`."""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+class Allocator:
+    page_size = 1
+
+    def __init__(self) -> None:
+        self.free_slots = set(range(100))
+
+    def alloc(self, n: int) -> torch.Tensor:
+        got = sorted(self.free_slots)[:n]
+        self.free_slots -= set(got)
+        return torch.tensor(got, dtype=torch.int32)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.free_slots |= set(slots.tolist())
+
+
+class Tree:
+    disable = False
+
+    def __init__(self) -> None:
+        self.inserted: list[Any] = []
+
+    def match_prefix(self, params: Any) -> Any:
+        hit = any(k.extra_key == params.key.extra_key for k in self.inserted)
+        return SimpleNamespace(device_prefix_len=4 if hit else 0, last_device_node=1)
+
+    def insert(self, params: Any) -> None:
+        self.inserted.append(params.key)
+
+    def lock(self, node: Any) -> str:
+        return "lock"
+
+    def unlock(self, lock: Any) -> None:
+        pass
+
+    def evict(self, params: Any) -> None:
+        pass
+
+
+def main() -> int:
+    from sglang.test.test_utils import maybe_stub_sgl_kernel
+
+    maybe_stub_sgl_kernel()
+    from april_server.door.ipc import AprilKvReq
+    from april_server.door.scheduler_hooks import SchedulerKv
+
+    kv = SchedulerKv.__new__(SchedulerKv)
+    alloc, tree = Allocator(), Tree()
+    kv.sched = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=tree)
+    kv.locks = {}
+    kv.marked = OrderedDict()
+    kv.store = SimpleNamespace(get=lambda key: SimpleNamespace(tokens=[5, 6, 7, 8]))
+
+    def broken_fill(*args: Any) -> None:
+        raise RuntimeError("copy failed half-way")
+
+    kv._fill = broken_fill  # type: ignore[method-assign]
+    req = AprilKvReq(call_id=1, op="restore", key="s/0")
+    try:
+        kv.op_restore(req)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the failing restore did not raise")
+    assert alloc.free_slots == set(range(100)), "a failed restore leaked KV slots"
+    assert tree.inserted == [] and kv.locks == {}
+
+    kv._fill = lambda *args: None  # type: ignore[method-assign]
+    ns = AprilKvReq(call_id=2, op="restore", key="s/0", target="april-stale/s/0")
+    ok, payload = kv.op_restore(ns)
+    assert ok and payload["restored"] == 4, payload
+    assert [k.extra_key for k in tree.inserted] == ["april-stale/s/0"]
+    print("scheduler kv check OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
