@@ -263,10 +263,29 @@ async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
             yield _enc.encode(done) + b"\n"
         finally:
             if not task.done():  # the client went away: stop the call, keep everything
-                task.cancel()  # the call winds down by itself (rollout.py), even if we are
-                await asyncio.wait([task])  # cancelled again while waiting here
+                task.cancel()  # the call winds down by itself (rollout.py)
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return CallStream(lines(), task)
+
+
+class CallStream(StreamingResponse):
+    """The NDJSON answer of a running call. However the response ends (the stream done, the
+    client gone before or after the first line, an error), a call still running is cancelled
+    and waited for: it winds down and buffers everything. The stream's own `finally` is not
+    enough: a generator that never started (a client gone before the first line) never runs
+    it, and the call would run on and deliver its groups to nobody."""
+
+    def __init__(self, lines: AsyncIterator[bytes], call: asyncio.Task[RolloutResp]) -> None:
+        super().__init__(lines, media_type="application/x-ndjson")
+        self.call = call
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.call.done():
+                self.call.cancel()
+            await asyncio.wait([self.call])
 
 
 # Request and response types of each route, exported into /openapi.json (for clients and
