@@ -90,6 +90,8 @@ class RolloutManager:
         self.counters = Counters()
         self.admission = Admission()  # shared by every call: what the engine is given
         self.segments = SegmentRunner(engine, self.counters, self.admission, allow_stale_kv)
+        self.segments.version_now = self.current_version  # continuations after a weight cut
+        self.segments.history = self.version_history
         self.running: dict[str, Running] = self.segments.running  # sample_id -> its request
         self.last_inflight: (
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,6 +52,10 @@ class Running:
     stopping: bool = False  # being aborted: a segment whose engine died does not run again
     # A snapshot a staleness restart made useless, not yet handed to a plan to free.
     unplanned_drop: Slot | None = None
+    cut: bool = False  # aborted at a weight update's version boundary, to continue after it
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    max_staleness: int | None = None  # what its continuations are planned with
+    override_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -94,6 +98,11 @@ class SegmentRunner:
         self.allow_stale = allow_stale
         self.running: dict[str, Running] = {}  # sample_id -> its engine request
         self.load: dict[Slot, list[float]] = {}  # slot -> [running samples, KV need]
+        # The weight version new segments run under, and the versions seen (the manager's).
+        self.version_now: Callable[[], str] = engine.weight_version
+        self.history: Sequence[str] = ()
+        self.updated = asyncio.Event()  # clear while a weight update holds cut segments
+        self.updated.set()
 
     @property
     def snapshots_enabled(self) -> bool:
@@ -152,6 +161,7 @@ class SegmentRunner:
             self._run(sample.sample_id, cont, restore, call, need, tally)
         )
         run = Running(sample, owner, "", task, unplanned_drop=held if call is None else None)
+        run.max_staleness, run.override_params = max_staleness, override_params
         if call is not None:
             run.rid, run.slot = call.rid, call.slot
             self._add_load(call.slot, 1, need)
@@ -211,18 +221,70 @@ class SegmentRunner:
     ) -> None:
         run = self.running[sample_id]
         sample = run.sample
+        ended: SegmentOutcome | None = None  # None: ended by a cut, recorded already
+        while True:
+            out = await self._one_segment(run, cont, restore, call, need, tally)
+            ended = out
+            cut = run.cut and out.result.finish_reason == "abort" and out.result.error is None
+            run.cut = False
+            if not cut:
+                break
+            # A weight update cut this segment at the version boundary: what the old weights
+            # made is kept as its own segment, and the sample goes on under the new weights
+            # (unless it is being stopped meanwhile: then it ends like any interrupted one).
+            await self._until_updated(run)
+            if run.stopping:
+                break
+            self._record(sample, out, cont, tally)
+            await self._settle(sample, out, True, False, False)
+            if S.is_finished(sample):  # the abort landed on its last budgeted token
+                ended = None
+                break
+            cont, call, restore = self._continue_after_cut(run, tally, need)
+        if run.unplanned_drop is not None and self.snap is not None:
+            # Never planned (stopped, or nothing healthy): free the restart's useless snapshot.
+            try:
+                await self.snap.drop_snapshot(sample.sample_id, run.unplanned_drop)
+            except Exception as exc:  # its engine is gone, and the snapshot with it
+                logger.warning("april: could not free %s's snapshot: %s", sample.sample_id, exc)
+        self.running.pop(sample.sample_id, None)
+        if ended is None:
+            return
+        out = ended
+        keep, marked = run.keep, run.marked
+        natural = out.result.finish_reason in ("stop", "length")
+        if keep == "drop" and not natural:
+            S.reset_output(sample)
+            await self._settle(sample, out, False, False, marked)
+            return
+        self._record(sample, out, cont, tally)
+        # "Interrupted" means still unfinished: an abort that lands on the last budgeted
+        # token ends a finished sample, whose snapshot would never be used.
+        if out.result.error is None:  # after an engine error, what was held stays as it was
+            await self._settle(sample, out, sample.status == "partial", keep == "snapshot", marked)
+
+    async def _one_segment(
+        self,
+        run: Running,
+        cont: S.Continuation,
+        restore: bool,
+        call: SegmentCall | None,
+        need: float,
+        tally: CallTally,
+    ) -> SegmentOutcome:
+        """Run one planned segment to its end; a segment whose engine went away runs again
+        on a healthy one. Engine failures come back as an outcome that keeps nothing."""
+        sample = run.sample
         while True:
             if call is None:  # the first plan found nothing healthy, or its engine died
                 call = await self._replan(run, cont, restore)
                 if call is None:
                     why = "stopped" if run.stopping else f"no healthy engine in {ENGINE_WAIT_S} s"
-                    out = self._failed(sample, run.slot, f"engine unavailable ({why})", tally)
-                    break
+                    return self._failed(sample, run.slot, f"engine unavailable ({why})", tally)
                 run.rid, run.slot = call.rid, call.slot
                 self._add_load(call.slot, 1, need)
             try:
-                out = await self.engine.run_segment(call)
-                break
+                return await self.engine.run_segment(call)
             except EngineUnavailable as exc:
                 # What it generated there is lost with the engine; the sample keeps what it
                 # had and, unless it is being stopped, its segment runs again elsewhere.
@@ -231,30 +293,17 @@ class SegmentRunner:
                 call = None
             except Exception as exc:  # an engine failure must not lose the sample
                 logger.exception("engine error on %s", call.rid)
-                out = self._failed(sample, call.slot, f"engine error: {exc}", tally)
-                break
+                return self._failed(sample, call.slot, f"engine error: {exc}", tally)
             finally:
                 self._add_load(run.slot, -1, -need)
-        if run.unplanned_drop is not None and self.snap is not None:
-            # Never planned (stopped, or nothing healthy): free the restart's useless snapshot.
-            try:
-                await self.snap.drop_snapshot(sample.sample_id, run.unplanned_drop)
-            except Exception as exc:  # its engine is gone, and the snapshot with it
-                logger.warning("april: could not free %s's snapshot: %s", sample.sample_id, exc)
-        self.running.pop(sample.sample_id, None)
-        keep, marked = run.keep, run.marked
-        natural = out.result.finish_reason in ("stop", "length")
-        if keep == "drop" and not natural:
-            S.reset_output(sample)
-            await self._settle(sample, out, False, False, marked)
-            return
+
+    def _record(
+        self, sample: Sample, out: SegmentOutcome, cont: S.Continuation, tally: CallTally
+    ) -> None:
+        """Record the segment's tokens on the sample and count them."""
         before = len(sample.output_ids)
         kv = "restored" if out.restored > 0 else cont.kv
         S.apply_segment(sample, out.result, kv, out.slot.engine, out.slot.dp_rank)
-        # "Interrupted" means still unfinished: an abort that lands on the last budgeted
-        # token ends a finished sample, whose snapshot would never be used.
-        if out.result.error is None:  # after an engine error, what was held stays as it was
-            await self._settle(sample, out, sample.status == "partial", keep == "snapshot", marked)
         produced = len(sample.output_ids) - before
         tally.output_tokens += produced
         self.counters.output_tokens += produced
@@ -286,6 +335,50 @@ class SegmentRunner:
             await self.snap.drop_snapshot(sample.sample_id, out.slot)
         K.clear(sample)
 
+    # ---- weight updates: cut at the version boundary, continue after -------------------
+
+    async def before_update(self) -> None:
+        """A weight update is about to run: end every running segment at the version boundary
+        (abort; SGLang's update waits for them to leave), to continue after `after_update`
+        under the new weights. The weight push then waits for one decode step, not for the
+        longest straggler."""
+        self.updated.clear()
+        for r in self.running.values():
+            if not r.stopping and not r.task.done():
+                r.cut = True
+                self.engine.abort(r.rid)
+
+    def after_update(self) -> None:
+        self.updated.set()
+
+    async def _until_updated(self, run: Running) -> None:
+        if self.updated.is_set():
+            return
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.updated, run.stop_requested)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _continue_after_cut(
+        self, run: Running, tally: CallTally, need: float
+    ) -> tuple[S.Continuation, SegmentCall | None, bool]:
+        """The next segment of a sample cut by a weight update, under the version now."""
+        sample = run.sample
+        version = self.version_now()
+        cont = S.plan_continuation(
+            sample, version, run.max_staleness, self.history, run.override_params
+        )
+        if cont.restarted:
+            self.counters.staleness_restarts += 1
+            tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
+        call = self._plan(sample, run.owner, cont, False, None)
+        if call is not None:
+            run.rid, run.slot = call.rid, call.slot
+            self._add_load(call.slot, 1, need)
+        return cont, call, False
+
     # ---- stop, forget --------------------------------------------------------------------
 
     async def stop(self, runs: list[Running], keep: OnQuota | None = None) -> None:
@@ -295,6 +388,7 @@ class SegmentRunner:
                 r.keep = keep
         for r in runs:
             r.stopping = True
+            r.stop_requested.set()
             if (
                 r.keep == "snapshot"
                 and not r.task.done()

@@ -38,6 +38,10 @@ class ManagerHolder:
             time.perf_counter() - t0,
         )
 
+    def peek(self) -> RolloutManager | None:
+        """The manager if it was built (nothing of ours runs before it is)."""
+        return self._manager
+
     def get(self) -> RolloutManager:
         if self._manager is None:
             self._manager = RolloutManager(

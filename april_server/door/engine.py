@@ -280,7 +280,7 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
 
     from april_server.app import create_router, extend_app
     from april_server.auth import AuthPolicy
-    from april_server.door.weight_hooks import register_weight_hooks
+    from april_server.door.weight_hooks import listen, register_weight_hooks
     from april_server.fleet.engine_routes import create_engine_router
     from april_server.server import ManagerHolder
 
@@ -300,6 +300,8 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
         return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0, dp_size=dp_size)
 
     holder = ManagerHolder(config, make_engine)
+    # Weight pushes cut our running segments at the version boundary (weight_hooks.py).
+    listen(lambda: None if (m := holder.peek()) is None else m.segments)
     auth = AuthPolicy(server_args.api_key, getattr(server_args, "admin_api_key", None))
     http_server.app.include_router(create_router(holder.get, config, auth))
     # Any april-server can be one engine of a fleet driven by an owner elsewhere.

@@ -13,6 +13,13 @@ flushes once the aborted requests are out (under the update lock, so nothing new
 between; requests still generating are aborted again, as the caller asked), then answers 200.
 Without `abort_all_requests` SGLang's writer lock already waits for every request, so the
 flush cannot race and the hook passes the answer through.
+
+Weight pushes never wait for our stragglers (AROUND every `update_weights_from_*`): SGLang's
+update takes a writer lock that waits until every request has finished. Without
+`abort_all_requests`, the rollout manager first cuts its running segments at the version
+boundary (`SegmentRunner.before_update`: abort; their tokens are kept, with the old version),
+so the lock is free within a decode step; once the update is done they continue under the new
+weights as new segments (`after_update`). Requests of other clients are not ours to cut.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -29,37 +38,81 @@ FLUSH_RETRY_S = 0.05
 FLUSH_DEADLINE_S = 30.0  # aborted requests leave within a decode step or two
 
 
+class UpdateListener(Protocol):
+    async def before_update(self) -> None: ...
+
+    def after_update(self) -> None: ...
+
+
+# Callables giving the listener now (None while there is none, e.g. before the first call).
+_listeners: list[Callable[[], UpdateListener | None]] = []
+
+
+def listen(get: Callable[[], UpdateListener | None]) -> None:
+    _listeners.append(get)
+
+
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager."
+
+
 def register_weight_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_weights_from_disk",
-        _around_update_from_disk,
-        HookType.AROUND,
+        _TM + "update_weights_from_disk", _around_update_from_disk, HookType.AROUND
     )
+    for name in ("tensor", "distributed", "ipc"):
+        HookRegistry.register(
+            _TM + "update_weights_from_" + name, _around_other_update, HookType.AROUND
+        )
+
+
+@asynccontextmanager
+async def cut_at_version_boundary(obj: Any) -> AsyncIterator[None]:
+    """Around an update: our segments end before it and continue after it. A caller that
+    aborts everything (`abort_all_requests`) gets exactly that instead."""
+    cut = [] if getattr(obj, "abort_all_requests", False) else [g() for g in _listeners]
+    ready = [x for x in cut if x is not None]
+    try:
+        for x in ready:
+            await x.before_update()
+        yield
+    finally:
+        for x in ready:
+            x.after_update()
+
+
+async def _around_other_update(original: Any, tm: Any, obj: Any, *args: Any, **kw: Any) -> Any:
+    async with cut_at_version_boundary(obj):
+        return await original(tm, obj, *args, **kw)
 
 
 async def _around_update_from_disk(
     original: Any, tm: Any, obj: Any, *args: Any, **kwargs: Any
 ) -> tuple[bool, str, int]:
-    success, message, paused = await original(tm, obj, *args, **kwargs)
-    if success or not str(message).startswith(UPDATED_BUT_NOT_FLUSHED):
+    # Our cut segments continue only after the flush: they would make it fail again.
+    async with cut_at_version_boundary(obj):
+        success, message, paused = await original(tm, obj, *args, **kwargs)
+        if success or not str(message).startswith(UPDATED_BUT_NOT_FLUSHED):
+            return success, message, paused
+        # The scheduler runs the new weights and stamps their version: say it here too.
+        if obj.weight_version is not None:
+            tm._update_weight_version_if_provided(obj.weight_version)
+        if await flush_when_idle(tm, abort=bool(obj.abort_all_requests)):
+            note = f" Weight version updated to {obj.weight_version}." if obj.weight_version else ""
+            logger.info("april: weights updated; the cache flushed once the requests had left")
+            return (
+                True,
+                "Succeeded to update model weights (cache flushed after a retry)." + note,
+                0,
+            )
         return success, message, paused
-    # The scheduler runs the new weights and stamps their version: say the same version here.
-    if obj.weight_version is not None:
-        tm._update_weight_version_if_provided(obj.weight_version)
-    if not obj.abort_all_requests:
-        return success, message, paused  # not ours to abort what the caller left running
-    if await flush_when_aborted(tm):
-        note = f" Weight version updated to {obj.weight_version}." if obj.weight_version else ""
-        logger.info("april: weights updated; the cache flushed once aborted requests left")
-        return True, "Succeeded to update model weights (cache flushed after the abort)." + note, 0
-    return success, message, paused
 
 
-async def flush_when_aborted(tm: Any) -> bool:
+async def flush_when_idle(tm: Any, abort: bool) -> bool:
     """Flush the prefix cache once no request runs: under the update lock (new requests wait
-    for it), aborting again whatever still generates. False if it never became idle."""
+    for it; it waits for those still running), aborting again whatever still generates when
+    the caller asked for everything to be aborted. False if it never became idle."""
     end = time.monotonic() + FLUSH_DEADLINE_S
     async with tm.model_update_lock.writer_lock:
         while True:
@@ -69,5 +122,6 @@ async def flush_when_aborted(tm: Any) -> bool:
             if time.monotonic() >= end:
                 logger.error("april: the cache could not be flushed after a weight update")
                 return False
-            tm.abort_request(abort_all=True)
+            if abort:
+                tm.abort_request(abort_all=True)
             await asyncio.sleep(FLUSH_RETRY_S)

@@ -78,10 +78,49 @@ def test_a_flush_that_never_goes_through_still_reports_the_version() -> None:
     assert tm.version == "v2"  # the weights did change: the version says so
 
 
-def test_without_abort_the_answer_passes_through_with_the_version() -> None:
-    tm = FakeTm(busy_flushes=0)
+def test_without_abort_the_flush_is_retried_without_aborting_anything() -> None:
+    tm = FakeTm(busy_flushes=2)
     ok, _, _ = asyncio.run(W._around_update_from_disk(raced, tm, Obj(abort_all_requests=False)))
-    assert not ok and tm.aborts == 0 and tm.version == "v2"
+    assert ok and tm.aborts == 0 and tm.version == "v2"
+
+
+class Segments:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def before_update(self) -> None:
+        self.log.append("cut")
+
+    def after_update(self) -> None:
+        self.log.append("continue")
+
+
+def test_our_segments_are_cut_before_the_update_and_continue_after_the_flush() -> None:
+    log: list[str] = []
+    W._listeners[:] = [lambda: Segments(log)]
+    tm = FakeTm(busy_flushes=1)
+
+    async def update(tm: FakeTm, obj: Obj) -> tuple[bool, str, int]:
+        log.append("update")
+        return await raced(tm, obj)
+
+    real_flush = tm.flush_cache
+
+    async def flush() -> Out:
+        log.append("flush")
+        return await real_flush()
+
+    tm.flush_cache = flush  # type: ignore[method-assign]
+    try:
+        ok, _, _ = asyncio.run(
+            W._around_update_from_disk(update, tm, Obj(abort_all_requests=False))
+        )
+        assert ok and log == ["cut", "update", "flush", "flush", "continue"]
+        log.clear()  # a caller that aborts everything gets no cut: its abort ends them
+        asyncio.run(W._around_update_from_disk(update, tm, Obj(abort_all_requests=True)))
+        assert "cut" not in log and "continue" not in log
+    finally:
+        W._listeners.clear()
 
 
 def test_other_answers_pass_through() -> None:
