@@ -26,6 +26,7 @@ from april_server.config import AprilConfig
 from april_server.errors import ApiError, bad_request, not_found
 from april_server.manager import RolloutManager
 from april_server.metrics import CONTENT_TYPE, prometheus_text
+from april_server.prefetch import add_groups
 from april_server.protocol import (
     AbortReq,
     AbortResp,
@@ -35,6 +36,8 @@ from april_server.protocol import (
     ErrorResp,
     Group,
     GroupFinishedEvent,
+    GroupsReq,
+    GroupsResp,
     PartialsResp,
     RejectReq,
     ResumeReq,
@@ -74,7 +77,7 @@ async def decode(request: Request, typ: type[T]) -> T:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {exc}") from None
 
 
-def check_limits(req: RolloutReq, config: AprilConfig) -> None:
+def check_limits(req: RolloutReq | GroupsReq, config: AprilConfig) -> None:
     if len(req.groups) > config.max_groups_per_call:
         raise ApiError(
             413, "too_many_groups", f"at most {config.max_groups_per_call} groups per call"
@@ -146,6 +149,15 @@ def create_router(
         if not req.stream:
             return json_response(await rollout(mgr, req))
         return await stream_rollout(mgr, req)
+
+    @router.post(PREFIX + "/groups")
+    @guarded
+    async def groups(request: Request) -> Response:
+        """Hand groups in without waiting (prefetch); `start: background` generates them
+        between calls."""
+        req = await decode(request, GroupsReq)
+        check_limits(req, config)
+        return json_response(await add_groups(get_manager(), req))
 
     @router.post(PREFIX + "/rollouts/{batch_id}/reject")
     @guarded
@@ -293,6 +305,7 @@ class CallStream(StreamingResponse):
 ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
     ("post", PREFIX + "/rollouts"): (RolloutReq, RolloutResp),
     ("post", PREFIX + "/rollouts/{batch_id}/reject"): (RejectReq, dict),
+    ("post", PREFIX + "/groups"): (GroupsReq, GroupsResp),
     ("post", PREFIX + "/abort"): (AbortReq, AbortResp),
     ("post", PREFIX + "/resume"): (ResumeReq, ResumeResp),
     ("get", PREFIX + "/partials"): (None, PartialsResp),

@@ -81,6 +81,8 @@ class PartialBuffer:
         stopping at the first that does not: groups start in age order."""
         picked = []
         for e in self.idle.oldest():
+            if e.group_id in self.owner:  # held in place (background.py): not idle now
+                continue
             if not fits(e):
                 break
             picked.append(e)
@@ -108,6 +110,27 @@ class PartialBuffer:
             self.claimed[e.group_id] = g
             out.append(g)
         return out
+
+    async def hold_in_place(self, group_ids: list[str], owner: str) -> list[Group]:
+        """Claim idle groups for work that leaves them listed and counted as buffered (the
+        background, `background.py`): they stay in the index, so pages and counts do not
+        change under a reader, but nobody else can claim them until `release_in_place`."""
+        entries = [e for gid in group_ids if (e := self.idle.get(gid)) is not None]
+        entries = [e for e in entries if e.group_id not in self.owner]
+        return await self._take(entries, owner)
+
+    def release_in_place(self, owner: str, group_ids: list[str] | None = None) -> None:
+        """Hand back groups held in place (all of `owner`'s, or `group_ids`), with their
+        summaries as last persisted."""
+        for gid in list(self._owned.get(owner, ())) if group_ids is None else group_ids:
+            if self.owner.get(gid) != owner:
+                continue
+            self._let_go(gid)
+            self.claimed.pop(gid, None)
+            entry = self._stored.pop(gid, None)
+            self.idle.remove(gid)
+            if entry is not None:
+                self.idle.add(entry)
 
     def _hold(self, gid: str, owner: str) -> None:
         self.owner[gid] = owner
@@ -154,11 +177,13 @@ class PartialBuffer:
 
     # ---- integrity (tests): O(buffer) ----------------------------------------------------------
 
-    def check(self, quiescent: bool) -> None:
+    def check(self, quiescent: bool, in_place: str | None = None) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent. `quiescent`: no call is
-        running, so the store must hold exactly the idle groups, as summarized."""
+        running, so the store must hold exactly the idle groups, as summarized. `in_place`:
+        the owner whose groups stay in the index while held (the background)."""
         assert set(self.claimed) == set(self.owner), (sorted(self.claimed), sorted(self.owner))
-        assert not (set(self.owner) & {e.group_id for e in self.idle.oldest()})
+        held = {gid for gid, o in self.owner.items() if o != in_place}
+        assert not (held & {e.group_id for e in self.idle.oldest()})
         assert set(self._stored) <= set(self.owner)
         assert sum(len(v) for v in self._owned.values()) == len(self.owner)
         if quiescent:

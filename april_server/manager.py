@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 from april_server import samples as S
+from april_server.background import OWNER as BACKGROUND
+from april_server.background import Background
 from april_server.buffer import PartialBuffer
 from april_server.engine_base import BaseEngine
 from april_server.errors import bad_request, conflict, not_found
@@ -35,8 +37,8 @@ from april_server.protocol import (
     AbortResp,
     DeleteResp,
     Group,
+    Keep,
     KvMode,
-    OnQuota,
     ResumeReq,
     Sample,
 )
@@ -97,6 +99,7 @@ class RolloutManager:
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
         ) = None
         self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
+        self.background = Background(self)  # groups generating between calls
         self._capacity_known = False
 
     @property
@@ -142,6 +145,10 @@ class RolloutManager:
 
     def listed(self, g: Group) -> Group:
         g.age_s = round(time.time() - g.created_at, 3)
+        if self.buffer.owner.get(g.group_id) == BACKGROUND:
+            g.state = "running"
+        else:
+            g.state = "finished" if S.group_finished(g) else "idle"
         return g
 
     # ---- claiming and persisting -------------------------------------------------------------
@@ -191,7 +198,7 @@ class RolloutManager:
             kv_mode,
         )
 
-    async def stop_running(self, runs: list[Running], keep: OnQuota | None = None) -> None:
+    async def stop_running(self, runs: list[Running], keep: Keep | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
         await self.segments.stop(runs, keep)
 
@@ -203,6 +210,26 @@ class RolloutManager:
         if req.batch_id is not None:
             if req.batch_id not in self.calls and req.batch_id not in self.finished_batches:
                 raise not_found(f"unknown batch_id {req.batch_id!r}")
+        if req.all:
+            scope.update(self.background.sample_ids())
+        # Background samples stop like any (with a snapshot when they are paused, the keep
+        # asked for when they are aborted) and are no longer wanted there.
+        named = self._groups_of(req)
+        mine = [
+            r
+            for r in self.running.values()
+            if r.owner == BACKGROUND and (req.all or r.sample.group_id in named)
+        ]
+        await self.stop_running(mine, req.keep)
+        async with self.background.paused():
+            self.background.forget(None if req.all else named)
+            return await self._abort(req, scope)
+
+    @staticmethod
+    def _groups_of(req: AbortReq) -> set[str]:
+        return set(req.group_ids or []) | {s.rpartition("/")[0] for s in req.sample_ids or []}
+
+    async def _abort(self, req: AbortReq, scope: set[str]) -> AbortResp:
         named = await self.buffer.read(list(dict.fromkeys(req.group_ids or [])))
         for g in named.values():
             scope.update(s.sample_id for s in g.samples)
@@ -241,7 +268,8 @@ class RolloutManager:
         owner = f"resume-{uuid.uuid4().hex[:12]}"
         # Claimed, run and persisted to the end even if the caller goes away meanwhile: a
         # release before the segments ended would drop what they record (tokens, snapshots).
-        return await run_to_end(self._resume_claimed(req, gids, owner, appends))
+        async with self.background.paused():
+            return await run_to_end(self._resume_claimed(req, gids, owner, appends))
 
     async def _resume_claimed(
         self, req: ResumeReq, gids: list[str], owner: str, appends: dict[str, list[int]]
@@ -298,7 +326,9 @@ class RolloutManager:
             )
 
     async def delete(self, group_id: str) -> DeleteResp:
-        return await run_to_end(self._delete(group_id))
+        async with self.background.paused():
+            self.background.forget([group_id])
+            return await run_to_end(self._delete(group_id))
 
     async def _delete(self, group_id: str) -> DeleteResp:
         owner = f"delete-{uuid.uuid4().hex[:12]}"
@@ -355,7 +385,7 @@ class RolloutManager:
         for sid, r in self.running.items():
             assert r.sample.sample_id == sid
             assert r.sample.group_id in self.groups, sid  # only claimed groups generate
-        self.buffer.check(quiescent=not self.calls and not self.running)
+        self.buffer.check(quiescent=not self.calls and not self.running, in_place=BACKGROUND)
 
     async def stats(self) -> dict[str, Any]:
         idle = self.buffer.idle
@@ -376,6 +406,12 @@ class RolloutManager:
             "running_samples": len(self.running),
             "running_by_slot": self.segments.by_slot(),
             "active_calls": len(self.calls),
+            "background_groups": len(self.background.wanted),
+            "background_running_groups": len(self.background.running_groups()),
+            "background_running_samples": sum(
+                1 for r in self.running.values() if r.owner == BACKGROUND
+            ),
+            "background_output_tokens": self.background.tally.output_tokens,
             **kv,
             **{k: getattr(c, k) for k in c.__dataclass_fields__},
             "engine": self.engine.engine_stats(),

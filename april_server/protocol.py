@@ -13,7 +13,11 @@ import msgspec
 
 SampleStatus = Literal["completed", "truncated", "partial"]
 KvOrigin = Literal["fresh", "restored", "recomputed"]
-OnQuota = Literal["snapshot", "tokens", "drop"]
+# What becomes of an interrupted sample (abort `keep`, and stopping a call's stragglers).
+Keep = Literal["snapshot", "tokens", "drop"]
+# What a call does with its stragglers: interrupt them (a `Keep`), or let them go on generating
+# in the background after it answered (`continue`).
+OnQuota = Literal["snapshot", "tokens", "drop", "continue"]
 KvMode = Literal["auto", "restore", "recompute"]
 
 
@@ -77,6 +81,9 @@ class Group(_Resp):
     metadata: Any = None
     created_at: float = 0.0
     age_s: float = 0.0
+    # In /partials: idle | running (generating in the background) | finished (whole, waiting to
+    # be delivered). Not stored; null where it does not apply.
+    state: str | None = None
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -106,6 +113,15 @@ class RolloutReq(_Req):
     reject_grace_s: float = 0.0
 
 
+class GroupsReq(_Req):
+    """`POST /groups`: hand groups in without waiting (prefetch)."""
+
+    groups: list[GroupSpec]
+    start: Literal["background", "idle"] = "background"
+    max_staleness: int | None = None
+    request_id: str | None = None
+
+
 class RejectReq(_Req):
     group_ids: list[str]
 
@@ -115,7 +131,7 @@ class AbortReq(_Req):
     group_ids: list[str] | None = None
     sample_ids: list[str] | None = None
     all: bool = False
-    keep: OnQuota = "tokens"
+    keep: Keep = "tokens"
 
 
 class ResumeReq(_Req):
@@ -179,6 +195,11 @@ class PartialsResp(_Resp):
     # Where the next page starts (`?cursor=`); null on the last page. A page under a filter
     # may hold fewer than `limit` groups and still have a next one.
     next_cursor: str | None = None
+
+
+class GroupsResp(_Resp):
+    group_ids: list[str]
+    started_samples: int  # handed to the background (they start once no call runs)
 
 
 class DeleteResp(_Resp):

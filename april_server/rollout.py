@@ -34,7 +34,8 @@ from april_server.manager import run_to_end
 from april_server.protocol import (
     Group,
     GroupFinishedEvent,
-    OnQuota,
+    GroupSpec,
+    Keep,
     RejectReq,
     RolloutReq,
     RolloutResp,
@@ -82,7 +83,7 @@ YIELD_EVERY = 256  # groups validated between two yields to the event loop
 
 
 async def new_groups(
-    mgr: RolloutManager, req: RolloutReq, handed_in: frozenset[str] = frozenset()
+    mgr: RolloutManager, specs: list[GroupSpec], handed_in: frozenset[str] = frozenset()
 ) -> list[Group]:
     """Validate the request's groups and build them; raises ApiError, changes nothing. A big
     call yields to the event loop as it goes, so other requests are not held up. Groups in
@@ -90,7 +91,7 @@ async def new_groups(
     checked for their id only, and not built again."""
     seen: set[str] = set()
     built = []
-    for i, spec in enumerate(req.groups):
+    for i, spec in enumerate(specs):
         if i % YIELD_EVERY == YIELD_EVERY - 1:
             await asyncio.sleep(0)
         check_id("group_id", spec.group_id)
@@ -151,7 +152,7 @@ class RolloutCall:
             raise bad_request(
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
-        fresh = await new_groups(mgr, req, self.handed_in)
+        fresh = await new_groups(mgr, req.groups, self.handed_in)
         for g in fresh:  # the validation yielded: another call may have sent the same id
             if mgr.buffer.known(g.group_id):
                 raise conflict("group_exists", f"group {g.group_id!r} is already known")
@@ -363,7 +364,9 @@ class RolloutCall:
         self.stopped = True
         # Step 4: nothing of this call may keep generating.
         runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
-        keep: OnQuota | None = "snapshot" if self.req.on_quota == "snapshot" else None
+        # `continue`: its stragglers stop with a snapshot here and go on in the background
+        # (background.py), restoring it.
+        keep: Keep | None = "snapshot" if self.req.on_quota in ("snapshot", "continue") else None
         await mgr.stop_running(runs, keep)
         # A segment leaves `running` when its request returned but still records its end
         # (tokens, the snapshot taken) a few awaits later: persisting before that would store
@@ -471,6 +474,12 @@ class RolloutCall:
         # Dropped groups and returned ones leave the server: so do their KV snapshots.
         self.discarded = [mgr.groups[g] for g in dropped + returned]
         await mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
+        mgr.background.forget(returned + dropped)  # they left the server
+        if req.on_quota == "continue":  # they go on generating once this call has ended
+            going_on = [g for g in buffered if g in self.started]
+            mgr.background.add(
+                [g for g in going_on if not S.group_finished(mgr.groups[g])], req.max_staleness
+            )
         mgr.counters.returned_groups += len(returned)
         mgr.counters.dropped_groups += len(dropped)
         return resp
@@ -516,13 +525,17 @@ async def rollout(
         mgr.inflight_requests[rid] = fut
     outcome: bytes | None = None
     try:
-        await call.prepare()
-        _set(ready)
-        resp = await call.run()
-        outcome = _enc.encode(resp)
-        return resp
+        # The background gives way to every call: its groups are buffered again, claimable.
+        async with mgr.background.paused():
+            try:
+                await call.prepare()
+                _set(ready)
+                resp = await call.run()
+                outcome = _enc.encode(resp)
+                return resp
+            finally:
+                call.close()
     finally:
-        call.close()
         if rid is not None and fut is not None:
             mgr.inflight_requests.pop(rid, None)
             fut.set_result(outcome)  # None: not delivered, a waiting retry runs again

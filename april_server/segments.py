@@ -31,7 +31,7 @@ from april_server.engine_base import (
 from april_server.errors import conflict
 from april_server.inflight import Admission, kv_need
 from april_server.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
-from april_server.protocol import KvMode, OnQuota, Sample
+from april_server.protocol import Keep, KvMode, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Running:
     rid: str
     task: asyncio.Task[None]
     slot: Slot = field(default_factory=Slot)
-    keep: OnQuota = "tokens"
+    keep: Keep = "tokens"
     marked: bool = False  # a snapshot was requested from the scheduler
     stopping: bool = False  # being aborted: a segment whose engine died does not run again
     # A snapshot a staleness restart made useless, not yet handed to a plan to free.
@@ -381,7 +381,7 @@ class SegmentRunner:
 
     # ---- stop, forget --------------------------------------------------------------------
 
-    async def stop(self, runs: list[Running], keep: OnQuota | None = None) -> None:
+    async def stop(self, runs: list[Running], keep: Keep | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
         if keep is not None:
             for r in runs:

@@ -14,6 +14,7 @@ from april_server.protocol import (
     AbortResp,
     DeleteResp,
     Group,
+    Keep,
     KvMode,
     OnQuota,
     PartialsResp,
@@ -160,7 +161,7 @@ class AsyncAprilClient(_ClientBase):
         group_ids: Sequence[str] | None = None,
         sample_ids: Sequence[str] | None = None,
         all: bool = False,
-        keep: OnQuota = "tokens",
+        keep: Keep = "tokens",
     ) -> AbortResp:
         """Stop generation in scope; returns once nothing in scope is generating."""
         return await self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))

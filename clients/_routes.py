@@ -23,6 +23,7 @@ from april_server.protocol import (
     Group,
     GroupFinishedEvent,
     GroupSpec,
+    Keep,
     KvMode,
     OnQuota,
     PartialsResp,
@@ -247,7 +248,7 @@ def abort(
     group_ids: Sequence[str] | None,
     sample_ids: Sequence[str] | None,
     all_: bool,
-    keep: OnQuota,
+    keep: Keep,
 ) -> Call[AbortResp]:
     req = AbortReq(
         batch_id=batch_id,

@@ -17,6 +17,7 @@ from april_server.protocol import (
     AbortResp,
     DeleteResp,
     Group,
+    Keep,
     KvMode,
     OnQuota,
     PartialsResp,
@@ -166,7 +167,7 @@ class AprilClient(_ClientBase):
         group_ids: Sequence[str] | None = None,
         sample_ids: Sequence[str] | None = None,
         all: bool = False,
-        keep: OnQuota = "tokens",
+        keep: Keep = "tokens",
     ) -> AbortResp:
         """Stop generation in scope; returns once nothing in scope is generating."""
         return self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))

@@ -1,0 +1,176 @@
+"""Background generation: groups that keep generating between calls (issue #19).
+
+A call with `on_quota: continue` hands the unfinished groups it started to the background
+when it answers; `POST /groups` with `start: background` hands in new ones. Here is where a
+call ends and the background begins:
+
+1. The background runs only while no call is active (it never slows a call down). A call,
+   a resume, a delete or an abort first pauses it (`paused()`): every background segment
+   stops with a KV snapshot, the groups are persisted and handed back to the idle buffer, so
+   the call claims them like any buffered group (finished ones first, the rest resuming from
+   their snapshots) and counts them toward its quota.
+2. When the last of those ends, the background takes its groups again (`kick`): held in
+   place (`PartialBuffer.hold_in_place`), so they stay listed and counted as buffered, with
+   `state: running`, and starts their unfinished samples under the admission bound shared
+   with calls; groups that do not fit wait for a later round.
+3. A group whose members have all finished is persisted and handed back at once: `state:
+   finished`, delivered without waiting by the next call that asks for buffered groups.
+4. A weight push cuts background segments at the version boundary like any (`segments.py`);
+   a continuation past the `max_staleness` of the call that started it restarts from its
+   prompt. An abort, a delete or a restart forget the group here: it stays buffered, idle.
+What is durable is what was persisted: at a hand-back (pause, finish) and at every call's
+answer; tokens generated since then are not yet acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from april_server import samples as S
+from april_server.buffer_index import open_footprint
+from april_server.inflight import kv_need
+from april_server.segments import CallTally
+
+if TYPE_CHECKING:
+    from april_server.manager import RolloutManager
+
+logger = logging.getLogger(__name__)
+OWNER = "background"
+
+
+class Background:
+    def __init__(self, mgr: RolloutManager) -> None:
+        self.mgr = mgr
+        self.wanted: dict[str, int | None] = {}  # group id -> the max_staleness it runs under
+        self.tally = CallTally()
+        self._holds = 0  # calls and other operations that have paused the background
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- what the rest of the server calls -------------------------------------------------
+
+    def add(self, group_ids: Iterable[str], max_staleness: int | None) -> None:
+        """Keep these buffered groups generating between calls (from the next round on)."""
+        for gid in group_ids:
+            self.wanted[gid] = max_staleness
+        self.kick()
+
+    def forget(self, group_ids: Iterable[str] | None = None) -> None:
+        """Stop wanting these groups (all: None) in the background; they stay buffered."""
+        if group_ids is None:
+            self.wanted.clear()
+        for gid in group_ids or ():
+            self.wanted.pop(gid, None)
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold the background off while the body runs (see the module docstring, 1)."""
+        self._holds += 1
+        try:
+            await self._stop()
+            yield
+        finally:
+            self._holds -= 1
+            self.kick()
+
+    def sample_ids(self) -> list[str]:
+        """Every sample of the groups wanted here (running now or not)."""
+        idle = self.mgr.buffer.idle
+        return [
+            f"{gid}/{i}"
+            for gid in self.wanted
+            if (e := idle.get(gid)) is not None
+            for i in range(e.num_samples)
+        ]
+
+    def running_groups(self) -> set[str]:
+        return {gid for gid, o in self.mgr.buffer.owner.items() if o == OWNER}
+
+    def kick(self) -> None:
+        if self._task is None and self.wanted and self._holds == 0 and not self.mgr.calls:
+            self._task = asyncio.get_running_loop().create_task(self._round())
+
+    # ---- one round: hold, run, hand back ----------------------------------------------------
+
+    async def _stop(self) -> None:
+        task = self._task
+        if task is None:
+            return
+        runs = [r for r in self.mgr.running.values() if r.owner == OWNER]
+        await self.mgr.stop_running(runs, "snapshot")
+        await asyncio.wait([task])
+
+    async def _round(self) -> None:
+        mgr = self.mgr
+        waiting: list[str] = []
+        try:
+            await mgr.admission_ready()
+            for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
+                del self.wanted[gid]  # delivered, deleted or dropped meanwhile
+            groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
+            ends: dict[asyncio.Task[None], str] = {}
+            left: dict[str, int] = {}
+            for g in groups if not self._holds else ():  # paused while holding: start nothing
+                n = self._start(g.group_id, ends, bool(ends))
+                if n is None:
+                    waiting.append(g.group_id)  # no room now: handed back, runs later
+                elif n:
+                    left[g.group_id] = n
+            for gid in [g.group_id for g in groups if g.group_id not in left]:
+                await self._hand_back([gid])  # finished, or waiting for room
+            while ends:
+                done, _ = await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    gid = ends.pop(t)
+                    left[gid] -= 1
+                    if left[gid] == 0:
+                        del left[gid]
+                        await self._hand_back([gid])
+        except Exception:  # the background must never take the server down
+            logger.exception("april: background round failed; its groups stay buffered")
+            runs = [r for r in mgr.running.values() if r.owner == OWNER]
+            await mgr.stop_running(runs, "tokens")
+            await self._hand_back(list(self.running_groups()))
+        finally:
+            self._task = None
+        if waiting and not self._holds:
+            self.kick()  # groups that found no room get their turn
+
+    def _start(self, gid: str, ends: dict[asyncio.Task[None], str], others: bool) -> int | None:
+        """Start the group's unfinished samples whole, if it fits beside what runs (the
+        first always does); None when it does not fit now."""
+        mgr = self.mgr
+        group = mgr.groups[gid]
+        unfinished, context, remaining = open_footprint(group)
+        if (
+            unfinished
+            and others
+            and not mgr.admission.fits(unfinished, kv_need(context, remaining))
+        ):
+            return None
+        n = 0
+        for s in group.samples:
+            if S.is_finished(s):
+                continue
+            if S.remaining_budget(s) <= 0:
+                s.status, s.finish_reason = "truncated", "length"
+                continue
+            ends[mgr.start_sample(s, OWNER, self.tally, self.wanted.get(gid))] = gid
+            n += 1
+        return n
+
+    async def _hand_back(self, group_ids: list[str]) -> None:
+        """Persist these held groups and return them to the idle buffer; finished ones leave
+        the background."""
+        mgr = self.mgr
+        held = [gid for gid in group_ids if mgr.buffer.owner.get(gid) == OWNER]
+        if not held:
+            return
+        await mgr.persist([mgr.groups[g] for g in held], [])
+        for gid in held:
+            if S.group_finished(mgr.groups[gid]):
+                self.wanted.pop(gid, None)
+        mgr.buffer.release_in_place(OWNER, held)

@@ -1,0 +1,187 @@
+"""Background generation (#19): `on_quota: continue`, `POST /groups`, and how the background
+gives way to calls, aborts, deletes, restarts and weight updates. Fake engine (its tokens are
+a hash of the context, so an interrupted + continued sample equals an uninterrupted one)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from april_server.errors import ApiError
+from april_server.manager import RolloutManager
+from april_server.prefetch import add_groups
+from april_server.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
+from april_server.rollout import rollout
+from april_server.store import BufferStore
+from tests.unit.fake_engine import FakeEngine, next_token
+
+PROMPT = [1, 2, 3]
+
+
+def spec(gid: str, budget: int, n: int = 1) -> GroupSpec:
+    params = {"max_new_tokens": budget, "ignore_eos": True, "temperature": 0.0}
+    return GroupSpec(gid, n=n, input_ids=PROMPT, sampling_params=params)
+
+
+def reference(budget: int) -> list[int]:
+    ctx, out = list(PROMPT), []
+    for _ in range(budget):
+        out.append(next_token(ctx, 64))
+        ctx.append(out[-1])
+    return out
+
+
+async def until(cond: Any, timeout: float = 30.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def make(path: Path, delay_s: float = 0.002) -> RolloutManager:
+    return RolloutManager(FakeEngine(delay_s=delay_s), BufferStore(path / "b.sqlite"))
+
+
+async def listed_state(mgr: RolloutManager, gid: str) -> str | None:
+    return mgr.listed(await mgr.read_group(gid)).state
+
+
+def test_continue_keeps_generating_after_the_answer(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path)
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 300)], on_quota="continue")
+        r = await rollout(mgr, req)
+        assert [g.group_id for g in r.groups] == ["quick"]
+        assert r.buffered_group_ids == ["long"]
+        # The call has answered; the straggler goes on, listed as buffered and running.
+        await until(lambda: "long" in mgr.background.running_groups())
+        assert await listed_state(mgr, "long") == "running"
+        assert len(mgr.buffer.idle) == 1  # still counted as buffered
+        await until(lambda: not mgr.background.running_groups())
+        assert await listed_state(mgr, "long") == "finished"
+        (s,) = (await mgr.read_group("long")).samples
+        assert s.status == "truncated" and s.output_ids == reference(300)
+        # The next call gets it at once, without generating anything.
+        calls = len(mgr.engine.calls)  # type: ignore[attr-defined]
+        r2 = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+        assert [g.group_id for g in r2.groups] == ["long"]
+        assert len(mgr.engine.calls) == calls  # type: ignore[attr-defined]
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_call_takes_over_a_group_still_generating(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.004)
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
+        await rollout(mgr, req)
+        await until(lambda: "long" in mgr.background.running_groups())
+        await asyncio.sleep(0.2)
+        # A call claims it mid-generation: the background gives way, the call finishes it.
+        r = await rollout(mgr, RolloutReq(groups=[spec("new", 500)], target_groups=1))
+        assert [g.group_id for g in r.groups] == ["long"]
+        (s,) = r.groups[0].samples
+        assert s.output_ids == reference(400)  # nothing lost or generated twice
+        assert len(s.segments) >= 3  # call, background, call
+        assert sum(x.end - x.start for x in s.segments) == 400
+        # ... and "new", which that call started, went back to the buffer idle (snapshot).
+        assert not mgr.background.wanted
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_prefetched_groups_generate_before_any_call(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path)
+        resp = await add_groups(mgr, GroupsReq(groups=[spec("p1", 50, n=2), spec("p2", 60)]))
+        assert resp.group_ids == ["p1", "p2"] and resp.started_samples == 3
+        await until(lambda: all(mgr.buffer.idle.get(g).unfinished == 0 for g in ("p1", "p2")))
+        await until(lambda: not mgr.running and not mgr.background.running_groups())
+        for gid, budget in (("p1", 50), ("p2", 60)):
+            g = await mgr.read_group(gid)
+            assert mgr.listed(g).state == "finished"
+            assert all(s.output_ids == reference(budget) for s in g.samples)
+        r = await rollout(mgr, RolloutReq(groups=[], target_groups=2))
+        assert sorted(g.group_id for g in r.groups) == ["p1", "p2"]
+        # start: idle only buffers; bad input adds nothing; a retry returns the same answer.
+        idle = GroupsReq(groups=[spec("i1", 5)], start="idle", request_id="pre-1")
+        assert (await add_groups(mgr, idle)).started_samples == 0
+        assert await add_groups(mgr, idle) == (await add_groups(mgr, idle))
+        await asyncio.sleep(0.1)
+        assert await listed_state(mgr, "i1") == "idle" and not mgr.running
+        with pytest.raises(ApiError):
+            await add_groups(mgr, GroupsReq(groups=[spec("i2", 5), spec("i1", 5)]))
+        assert not mgr.buffer.known("i2")
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_abort_and_delete_stop_background_samples_for_good(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.005)
+        await add_groups(mgr, GroupsReq(groups=[spec("a", 450), spec("d", 450)]))
+        await until(lambda: len(mgr.background.running_groups()) == 2)
+        await asyncio.sleep(0.1)
+        await mgr.delete("d")
+        assert not mgr.buffer.known("d")
+        out = await mgr.abort(AbortReq(all=True, keep="tokens"))
+        assert [s.sample_id for s in out.samples] == ["a/0"]
+        assert 0 < len(out.samples[0].output_ids) < 450
+        await asyncio.sleep(0.2)
+        assert not mgr.running and not mgr.background.wanted  # not restarted later
+        r = await rollout(mgr, RolloutReq(groups=[spec("x", 2)], target_groups=1))
+        await asyncio.sleep(0.1)
+        assert [g.group_id for g in r.groups] == ["x"] and not mgr.running
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_restart_keeps_what_was_persisted(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.005)
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 480)], on_quota="continue")
+        await rollout(mgr, req)
+        (stored,) = mgr.store.load_all()  # what the answer acknowledged
+        acknowledged = len(stored.samples[0].output_ids)
+        await until(lambda: "long" in mgr.background.running_groups())
+        await asyncio.sleep(0.1)
+        # A crash now: the store holds what the call's answer acknowledged (the process dies
+        # without handing anything back).
+        mgr.store.close()
+        again = make(tmp_path)
+        (s,) = (await again.read_group("long")).samples
+        assert s.status == "partial" and len(s.output_ids) >= acknowledged
+        assert s.output_ids == reference(480)[: len(s.output_ids)]
+        assert not again.background.wanted  # a restart treats them like any buffered group
+        again.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_weight_update_cuts_background_segments_at_the_version_boundary(
+    tmp_path: Path,
+) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.003)
+        await add_groups(mgr, GroupsReq(groups=[spec("w", 300)]))
+        await until(lambda: bool(mgr.running))
+        await asyncio.sleep(0.2)
+        await mgr.segments.before_update()
+        await until(lambda: not mgr.engine.active)  # type: ignore[attr-defined]
+        mgr.engine.version = "1"  # type: ignore[attr-defined]
+        mgr.segments.after_update()
+        await until(lambda: not mgr.running)
+        (s,) = (await mgr.read_group("w")).samples
+        assert [x.weight_version for x in s.segments] == ["0", "1"]
+        assert s.segments[0].end == s.segments[1].start > 0
+        assert s.output_ids == reference(300)
+        mgr.check_integrity()
+
+    asyncio.run(go())
