@@ -14,6 +14,7 @@ from april_server.protocol import (
     AbortResp,
     DeleteResp,
     Group,
+    GroupsResp,
     Keep,
     KvMode,
     OnQuota,
@@ -149,6 +150,22 @@ class AsyncAprilClient(_ClientBase):
             stream=True,
         )
         return AsyncRolloutStream(call, self._url(call), lambda: self._open_stream(call))
+
+    async def add_groups(
+        self,
+        groups: GroupArg,
+        *,
+        start: Literal["background", "idle"] = "background",
+        max_staleness: int | None = None,
+        request_id: str | None = None,
+    ) -> GroupsResp:
+        """POST /groups: hand groups in without waiting (prefetch); `background` generates
+        them between calls, `idle` only buffers them. A later call serves them."""
+        return await self._send(
+            routes.add_groups(
+                groups, start=start, max_staleness=max_staleness, request_id=request_id
+            )
+        )
 
     async def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
         """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""

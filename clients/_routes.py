@@ -23,6 +23,8 @@ from april_server.protocol import (
     Group,
     GroupFinishedEvent,
     GroupSpec,
+    GroupsReq,
+    GroupsResp,
     Keep,
     KvMode,
     OnQuota,
@@ -58,6 +60,7 @@ _any_decoder = msgspec.json.Decoder()
 _dict_decoder = msgspec.json.Decoder(dict[str, Any])
 _rollout_decoder = msgspec.json.Decoder(RolloutResp)
 _abort_decoder = msgspec.json.Decoder(AbortResp)
+_groups_decoder = msgspec.json.Decoder(GroupsResp)
 _resume_decoder = msgspec.json.Decoder(ResumeResp)
 _partials_decoder = msgspec.json.Decoder(PartialsResp)
 _group_decoder = msgspec.json.Decoder(Group)
@@ -232,6 +235,29 @@ def rollout(
         "POST",
         f"{PREFIX}/rollouts",
         _rollout_decoder.decode,
+        _encode_req(req),
+        idempotent=request_id is not None,
+        rid=request_id,
+    )
+
+
+def add_groups(
+    groups: Sequence[GroupSpec | Mapping[str, Any]],
+    *,
+    start: Literal["background", "idle"],
+    max_staleness: int | None,
+    request_id: str | None,
+) -> Call[GroupsResp]:
+    req = GroupsReq(
+        groups=group_specs(groups),
+        start=start,
+        max_staleness=max_staleness,
+        request_id=request_id,
+    )
+    return Call(
+        "POST",
+        f"{PREFIX}/groups",
+        _groups_decoder.decode,
         _encode_req(req),
         idempotent=request_id is not None,
         rid=request_id,

@@ -17,6 +17,7 @@ from april_server.protocol import (
     AbortResp,
     DeleteResp,
     Group,
+    GroupsResp,
     Keep,
     KvMode,
     OnQuota,
@@ -155,6 +156,22 @@ class AprilClient(_ClientBase):
             stream=True,
         )
         return RolloutStream(call, self._url(call), lambda: self._open_stream(call))
+
+    def add_groups(
+        self,
+        groups: GroupArg,
+        *,
+        start: Literal["background", "idle"] = "background",
+        max_staleness: int | None = None,
+        request_id: str | None = None,
+    ) -> GroupsResp:
+        """POST /groups: hand groups in without waiting (prefetch); `background` generates
+        them between calls, `idle` only buffers them. A later call serves them."""
+        return self._send(
+            routes.add_groups(
+                groups, start=start, max_staleness=max_staleness, request_id=request_id
+            )
+        )
 
     def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
         """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""

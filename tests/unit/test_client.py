@@ -26,7 +26,15 @@ from april_client import (
     Unauthorized,
 )
 from april_client.client import DEFAULT_TIMEOUT
-from april_server.protocol import AbortResp, DeleteResp, Group, GroupSpec, ResumeResp, RolloutResp
+from april_server.protocol import (
+    AbortResp,
+    DeleteResp,
+    Group,
+    GroupSpec,
+    GroupsResp,
+    ResumeResp,
+    RolloutResp,
+)
 from tests.unit.client_fakes import (
     GROUP,
     ROLLOUT,
@@ -63,6 +71,16 @@ ROUTES: list[tuple[Callable[[Any], Any], str, str, Any, httpx.Response, Callable
     (lambda c: c.rollout([], 3, resume_first=False), "POST", "/april/v1/rollouts",
      {"target_groups": 3, "resume_first": False}, answer(body=ROLLOUT),
      lambda r: r.buffered_group_ids == ["h"]),
+    (lambda c: c.rollout([SPEC], 1, on_quota="continue"), "POST", "/april/v1/rollouts",
+     {"groups": [SPEC], "on_quota": "continue"}, answer(body=ROLLOUT),
+     lambda r: isinstance(r, RolloutResp)),
+    (lambda c: c.add_groups([SPEC], request_id="p1"), "POST", "/april/v1/groups",
+     {"groups": [SPEC], "request_id": "p1"},
+     answer(body={"group_ids": ["g"], "started_samples": 1}),
+     lambda r: isinstance(r, GroupsResp) and r.started_samples == 1),
+    (lambda c: c.add_groups([SPEC], start="idle"), "POST", "/april/v1/groups",
+     {"groups": [SPEC], "start": "idle"}, answer(body={"group_ids": ["g"], "started_samples": 0}),
+     lambda r: r.group_ids == ["g"]),
     (lambda c: c.reject("b/1", ["g"]), "POST", "/april/v1/rollouts/b%2F1/reject",
      {"group_ids": ["g"]}, answer(body={"batch_id": "b/1", "rejected": ["g"]}),
      lambda r: r == {"batch_id": "b/1", "rejected": ["g"]}),
