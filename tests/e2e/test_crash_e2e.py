@@ -101,3 +101,38 @@ def test_crash_during_and_after_calls(tmp_path: Path) -> None:
             assert partials(c) == []
     finally:
         srv.stop()
+
+
+def test_crash_during_background_generation_loses_no_acknowledged_token(tmp_path: Path) -> None:
+    """#19: kill -9 while stragglers of an answered call (`on_quota: continue`) and prefetched
+    groups generate in the background; after a restart every acknowledged token is there."""
+    srv = ServerProc(state_dir=tmp_path)
+    srv.start()
+    try:
+        with srv.client() as c:
+            body = {
+                "groups": [group("fast", [3], [4]), group("slow", [8, 9], [3000])],
+                "target_groups": 1,
+                "on_quota": "continue",
+            }
+            r = ok(c.post(R + "/rollouts", json=body))
+            assert r["buffered_group_ids"] == ["slow"]
+            acked = ok(c.get(R + "/partials/slow"))["samples"][0]["output_ids"]
+            pre = ok(c.post(R + "/groups", json={"groups": [group("pre", [5], [3000])]}))
+            assert pre["group_ids"] == ["pre"]
+            deadline = time.monotonic() + 60
+            while ok(c.get(R + "/stats"))["background_running_samples"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(0.5)
+        srv.kill9()
+        srv.start()
+        with srv.client() as c:
+            slow = ok(c.get(R + "/partials/slow"))
+            assert slow["state"] == "idle"  # a restart treats them like any buffered group
+            got = slow["samples"][0]["output_ids"]
+            assert len(got) >= len(acked) > 0 and got[: len(acked)] == acked
+            assert ok(c.get(R + "/partials/pre"))["samples"][0]["status"] == "partial"
+            assert ok(c.get(R + "/stats"))["background_groups"] == 0
+    finally:
+        srv.stop()

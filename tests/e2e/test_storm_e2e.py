@@ -39,9 +39,23 @@ class Ledger:
 def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -> bool:
     """One random operation; False when it had nothing to act on (no call made)."""
     op = rng.choices(
-        ["rollout", "rollout_snap", "abort", "resume", "delete", "bump", "drop_call"],
-        weights=[30, 25, 10, 15, 10, 1, 5],
-    )[0]
+        ["rollout", "rollout_snap", "abort", "resume", "delete", "bump", "drop_call",
+         "rollout_continue", "prefetch"],
+        weights=[30, 25, 10, 15, 10, 1, 5, 10, 5],
+    )[0]  # fmt: skip
+    if op == "prefetch":  # into the background (#19): they generate between calls
+        gids = [f"p{who}-{k}-{i}" for i in range(rng.randint(1, 2))]
+        groups = [group(g, [rng.randint(1, 300)], [rng.randint(1, 40)]) for g in gids]
+        r = c.post(
+            R + "/groups", json={"groups": groups, "start": rng.choice(["background", "idle"])}
+        )
+        led.statuses[r.status_code] += 1
+        if r.status_code == 200:
+            with led.lock:
+                led.created += gids
+        else:
+            led.errors.append(f"prefetch {r.status_code} {r.text[:200]}")
+        return True
     if op.startswith("rollout") or op == "drop_call":
         gids = [f"c{who}-{k}-{i}" for i in range(rng.randint(0, 3))]
         groups = [group(g, [rng.randint(1, 300)], [rng.randint(1, 40) for _ in range(2)])
@@ -52,7 +66,11 @@ def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -
         body = {
             "groups": groups,
             "target_groups": max(1, min(len(gids) + idle, rng.randint(1, 3))),
-            "on_quota": {"rollout": "tokens", "rollout_snap": "snapshot"}.get(op, "drop"),
+            "on_quota": {
+                "rollout": "tokens",
+                "rollout_snap": "snapshot",
+                "rollout_continue": "continue",
+            }.get(op, "drop"),  # fmt: skip
         }
         r = c.post(R + "/rollouts", json=body)
         led.statuses[r.status_code] += 1
@@ -120,8 +138,11 @@ def test_storm(tiny_server: ServerProc) -> None:
     assert not led.errors, led.errors[:5]
     assert not [s for s in led.statuses if s >= 500], led.statuses
     with tiny_server.client(timeout=120) as c:
+        # The background may still be generating: an abort stops it (and leaks nothing).
+        assert c.post(R + "/abort", json={"all": True, "keep": "tokens"}).status_code == 200
         stats = c.get(R + "/stats").json()
         assert stats["running_samples"] == 0 and stats["active_calls"] == 0
+        assert stats["background_groups"] == 0
         buffered = {g["group_id"]: g for g in c.get(R + "/partials").json()["groups"]}
         live_bytes = sum(s["snapshot_bytes"] for g in buffered.values() for s in g["samples"])
         assert stats["snapshot_bytes_used"] == live_bytes
