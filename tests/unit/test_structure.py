@@ -30,7 +30,11 @@ def test_the_door_package_is_the_only_importer_of_sglang() -> None:
 
 
 def test_bookkeeping_is_plain_python() -> None:
-    for name in ("samples.py", "manager.py", "rollout.py", "store.py", "protocol.py"):
+    for name in (
+        "samples.py", "manager.py", "rollout.py", "store.py", "protocol.py", "quota.py",
+        "call_state.py", "call_refill.py", "call_end.py", "idempotency.py", "background.py",
+        "prefetch.py",
+    ):  # fmt: skip
         mods = imported_modules(ROOT / "april_server" / name)
         assert not {m.split(".")[0] for m in mods} & {"torch", "sglang", "triton"}, name
 

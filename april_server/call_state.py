@@ -1,0 +1,39 @@
+"""What one `/rollouts` call holds while it runs (`rollout.py` drives it; `call_refill.py`
+starts its groups, `call_end.py` winds it down)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING
+
+from april_server.protocol import Group, RolloutReq, StreamEvent
+from april_server.quota import QuotaTracker
+from april_server.segments import CallTally
+
+if TYPE_CHECKING:
+    from april_server.manager import RolloutManager
+
+
+class CallState:
+    def __init__(
+        self, mgr: RolloutManager, req: RolloutReq, handed_in: frozenset[str] = frozenset()
+    ) -> None:
+        self.mgr = mgr
+        self.req = req
+        self.handed_in = handed_in  # sent groups an earlier attempt of this request_id buffered
+        self.batch_id = f"b-{uuid.uuid4().hex[:12]}"
+        self.quota = QuotaTracker(req.target_groups)
+        self.tally = CallTally()
+        self.group_ids: list[str] = []  # every group this call holds, in the order claimed
+        self.fresh: deque[str] = deque()  # sent groups not started yet
+        self.ready: deque[str] = deque()  # claimed buffered groups not started yet
+        self.events: asyncio.Queue[StreamEvent | None] | None = None
+        self.started: set[str] = set()
+        self.stopped = False
+        self.wakeup = asyncio.Event()
+        self.inflight_target: int | None = None
+        self.peak_running = 0
+        self.discarded: list[Group] = []
+        self.tasks: dict[asyncio.Task[None], str] = {}  # segment tasks not yet collected
