@@ -151,16 +151,7 @@ class Background:
             and not mgr.admission.fits(unfinished, kv_need(context, remaining))
         ):
             return None
-        n = 0
-        for s in group.samples:
-            if S.is_finished(s):
-                continue
-            if S.remaining_budget(s) <= 0:
-                s.status, s.finish_reason = "truncated", "length"
-                continue
-            ends[mgr.start_sample(s, OWNER, self.tally, self.wanted.get(gid))] = gid
-            n += 1
-        return n
+        return mgr.start_group(gid, OWNER, self.tally, self.wanted.get(gid), ends)
 
     async def _hand_back(self, group_ids: list[str]) -> None:
         """Persist these held groups and return them to the idle buffer; finished ones leave

@@ -132,17 +132,7 @@ class Refill(CallState):
                     self._emit_finished(gid)
 
     def _start_group(self, gid: str, tasks: dict[asyncio.Task[None], str]) -> int:
-        group = self.mgr.groups[gid]
-        n = 0
-        for s in group.samples:
-            if S.is_finished(s):
-                continue
-            if S.remaining_budget(s) <= 0:
-                s.status, s.finish_reason = "truncated", "length"
-                continue
-            t = self.mgr.start_sample(s, self.batch_id, self.tally, self.req.max_staleness)
-            tasks[t] = gid
-            n += 1
+        n = self.mgr.start_group(gid, self.batch_id, self.tally, self.req.max_staleness, tasks)
         if n:
             self.started.add(gid)
         return n

@@ -198,6 +198,27 @@ class RolloutManager:
             kv_mode,
         )
 
+    def start_group(
+        self,
+        gid: str,
+        owner: str,
+        tally: CallTally,
+        max_staleness: int | None,
+        tasks: dict[asyncio.Task[None], str],
+    ) -> int:
+        """Start every unfinished member of claimed group `gid` (one out of budget is marked
+        truncated instead); their tasks go into `tasks`. Returns how many started."""
+        n = 0
+        for s in self.groups[gid].samples:
+            if S.is_finished(s):
+                continue
+            if S.remaining_budget(s) <= 0:
+                s.status, s.finish_reason = "truncated", "length"
+                continue
+            tasks[self.start_sample(s, owner, tally, max_staleness)] = gid
+            n += 1
+        return n
+
     async def stop_running(self, runs: list[Running], keep: Keep | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
         await self.segments.stop(runs, keep)

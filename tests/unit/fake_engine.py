@@ -10,8 +10,9 @@ import asyncio
 import hashlib
 from typing import Any
 
-from april_server.engine_base import BaseEngine
+from april_server.engine_base import BaseEngine, SnapshotEngine
 from april_server.errors import bad_request
+from april_server.placement import Slot
 from april_server.samples import SegmentResult
 
 EOS = 2
@@ -83,3 +84,41 @@ class FakeEngine(BaseEngine):
 
     def abort(self, rid: str) -> None:
         self.aborted.add(rid)
+
+
+class SnapshotFakeEngine(FakeEngine, SnapshotEngine):
+    """Takes a snapshot of a marked request that ends by abort (100 bytes); `info_delay_s`
+    makes `snapshot_info` answer late, like a busy scheduler."""
+
+    def __init__(self, delay_s: float = 0.002, info_delay_s: float = 0.0) -> None:
+        super().__init__(delay_s=delay_s)
+        self.info_delay_s = info_delay_s
+        self.marks: dict[str, str] = {}
+        self.snaps: set[str] = set()
+
+    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
+        self.marks[rid] = key
+
+    async def generate(
+        self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
+    ) -> SegmentResult:
+        out = await super().generate(rid, input_ids, sampling_params)
+        if out.finish_reason == "abort" and rid in self.marks:
+            self.snaps.add(self.marks[rid])
+        return out
+
+    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
+        return 0
+
+    async def release_snapshot(self, key: str, slot: Slot) -> None:
+        return None
+
+    async def drop_snapshot(self, key: str, slot: Slot) -> None:
+        self.snaps.discard(key)
+
+    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
+        await asyncio.sleep(self.info_delay_s)
+        return {"tokens": 1, "bytes": 100} if key in self.snaps else None
+
+    async def snapshot_stats(self) -> dict[str, Any]:
+        return {"snapshot_bytes": 100 * len(self.snaps)}

@@ -19,16 +19,14 @@ from fastapi import FastAPI
 from april_server import store as store_mod
 from april_server.app import create_router
 from april_server.buffer_index import BufferIndex, PartialsFilter, summarize
-from april_server.engine_base import SnapshotEngine
 from april_server.errors import ApiError
 from april_server.inflight import EngineCapacity
 from april_server.manager import RolloutManager
-from april_server.placement import Slot
 from april_server.protocol import AbortReq, GroupSpec, RolloutReq
 from april_server.rollout import rollout
 from april_server.store import BufferStore
 from april_server.synthetic import fill, synthetic_group
-from tests.unit.fake_engine import FakeEngine
+from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
 R = "/april/v1"
 NO_EOS = {"ignore_eos": True}
@@ -326,44 +324,10 @@ def test_cancelled_api_error_leaves_nothing_claimed(tmp_path: Path) -> None:
 # ---- a segment that ends during the wind-down --------------------------------------------------
 
 
-class SlowInfoSnapshotEngine(FakeEngine, SnapshotEngine):
-    """Takes a snapshot of a marked request that ends by abort; answers `snapshot_info` late
-    (a busy scheduler), so a segment lingers after its request returned."""
-
-    def __init__(self) -> None:
-        super().__init__(delay_s=0.005)
-        self.marks: dict[str, str] = {}
-        self.snaps: set[str] = set()
-
-    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
-        self.marks[rid] = key
-
-    async def generate(self, rid: str, ids: list[int], params: dict[str, Any]) -> Any:
-        out = await super().generate(rid, ids, params)
-        if out.finish_reason == "abort" and rid in self.marks:
-            self.snaps.add(self.marks[rid])
-        return out
-
-    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
-        return 0
-
-    async def release_snapshot(self, key: str, slot: Slot) -> None:
-        return None
-
-    async def drop_snapshot(self, key: str, slot: Slot) -> None:
-        self.snaps.discard(key)
-
-    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
-        await asyncio.sleep(0.3)
-        return {"tokens": 1, "bytes": 100} if key in self.snaps else None
-
-    async def snapshot_stats(self) -> dict[str, Any]:
-        return {}
-
-
 def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> None:
     async def go() -> None:
-        eng = SlowInfoSnapshotEngine()
+        # snapshot_info answers late: a segment lingers after its request returned
+        eng = SnapshotFakeEngine(delay_s=0.005, info_delay_s=0.3)
         mgr = RolloutManager(eng, BufferStore(None))
         groups = [
             GroupSpec("long", input_ids=[1, 2], sampling_params={"max_new_tokens": 400, **NO_EOS}),

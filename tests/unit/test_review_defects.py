@@ -10,14 +10,12 @@ from typing import Any
 
 import pytest
 
-from april_server.engine_base import SnapshotEngine
 from april_server.errors import ApiError
 from april_server.manager import RolloutManager
-from april_server.placement import Slot
 from april_server.protocol import GroupSpec, RejectReq, RolloutReq
 from april_server.rollout import rollout
 from april_server.store import BufferStore
-from tests.unit.fake_engine import FakeEngine
+from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
 NO_EOS = {"ignore_eos": True, "temperature": 0.0}
 
@@ -265,42 +263,9 @@ def test_a_reject_race_loses_no_group(tmp_path: Path) -> None:
 # ---- 8: a staleness restart frees the snapshot it makes useless ------------------------------
 
 
-class SnapshotFake(FakeEngine, SnapshotEngine):
-    """Keeps a snapshot of each marked request that ends by abort; counts what is held."""
-
-    def __init__(self) -> None:
-        super().__init__(delay_s=0.002)
-        self.marks: dict[str, str] = {}
-        self.snaps: set[str] = set()
-
-    def send_mark(self, rid: str, key: str, slot: Slot) -> None:
-        self.marks[rid] = key
-
-    async def generate(self, rid: str, ids: list[int], params: dict[str, Any]) -> Any:
-        out = await super().generate(rid, ids, params)
-        if out.finish_reason == "abort" and rid in self.marks:
-            self.snaps.add(self.marks[rid])
-        return out
-
-    async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
-        return 0
-
-    async def release_snapshot(self, key: str, slot: Slot) -> None:
-        return None
-
-    async def drop_snapshot(self, key: str, slot: Slot) -> None:
-        self.snaps.discard(key)
-
-    async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
-        return {"tokens": 1, "bytes": 100} if key in self.snaps else None
-
-    async def snapshot_stats(self) -> dict[str, Any]:
-        return {"snapshot_bytes": 100 * len(self.snaps)}
-
-
 def test_a_staleness_restart_frees_the_snapshot(tmp_path: Path) -> None:
     async def go() -> None:
-        eng = SnapshotFake()
+        eng = SnapshotFakeEngine()
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="snapshot")
         await rollout(mgr, req)
