@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 from april_server import samples as S
 from april_server.buffer_index import open_footprint
 from april_server.inflight import kv_need
-from april_server.segments import CallTally
+from april_server.segments import BACKGROUND, CallTally
 
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager
 
 logger = logging.getLogger(__name__)
-OWNER = "background"
+OWNER = BACKGROUND
 
 
 class Background:

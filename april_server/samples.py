@@ -162,12 +162,16 @@ def plan_continuation(
     max_staleness: int | None,
     history: Sequence[str] = (),
     override_params: dict[str, Any] | None = None,
+    by_oldest: bool = False,
 ) -> Continuation:
     """The engine input for the next segment of an unfinished sample. Mutates `sample` only
-    when staleness forces a restart (its stale output is discarded, by the caller's policy)."""
+    when staleness forces a restart (its stale output is discarded, by the caller's policy).
+    Staleness is the newest segment's lag; `by_oldest` (background samples, which would
+    otherwise keep extending old work) judges by the oldest kept token's."""
     restarted = False
     if sample.segments and max_staleness is not None:
-        lag = version_lag(sample.segments[-1].weight_version, weight_version, history)
+        judged = sample.segments[0 if by_oldest else -1]
+        lag = version_lag(judged.weight_version, weight_version, history)
         if lag > max_staleness:
             reset_output(sample)
             restarted = True

@@ -35,6 +35,7 @@ from april_server.protocol import Keep, KvMode, Sample
 
 logger = logging.getLogger(__name__)
 
+BACKGROUND = "background"  # the owner of background segments (background.py)
 ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
 ENGINE_WAIT_S = 30.0  # how long a segment whose engine went away waits for a healthy one
 HEALTH_POLL_S = 0.5
@@ -147,7 +148,9 @@ class SegmentRunner:
         # Where its snapshot lives, read before planning: a staleness restart clears the
         # sample's figures, and the snapshot it makes useless must still be freed.
         held = K.held_at(sample) if self.snap is not None else None
-        cont = S.plan_continuation(sample, version, max_staleness, history, override_params)
+        cont = S.plan_continuation(
+            sample, version, max_staleness, history, override_params, owner == BACKGROUND
+        )
         if cont.restarted:
             self.counters.staleness_restarts += 1
             tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
@@ -368,7 +371,12 @@ class SegmentRunner:
         sample = run.sample
         version = self.version_now()
         cont = S.plan_continuation(
-            sample, version, run.max_staleness, self.history, run.override_params
+            sample,
+            version,
+            run.max_staleness,
+            self.history,
+            run.override_params,
+            run.owner == BACKGROUND,
         )
         if cont.restarted:
             self.counters.staleness_restarts += 1

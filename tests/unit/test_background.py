@@ -185,3 +185,27 @@ def test_a_weight_update_cuts_background_segments_at_the_version_boundary(
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_a_background_sample_restarts_when_its_oldest_token_gets_too_stale(
+    tmp_path: Path,
+) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.004)
+        await add_groups(mgr, GroupsReq(groups=[spec("o", 400)], max_staleness=1))
+        for version in ("1", "2"):  # two pushes while it generates
+            await until(lambda: bool(mgr.running))
+            await asyncio.sleep(0.15)
+            await mgr.segments.before_update()
+            await until(lambda: not mgr.engine.active)  # type: ignore[attr-defined]
+            mgr.engine.version = version  # type: ignore[attr-defined]
+            mgr.segments.after_update()
+        await until(lambda: not mgr.running)
+        (s,) = (await mgr.read_group("o")).samples
+        # After the second push its oldest token would be 2 versions old (> 1): it restarted
+        # from its prompt instead of extending stale work.
+        assert mgr.counters.staleness_restarts == 1
+        assert [x.weight_version for x in s.segments] == ["2"]
+        assert s.output_ids == reference(400)
+
+    asyncio.run(go())
