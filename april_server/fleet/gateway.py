@@ -140,7 +140,18 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             raise ApiError(
                 400, "invalid_request", "send {'model_path': ..., 'weight_version': ...}"
             )
-        out = await fleet.update_weights(body)
+        # As on an engine server (door/weight_hooks.py): the segments this owner runs are cut
+        # at the version boundary, so the engines' updates need not wait for stragglers, and
+        # go on under the new weights afterwards. A caller that aborts everything gets that.
+        mgr = holder.peek()
+        cut = mgr is not None and not body.get("abort_all_requests", False)
+        if mgr is not None and cut:
+            await mgr.segments.before_update()
+        try:
+            out = await fleet.update_weights(body)
+        finally:
+            if mgr is not None and cut:
+                mgr.segments.after_update()
         return JSONResponse(out, status_code=200 if out["success"] else 502)
 
     @app.post("/generate")

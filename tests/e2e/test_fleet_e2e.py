@@ -340,3 +340,42 @@ def test_kill9_of_an_engine_mid_call_loses_nothing(http: httpx.Client, fleet: Fl
         fleet.name(0),
         victim,
     }  # both serve again
+
+
+def test_a_push_through_the_owner_does_not_wait_for_stragglers(
+    http: httpx.Client, fleet: Fleet
+) -> None:
+    """#19: the owner cuts its segments on every engine at the version boundary before the
+    fan-out, so the push answers fast; the call goes on under the new weights, no token lost."""
+    from april_server.models import ensure_tiny_model
+
+    clear_buffer(http)
+    t0 = time.perf_counter()
+    body = {"model_path": str(ensure_tiny_model()), "weight_version": "fleet-idle"}
+    ok(http.post("/update_weights_from_disk", json=body))
+    idle = time.perf_counter() - t0
+    groups = [group(f"fp{i}", [50 + i, 3], [1500], ignore_eos=True) for i in range(2)]
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        with fleet.owner.client() as c:
+            out["r"] = c.post(R + "/rollouts", json={"groups": groups, "target_groups": 2})
+
+    t = threading.Thread(target=call)
+    t.start()
+    wait_for("both running", lambda: ok(http.get(R + "/stats"))["running_samples"] == 2)
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    body = {"model_path": str(ensure_tiny_model()), "weight_version": "fleet-cut"}
+    assert ok(http.post("/update_weights_from_disk", json=body))["success"]
+    busy = time.perf_counter() - t0
+    t.join(timeout=600)
+    r = ok(out["r"])
+    print(f"owner push idle {idle:.3f} s, during the call {busy:.3f} s")
+    assert busy < idle + 2.0, (busy, idle)
+    for g in r["groups"]:
+        (s,) = g["samples"]
+        versions = [x["weight_version"] for x in s["segments"]]
+        assert versions[0] == "fleet-idle" and versions[-1] == "fleet-cut", versions
+        assert len(s["output_ids"]) == sum(x["end"] - x["start"] for x in s["segments"]) == 1500
+    clear_buffer(http)
