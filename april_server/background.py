@@ -46,24 +46,32 @@ class Background:
     def __init__(self, mgr: RolloutManager) -> None:
         self.mgr = mgr
         self.wanted: dict[str, int | None] = {}  # group id -> the max_staleness it runs under
+        self.handed_by: dict[str, str] = {}  # group id -> the call that handed it in
         self.tally = CallTally()
         self._holds = 0  # calls and other operations that have paused the background
         self._task: asyncio.Task[None] | None = None
 
     # ---- what the rest of the server calls -------------------------------------------------
 
-    def add(self, group_ids: Iterable[str], max_staleness: int | None) -> None:
+    def add(self, group_ids: Iterable[str], max_staleness: int | None, handed_by: str = "") -> None:
         """Keep these buffered groups generating between calls (from the next round on)."""
         for gid in group_ids:
             self.wanted[gid] = max_staleness
+            self.handed_by[gid] = handed_by
         self.kick()
 
     def forget(self, group_ids: Iterable[str] | None = None) -> None:
         """Stop wanting these groups (all: None) in the background; they stay buffered."""
         if group_ids is None:
             self.wanted.clear()
+            self.handed_by.clear()
         for gid in group_ids or ():
             self.wanted.pop(gid, None)
+            self.handed_by.pop(gid, None)
+
+    def handed_in_by(self, batch_id: str) -> set[str]:
+        """The groups a call (its batch id) left generating here."""
+        return {gid for gid, b in self.handed_by.items() if b == batch_id}
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -76,12 +84,13 @@ class Background:
             self._holds -= 1
             self.kick()
 
-    def sample_ids(self) -> list[str]:
-        """Every sample of the groups wanted here (running now or not)."""
+    def sample_ids(self, among: set[str] | None = None) -> list[str]:
+        """Every sample of the groups wanted here (running now or not), or of those `among`."""
         idle = self.mgr.buffer.idle
         return [
             f"{gid}/{i}"
             for gid in self.wanted
+            if among is None or gid in among
             if (e := idle.get(gid)) is not None
             for i in range(e.num_samples)
         ]
@@ -109,7 +118,7 @@ class Background:
         try:
             await mgr.admission_ready()
             for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
-                del self.wanted[gid]  # delivered, deleted or dropped meanwhile
+                self.forget([gid])  # delivered, deleted or dropped meanwhile
             groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
             ends: dict[asyncio.Task[None], str] = {}
             left: dict[str, int] = {}
@@ -163,5 +172,5 @@ class Background:
         await mgr.persist([mgr.groups[g] for g in held], [])
         for gid in held:
             if S.group_finished(mgr.groups[gid]):
-                self.wanted.pop(gid, None)
+                self.forget([gid])
         mgr.buffer.release_in_place(OWNER, held)

@@ -112,7 +112,9 @@ class WindDown(CallState):
         if req.on_quota == "continue":  # they go on generating once this call has ended
             going_on = [g for g in buffered if g in self.started]
             mgr.background.add(
-                [g for g in going_on if not S.group_finished(mgr.groups[g])], req.max_staleness
+                [g for g in going_on if not S.group_finished(mgr.groups[g])],
+                req.max_staleness,
+                self.batch_id,
             )
         mgr.counters.returned_groups += len(returned)
         mgr.counters.dropped_groups += len(dropped)

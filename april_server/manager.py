@@ -231,11 +231,10 @@ class RolloutManager:
         if req.batch_id is not None:
             if req.batch_id not in self.calls and req.batch_id not in self.finished_batches:
                 raise not_found(f"unknown batch_id {req.batch_id!r}")
-        if req.all:
-            scope.update(self.background.sample_ids())
         # Background samples stop like any (with a snapshot when they are paused, the keep
         # asked for when they are aborted) and are no longer wanted there.
         named = self._groups_of(req)
+        scope.update(self.background.sample_ids(None if req.all else named))
         mine = [
             r
             for r in self.running.values()
@@ -246,9 +245,12 @@ class RolloutManager:
             self.background.forget(None if req.all else named)
             return await self._abort(req, scope)
 
-    @staticmethod
-    def _groups_of(req: AbortReq) -> set[str]:
-        return set(req.group_ids or []) | {s.rpartition("/")[0] for s in req.sample_ids or []}
+    def _groups_of(self, req: AbortReq) -> set[str]:
+        """The groups an abort names (a finished call's: those it left in the background)."""
+        named = set(req.group_ids or []) | {s.rpartition("/")[0] for s in req.sample_ids or []}
+        if req.batch_id is not None:
+            named |= self.background.handed_in_by(req.batch_id)
+        return named
 
     async def _abort(self, req: AbortReq, scope: set[str]) -> AbortResp:
         named = await self.buffer.read(list(dict.fromkeys(req.group_ids or [])))

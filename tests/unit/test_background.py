@@ -209,3 +209,18 @@ def test_a_background_sample_restarts_when_its_oldest_token_gets_too_stale(
         assert s.output_ids == reference(400)
 
     asyncio.run(go())
+
+
+def test_aborting_a_finished_call_stops_what_it_left_in_the_background(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.005)
+        req = RolloutReq(groups=[spec("q", 3), spec("left", 450)], on_quota="continue")
+        r = await rollout(mgr, req)
+        await until(lambda: "left" in mgr.background.running_groups())
+        out = await mgr.abort(AbortReq(batch_id=r.batch_id, keep="tokens"))
+        assert [s.sample_id for s in out.samples] == ["left/0"]
+        await asyncio.sleep(0.1)
+        assert not mgr.running and not mgr.background.wanted
+        mgr.check_integrity()
+
+    asyncio.run(go())
