@@ -119,8 +119,11 @@ def create_router(
     get_manager: Callable[[], RolloutManager],
     config: AprilConfig | None = None,
     auth: AuthPolicy | None = None,
+    engine_ready: Callable[[], None] = lambda: None,
 ) -> APIRouter:
-    """Routes over a manager that may be built lazily (SGLang starts its engine first)."""
+    """Routes over a manager that may be built lazily (SGLang starts its engine first).
+    `engine_ready` raises (503) when nothing could generate now: an owner whose engines are
+    all down still serves its buffer, but not generation."""
     router = APIRouter()
     config = config or AprilConfig()
     auth = auth or AuthPolicy()
@@ -146,6 +149,7 @@ def create_router(
         req = await decode(request, RolloutReq)
         check_limits(req, config)
         mgr = get_manager()
+        engine_ready()
         if not req.stream:
             return json_response(await rollout(mgr, req))
         return await stream_rollout(mgr, req)
@@ -184,7 +188,9 @@ def create_router(
     async def resume(request: Request) -> Response:
         """Continue buffered samples until they finish."""
         req = await decode(request, ResumeReq)
-        return json_response(ResumeResp(samples=await get_manager().resume(req)))
+        mgr = get_manager()
+        engine_ready()
+        return json_response(ResumeResp(samples=await mgr.resume(req)))
 
     @router.get(PREFIX + "/partials")
     @guarded
@@ -232,8 +238,13 @@ def create_router(
     # Open without a key, as SGLang keeps /metrics (its auth middleware exempts the path).
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
-        """The figures of /stats, and SGLang's own when it runs with --enable-metrics."""
-        text = prometheus_text(await get_manager().stats(), with_engine=True)
+        """The figures of /stats, and SGLang's own when it runs with --enable-metrics. A
+        server that cannot build its figures yet (an owner before any engine answered) says
+        so with 200: a scrape is not an error."""
+        try:
+            text = prometheus_text(await get_manager().stats(), with_engine=True)
+        except ApiError as exc:
+            text = f"# april-server: no figures yet: {exc.message}\n".encode()
         return Response(content=text, media_type=CONTENT_TYPE)
 
     return router

@@ -98,6 +98,11 @@ class BaseEngine(ABC):
     def healthy(self, slot: Slot) -> bool:
         return True
 
+    def capacity_key(self) -> object:
+        """What the engine's capacity depends on: when it changes, the admission bound is
+        sized again (an owner's healthy engines). Fixed for one server."""
+        return None
+
     async def generate_on(self, slot: Slot, call: SegmentCall) -> SegmentResult:
         """`generate` pinned to `slot` (an engine with one slot ignores it)."""
         return await self.generate(call.rid, call.input_ids, call.sampling_params)

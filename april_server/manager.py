@@ -100,7 +100,7 @@ class RolloutManager:
         ) = None
         self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
         self.background = Background(self)  # groups generating between calls
-        self._capacity_known = False
+        self._capacity_key: object = ()  # what the admission bound was sized for
 
     @property
     def groups(self) -> dict[str, Group]:
@@ -168,10 +168,14 @@ class RolloutManager:
         await self.buffer.persist(put, delete, call)
 
     async def admission_ready(self) -> Admission:
-        """The admission bound, once the engine said what it can run (fixed at start-up)."""
-        if not self._capacity_known:
-            self.admission.configure(await self.engine.capacity())
-            self._capacity_known = True
+        """The admission bound, sized from what the engine can run: once for one server, again
+        whenever an owner's pool of healthy engines changes (#23: it follows the pool)."""
+        key = self.engine.capacity_key()
+        if key != self._capacity_key:
+            capacity = await self.engine.capacity()
+            if capacity is not None:
+                self.admission.configure(capacity)
+                self._capacity_key = key
         return self.admission
 
     # ---- running segments (segments.py) -----------------------------------------------------

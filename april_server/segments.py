@@ -54,6 +54,9 @@ class Running:
     # A snapshot a staleness restart made useless, not yet handed to a plan to free.
     unplanned_drop: Slot | None = None
     cut: bool = False  # aborted at a weight update's version boundary, to continue after it
+    # Its segment was planned to restore the snapshot: whatever the restore achieved, the
+    # snapshot is still held where it was and is freed unless kept as the new one.
+    restore_planned: bool = False
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     max_staleness: int | None = None  # what its continuations are planned with
     override_params: dict[str, Any] | None = None
@@ -166,7 +169,7 @@ class SegmentRunner:
         run = Running(sample, owner, "", task, unplanned_drop=held if call is None else None)
         run.max_staleness, run.override_params = max_staleness, override_params
         if call is not None:
-            run.rid, run.slot = call.rid, call.slot
+            run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
             self._add_load(call.slot, 1, need)
         self.running[sample.sample_id] = run
         self.admission.take(1, need)
@@ -239,7 +242,7 @@ class SegmentRunner:
             if run.stopping:
                 break
             self._record(sample, out, cont, tally)
-            await self._settle(sample, out, True, False, False)
+            await self._settle(sample, out, True, False, False, run.restore_planned)
             if S.is_finished(sample):  # the abort landed on its last budgeted token
                 ended = None
                 break
@@ -258,13 +261,15 @@ class SegmentRunner:
         natural = out.result.finish_reason in ("stop", "length")
         if keep == "drop" and not natural:
             S.reset_output(sample)
-            await self._settle(sample, out, False, False, marked)
+            await self._settle(sample, out, False, False, marked, run.restore_planned)
             return
         self._record(sample, out, cont, tally)
         # "Interrupted" means still unfinished: an abort that lands on the last budgeted
         # token ends a finished sample, whose snapshot would never be used.
         if out.result.error is None:  # after an engine error, what was held stays as it was
-            await self._settle(sample, out, sample.status == "partial", keep == "snapshot", marked)
+            partial = sample.status == "partial"
+            tried = run.restore_planned
+            await self._settle(sample, out, partial, keep == "snapshot", marked, tried)
 
     async def _one_segment(
         self,
@@ -284,7 +289,7 @@ class SegmentRunner:
                 if call is None:
                     why = "stopped" if run.stopping else f"no healthy engine in {ENGINE_WAIT_S} s"
                     return self._failed(sample, run.slot, f"engine unavailable ({why})", tally)
-                run.rid, run.slot = call.rid, call.slot
+                run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
                 self._add_load(call.slot, 1, need)
             try:
                 return await self.engine.run_segment(call)
@@ -328,9 +333,18 @@ class SegmentRunner:
         return SegmentOutcome(S.SegmentResult([], [], None, version, error=why), slot)
 
     async def _settle(
-        self, sample: Sample, out: SegmentOutcome, interrupted: bool, wanted: bool, marked: bool
+        self,
+        sample: Sample,
+        out: SegmentOutcome,
+        interrupted: bool,
+        wanted: bool,
+        marked: bool,
+        tried_restore: bool,
     ) -> None:
-        verdict = K.after_segment(out.snapshot_bytes, interrupted, wanted, marked, out.restored > 0)
+        # A restore that made nothing visible (evicted pages, no free slots, a late answer)
+        # still leaves the snapshot in the store: it counts as restored here, or it leaks.
+        restored = out.restored > 0 or tried_restore
+        verdict = K.after_segment(out.snapshot_bytes, interrupted, wanted, marked, restored)
         if verdict == "keep" and out.snapshot_bytes:
             K.record(sample, out.snapshot_bytes, out.slot)
             return
@@ -383,7 +397,7 @@ class SegmentRunner:
             tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
         call = self._plan(sample, run.owner, cont, False, None)
         if call is not None:
-            run.rid, run.slot = call.rid, call.slot
+            run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
             self._add_load(call.slot, 1, need)
         return cont, call, False
 

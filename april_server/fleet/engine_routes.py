@@ -104,9 +104,14 @@ def create_engine_router(get_engine: Callable[[], BaseEngine], auth: AuthPolicy)
         engine = get_engine()
         watch = asyncio.ensure_future(_watch_owner(request, engine, call.rid))
         try:
-            return _ok(await engine.run_segment(call))
+            out = await engine.run_segment(call)
         finally:
             watch.cancel()
+        if watch.done() and not watch.cancelled() and isinstance(engine, SnapshotEngine):
+            # Its owner went away: nobody will learn of a snapshot its abort left, or free it.
+            if engine.snapshots_enabled and out.snapshot_bytes:
+                await engine.drop_snapshot(call.key, out.slot)
+        return _ok(out)
 
     @router.post(ENGINE_PREFIX + "/control")
     @guarded

@@ -39,6 +39,8 @@ from april_server.samples import SegmentResult
 logger = logging.getLogger(__name__)
 
 Discover = Callable[[], Awaitable[list[str]]]
+LEFT_REGISTRY = "left the registry"
+FORGET_AFTER_ROUNDS = 30  # probe rounds (1 s each) an engine may be missing before it is dropped
 
 
 class FleetEngine(SnapshotEngine):
@@ -63,6 +65,8 @@ class FleetEngine(SnapshotEngine):
         self.members: dict[str, RemoteEngine] = {}
         for url in urls:
             self._add(url)
+        self._static = set(self.members)  # given on the command line: never dropped
+        self._absent: dict[str, int] = {}  # discovered engines: rounds missing from the registry
         self.version: str | None = None  # the weights every engine in the pool runs
         self.last_update: dict[str, Any] | None = None  # replayed to engines that rejoin
         self.context_len = 0
@@ -75,6 +79,7 @@ class FleetEngine(SnapshotEngine):
         self._first_lock = asyncio.Lock()
         self._syncing: set[str] = set()
         self._rids: dict[str, RemoteEngine] = {}  # segments in flight -> their engine
+        self._held: dict[str, asyncio.Event] = {}  # segments a weight update holds back
         self._loop: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # some engine answered: sizes and version are known
 
@@ -120,14 +125,28 @@ class FleetEngine(SnapshotEngine):
             return
         listed = {engine_name(u) for u in urls}
         for url in urls:
-            if engine_name(url) not in self.members:
+            name = engine_name(url)
+            self._absent.pop(name, None)
+            if name not in self.members:
                 self._add(url).start()
-        for name, m in self.members.items():
-            if name not in listed and m.state != "down":
-                m.set_state("down", "left the registry")
+            elif self.members[name].why == LEFT_REGISTRY:
+                # Registered again (#23): probed from now on, and serves once healthy.
+                self.members[name].set_state("down", "back in the registry")
+                self.members[name].failures = 0
+        for name, m in list(self.members.items()):
+            if name in listed:
+                continue
+            if m.state != "down":
+                m.set_state("down", LEFT_REGISTRY)
+            self._absent[name] = self._absent.get(name, 0) + 1
+            if name not in self._static and self._absent[name] >= FORGET_AFTER_ROUNDS:
+                # Gone for good: dropped, like a dead engine (its snapshots went with it).
+                del self.members[name], self._absent[name]
+                await m.stop()
+                logger.warning("april: engine %s left the registry: dropped", name)
 
     async def _probe(self, m: RemoteEngine) -> None:
-        if self.discover is not None and m.why == "left the registry":
+        if self.discover is not None and m.why == LEFT_REGISTRY:
             return
         try:
             info = await m.probe()
@@ -197,6 +216,9 @@ class FleetEngine(SnapshotEngine):
     def pool(self) -> list[RemoteEngine]:
         return [m for m in self.members.values() if m.state == "healthy"]
 
+    def capacity_key(self) -> object:
+        return tuple(sorted(m.name for m in self.pool()))
+
     # ---- BaseEngine ---------------------------------------------------------------------
 
     def slots(self) -> list[Slot]:
@@ -224,7 +246,10 @@ class FleetEngine(SnapshotEngine):
         check_sampling_params(params, self.vocab_size)
 
     async def run_segment(self, call: SegmentCall) -> SegmentOutcome:
-        await self._open.wait()  # a weight update is reaching every engine
+        if not self._open.is_set() and await self._held_until_updated(call.rid):
+            # Stopped while a weight update held it back: it never reached an engine.
+            result = SegmentResult([], [], "abort", self.weight_version())
+            return SegmentOutcome(result, call.slot)
         m = self.member(call.slot)
         if m is None:
             raise EngineUnavailable(call.slot, "not in the fleet")
@@ -244,10 +269,25 @@ class FleetEngine(SnapshotEngine):
         call = SegmentCall(rid, rid, input_ids, sampling_params, slot)
         return (await self.run_segment(call)).result
 
+    async def _held_until_updated(self, rid: str) -> bool:
+        """Wait while a weight update reaches every engine; True if `rid` was aborted
+        meanwhile (an abort or a quota wind-down never waits for weights, #23)."""
+        stop = self._held[rid] = asyncio.Event()
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._open, stop)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            self._held.pop(rid, None)
+        return stop.is_set()
+
     def abort(self, rid: str) -> None:
         m = self._rids.get(rid)
         if m is not None:
             m.abort(rid)
+        elif (held := self._held.get(rid)) is not None:
+            held.set()
 
     # ---- snapshots: where they live -----------------------------------------------------
 

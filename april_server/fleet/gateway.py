@@ -37,6 +37,19 @@ from april_server.server import ManagerHolder
 
 logger = logging.getLogger(__name__)
 READY_WAIT_S = 600.0  # how long start-up waits for a first engine before serving 503s
+# The owner's routes that SGLang marks ADMIN_OPTIONAL on an engine server (0.5.23).
+ADMIN_ROUTES = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/update_weights_from_ipc",
+        "/flush_cache",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+    }
+)
 
 
 def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) -> FastAPI:
@@ -58,24 +71,35 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         await fleet.close()
 
     def get_manager() -> RolloutManager:
+        # The buffer lives here: reading it, deleting from it and aborting need no engine
+        # (#23); the manager is built once the first engine said what the fleet serves.
         if not fleet.ready.is_set():
             raise ApiError(503, "no_engine", "no engine server has answered yet")
-        if not fleet.pool():
-            raise ApiError(503, "no_engine", "no engine server is healthy")
         return holder.get()
 
+    def engine_ready() -> None:
+        """For the work that needs an engine (generation)."""
+        if not fleet.pool():
+            raise ApiError(503, "no_engine", "no engine server is healthy")
+
     app = FastAPI(title="april-server (owner)", lifespan=lifespan)
-    app.include_router(create_router(get_manager, config, auth))
+    app.include_router(create_router(get_manager, config, auth, engine_ready))
     extend_app(app)
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Callable[[Request], Any]) -> Response:
         # SGLang's own middleware is not here: the same rule, the owner's routes included.
-        if request.url.path not in ("/health", "/metrics"):
-            try:
-                auth.require_user(request.headers.get("authorization"))
-            except ApiError as exc:
-                return error_response(exc.status, exc.code, exc.message)
+        # Routes that act on every engine need the admin key when there is one, as SGLang's
+        # ADMIN_OPTIONAL routes do on an engine server (#23: the user key got through).
+        path = request.url.path
+        header = request.headers.get("authorization")
+        try:
+            if path in ADMIN_ROUTES:
+                auth.require_admin(header, path)
+            elif path not in ("/health", "/metrics"):
+                auth.require_user(header)
+        except ApiError as exc:
+            return error_response(exc.status, exc.code, exc.message)
         response: Response = await call_next(request)
         return response
 

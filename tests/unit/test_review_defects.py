@@ -282,3 +282,25 @@ def test_a_staleness_restart_frees_the_snapshot(tmp_path: Path) -> None:
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+# ---- 10: a restore that made nothing visible still frees the snapshot ------------------------
+
+
+def test_a_restore_that_restored_nothing_does_not_leak_the_snapshot(tmp_path: Path) -> None:
+    """The fake's restore makes nothing visible (as after an eviction of its pages, no free
+    slots, or a late answer), yet the store still holds the snapshot: the segment that tried
+    it must free it, or its bytes stay held after the buffer drained (#23 item 10)."""
+
+    async def go() -> None:
+        eng = SnapshotFakeEngine()
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        req = RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="snapshot")
+        await rollout(mgr, req)
+        assert eng.snaps == {"long/0"}
+        r = await rollout(mgr, RolloutReq(groups=[], target_groups=1))  # restore planned
+        assert [g.group_id for g in r.groups] == ["long"]
+        assert eng.snaps == set()  # before the fix: {"long/0"}, with nothing pointing at it
+        mgr.check_integrity()
+
+    asyncio.run(go())

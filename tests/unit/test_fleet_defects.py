@@ -1,0 +1,178 @@
+"""Regressions of the owner/fleet review defects (issue #23), over fake engine servers
+(httpx.MockTransport, `test_fleet.FakeServers`): each test failed on the code before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from april_server.auth import AuthPolicy
+from april_server.config import AprilConfig
+from april_server.engine_base import SegmentCall
+from april_server.fleet.fleet import FleetEngine
+from april_server.fleet.gateway import create_owner_app
+from april_server.fleet.wire import encoder
+from april_server.inflight import EngineCapacity
+from april_server.manager import RolloutManager
+from april_server.placement import Slot
+from april_server.store import BufferStore
+from tests.unit.test_fleet import FakeServers, fleet_over
+
+R = "/april/v1"
+
+
+class FiguredServers(FakeServers):
+    """Also answers `/figures` with a capacity per engine."""
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/april/v1/engine/figures":
+            return httpx.Response(200, content=encoder.encode({"capacity": [10, 1000]}))
+        return await super().__call__(request)
+
+
+# ---- 4: an engine that leaves smg's registry and comes back serves again ---------------------
+
+
+def test_an_engine_back_in_the_registry_serves_again_and_one_gone_is_dropped() -> None:
+    async def go() -> None:
+        servers = FakeServers(["a:1", "b:1"])
+        listed = ["http://a:1", "http://b:1"]
+
+        async def discover() -> list[str]:
+            return list(listed)
+
+        fleet = FleetEngine(
+            discover=discover,
+            make_client=lambda: httpx.AsyncClient(transport=httpx.MockTransport(servers)),
+        )
+        await fleet.probe_all()
+        assert {m.name for m in fleet.pool()} == {"a:1", "b:1"}
+        listed.remove("http://b:1")
+        await fleet.probe_all()
+        assert fleet.members["b:1"].state == "down"
+        listed.append("http://b:1")  # registered again
+        await fleet.probe_all()  # before the fix: skipped for good ("left the registry")
+        await fleet.probe_all()
+        assert fleet.members["b:1"].state == "healthy"
+        listed.remove("http://b:1")
+        for _ in range(40):  # it stays gone: dropped from the members
+            await fleet.probe_all()
+        assert set(fleet.members) == {"a:1"}
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+# ---- 6: admission follows the healthy pool --------------------------------------------------
+
+
+def test_admission_is_sized_again_when_the_pool_changes() -> None:
+    async def go() -> None:
+        servers = FiguredServers(["a:1", "b:1"])
+        fleet = fleet_over(servers, ["a:1", "b:1"])
+        await fleet.probe_all()
+        mgr = RolloutManager(fleet, BufferStore(None))
+        one = EngineCapacity(10, 1000)
+        await mgr.admission_ready()
+        two = mgr.admission.max_samples
+        servers.gone.add("b:1")
+        await fleet.probe_all()  # b leaves the pool
+        await mgr.admission_ready()
+        alone = mgr.admission.max_samples
+        assert alone < two  # before the fix: sized once, for two engines, for good
+        check = type(mgr.admission)()
+        check.configure(one)
+        assert alone == check.max_samples
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+# ---- 7: an abort never waits for a weight update ----------------------------------------------
+
+
+def test_a_segment_held_by_a_weight_update_stops_at_once_when_aborted() -> None:
+    async def go() -> None:
+        servers = FakeServers(["a:1"])
+        fleet = fleet_over(servers, ["a:1"])
+        await fleet.probe_all()
+        fleet._open.clear()  # a weight update is reaching the engines
+        call = SegmentCall("r1", "k", [1, 2], {"max_new_tokens": 5}, Slot("a:1", 0))
+        seg = asyncio.ensure_future(fleet.run_segment(call))
+        await asyncio.sleep(0.05)
+        fleet.abort("r1")  # before the fix: waited for the whole update
+        out = await asyncio.wait_for(seg, 2.0)
+        assert out.result.finish_reason == "abort" and out.result.output_ids == []
+        fleet._open.set()
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+# ---- 5 and 9: the owner's keys, and its buffer with no engine healthy --------------------------
+
+
+def owner(servers: FakeServers, auth: AuthPolicy) -> tuple[FleetEngine, Any]:
+    fleet = fleet_over(servers, ["a:1", "b:1"])
+    return fleet, create_owner_app(fleet, AprilConfig(), auth)
+
+
+def test_the_user_key_gets_403_on_every_admin_route_of_the_owner() -> None:
+    async def go() -> None:
+        servers = FakeServers(["a:1", "b:1"])
+        fleet, app = owner(servers, AuthPolicy("user", "admin"))
+        await fleet.probe_all()
+        user = {"authorization": "Bearer user"}
+        admin = {"authorization": "Bearer admin"}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+            body = {"model_path": "/m", "weight_version": "9"}
+            for path, payload in (
+                ("/update_weights_from_disk", body),
+                ("/flush_cache", None),
+                ("/abort_request", {"abort_all": True}),
+                (R + "/abort", {"all": True}),
+            ):
+                r = await c.post(path, json=payload, headers=user)
+                assert r.status_code == 403, (path, r.status_code, r.text)
+            assert (await c.delete(R + "/partials/x", headers=user)).status_code == 403
+            r = await c.post("/update_weights_from_disk", json=body, headers=admin)
+            assert r.status_code == 200, r.text
+            assert (await c.get(R + "/stats", headers=user)).status_code == 200
+            assert (await c.get(R + "/stats")).status_code == 401
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+def test_the_owner_serves_its_buffer_with_every_engine_down() -> None:
+    async def go() -> None:
+        servers = FakeServers(["a:1", "b:1"])
+        servers.hold_segments.set()
+        fleet, app = owner(servers, AuthPolicy())
+        await fleet.probe_all()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+            groups = [
+                {"group_id": g, "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+                for g in ("g1", "g2")
+            ]
+            body = {"groups": groups, "target_groups": 1, "max_inflight_groups": 1}
+            r = await c.post(R + "/rollouts", json=body)
+            assert r.status_code == 200, r.text
+            servers.gone |= {"a:1", "b:1"}
+            await fleet.probe_all()  # both refused: no engine healthy
+            assert not fleet.pool()
+            assert (await c.get(R + "/partials")).status_code == 200
+            assert (await c.get(R + "/partials/g2")).status_code == 200
+            assert (await c.get(R + "/stats")).status_code == 200
+            assert (await c.post(R + "/abort", json={"all": True})).status_code == 200
+            assert (await c.get("/metrics")).status_code == 200  # before: 500
+            assert (await c.delete(R + "/partials/g2")).status_code == 200
+            r = await c.post(R + "/rollouts", json={"groups": [], "target_groups": 1})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine"
+        await fleet.close()
+
+    asyncio.run(go())
