@@ -11,7 +11,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -288,27 +288,37 @@ async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
             if not task.done():  # the client went away: stop the call, keep everything
                 task.cancel()  # the call winds down by itself (rollout.py)
 
-    return CallStream(lines(), task)
+    async def stop_the_call() -> None:
+        if not task.done():
+            task.cancel()
+        await asyncio.wait([task])
+
+    return StreamThen(lines(), stop_the_call, media_type="application/x-ndjson")
 
 
-class CallStream(StreamingResponse):
-    """The NDJSON answer of a running call. However the response ends (the stream done, the
-    client gone before or after the first line, an error), a call still running is cancelled
-    and waited for: it winds down and buffers everything. The stream's own `finally` is not
-    enough: a generator that never started (a client gone before the first line) never runs
-    it, and the call would run on and deliver its groups to nobody."""
+class StreamThen(StreamingResponse):
+    """A streamed response that runs `then` exactly once however it ends: the stream done,
+    the client gone before or after the first chunk, an error. A generator's own `finally` is
+    not enough: one that never started (a client gone before the first chunk) never runs it.
+    For a streamed call, `then` stops the call (it winds down and buffers everything, instead
+    of delivering its groups to nobody); for the owner's proxied `/generate`, it settles the
+    engine's in-flight count."""
 
-    def __init__(self, lines: AsyncIterator[bytes], call: asyncio.Task[RolloutResp]) -> None:
-        super().__init__(lines, media_type="application/x-ndjson")
-        self.call = call
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        then: Callable[[], Awaitable[None]],
+        status_code: int = 200,
+        media_type: str | None = None,
+    ) -> None:
+        super().__init__(content, status_code=status_code, media_type=media_type)
+        self.then = then
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.call.done():
-                self.call.cancel()
-            await asyncio.wait([self.call])
+            await self.then()
 
 
 # Request and response types of each route, exported into /openapi.json (for clients and

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,10 +23,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
-from april_server.app import create_router, error_response, extend_app
+from april_server.app import StreamThen, create_router, error_response, extend_app
 from april_server.auth import AuthPolicy
 from april_server.config import AprilConfig
 from april_server.door.engine import preload_sampling_params
@@ -83,6 +83,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             raise ApiError(503, "no_engine", "no engine server is healthy")
 
     app = FastAPI(title="april-server (owner)", lifespan=lifespan)
+    app.state.proxied = proxied  # /generate requests in flight by engine (tests read it)
     app.include_router(create_router(get_manager, config, auth, engine_ready))
     extend_app(app)
 
@@ -164,6 +165,10 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             raise ApiError(
                 400, "invalid_request", "send {'model_path': ..., 'weight_version': ...}"
             )
+        if body.get("weight_version") is None:
+            # Every update gets a version of its own (#23): without one, an engine restarted
+            # with its first weights would report the same version and rejoin as up to date.
+            body["weight_version"] = f"owner-{uuid.uuid4().hex[:12]}"
         # As on an engine server (door/weight_hooks.py): the segments this owner runs are cut
         # at the version boundary, so the engines' updates need not wait for stragglers, and
         # go on under the new weights afterwards. A caller that aborts everything gets that.
@@ -196,15 +201,15 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             proxied[m.name] -= 1
             raise
 
-        async def done() -> None:
+        async def done() -> None:  # once, however the stream ends (#23: it failed part-way)
             proxied[m.name] -= 1
             await resp.aclose()
 
-        return StreamingResponse(
+        return StreamThen(
             resp.aiter_raw(),
+            done,
             status_code=resp.status_code,
             media_type=resp.headers.get("content-type"),
-            background=BackgroundTask(done),
         )
 
     @app.post("/abort_request")

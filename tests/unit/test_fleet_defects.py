@@ -176,3 +176,57 @@ def test_the_owner_serves_its_buffer_with_every_engine_down() -> None:
         await fleet.close()
 
     asyncio.run(go())
+
+
+# ---- suspected: a weight update without a version; a /generate stream failing part-way --------
+
+
+def test_an_update_without_a_version_gets_one_so_a_restarted_engine_is_not_up_to_date() -> None:
+    async def go() -> None:
+        servers = FakeServers(["a:1", "b:1"])
+        fleet, app = owner(servers, AuthPolicy())
+        await fleet.probe_all()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+            r = await c.post("/update_weights_from_disk", json={"model_path": "/m"})
+            assert r.status_code == 200, r.text
+        new = fleet.weight_version()
+        assert new.startswith("owner-") and set(servers.version.values()) == {new}
+        servers.version["b:1"] = "0"  # b restarts with its first weights
+        await fleet.probe_all()
+        assert fleet.members["b:1"].state == "stale"  # before: "0" == "0", healthy
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+class FailingStream(FakeServers):
+    """`/generate` streams two chunks, then the engine goes away mid-answer."""
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/generate":
+
+            async def chunks() -> Any:
+                yield b'data: {"text": "a"}\n\n'
+                raise httpx.ReadError("engine gone mid-stream")
+
+            return httpx.Response(200, content=chunks(), headers={"content-type": "text/plain"})
+        return await super().__call__(request)
+
+
+def test_a_generate_stream_that_fails_part_way_leaves_no_request_counted() -> None:
+    async def go() -> None:
+        servers = FailingStream(["a:1", "b:1"])
+        fleet, app = owner(servers, AuthPolicy())
+        await fleet.probe_all()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+            for _ in range(3):
+                try:
+                    await c.post("/generate", json={"input_ids": [1], "stream": True})
+                except Exception:
+                    pass  # the answer broke off, as the engine did
+        assert sum(app.state.proxied.values()) == 0  # before: one per failed stream
+        await fleet.close()
+
+    asyncio.run(go())
