@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo train-demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak
+.PHONY: demo train-demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -45,3 +45,6 @@ bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engi
 
 soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py
+
+chaos:  ## random clients (calls, abandoned streams, retries, aborts, deletes, pushes) for 5 min on one server, then 5 min on an owner over 2 engines (one killed -9 twice)
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.chaos --duration-s $${CHAOS_S:-300} --mode server && $$V/bin/python -m april_client.bench.chaos --duration-s $${CHAOS_S:-300} --mode owner

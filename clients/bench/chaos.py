@@ -1,0 +1,342 @@
+"""`make chaos`: random clients against a real april-server, checking nothing hangs or is lost.
+
+    python -m april_client.bench.chaos --duration-s 600 --clients 6 --mode server
+    python -m april_client.bench.chaos --duration-s 600 --mode owner   # 2 engines, one killed
+
+Several clients at random send quota calls (plain; streamed; streamed and abandoned at a random
+moment; retried later with the same `request_id`), duplicate group ids, aborts (all or named,
+keep snapshot/tokens/drop), deletes, resumes, weight pushes with and without
+`abort_all_requests`, and reads. In `owner` mode an owner drives two engine servers and one of
+them is killed (-9) and restarted during the run. Then everything left is drained. The ledger
+(`chaos_ledger.py`) checks: no request hangs, no 5xx (an owner's 503 `no_engine` while no engine
+is healthy is counted apart), every acknowledged group delivered once or deleted/dropped, none
+delivered twice, every delivered sample whole, and once drained the buffer is empty and no
+snapshot bytes are held. The last line says it all; the exit status is 1 on any failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from .chaos_ledger import ChaosLedger
+from .launcher import LaunchedServer
+
+R = "/april/v1"
+CALL_TIMEOUT_S = 180.0  # a call on the tiny model takes seconds; past this it is a hang
+READ_TIMEOUT_S = 30.0
+OPS = {  # operation -> weight
+    "call": 20, "stream": 12, "abandon": 12, "retry": 8, "duplicate": 4, "abort": 5,
+    "delete": 5, "resume": 6, "push": 3, "read": 15,
+}  # fmt: skip
+
+
+@dataclass
+class Target:
+    url: str
+    model_path: str
+    engines: list[LaunchedServer] = field(default_factory=list)
+    procs: list[LaunchedServer] = field(default_factory=list)
+
+    def restart_engine(self, i: int) -> None:
+        """kill -9 engine `i` and start it again on its port and state dir."""
+        old = self.engines[i]
+        port, state = old.port, old.dir
+        old.keep_dir = True
+        if old.proc is not None:
+            os.killpg(old.proc.pid, 9)
+            old.proc.wait()
+            old.proc = None
+        new = LaunchedServer(old.extra_args, keep_dir=True, env=old.env)
+        new.port, new.dir, new.log_path = port, state, state / "server.log"
+        new.start()
+        self.engines[i] = new
+        self.procs = [new if p is old else p for p in self.procs]
+
+
+def launch(mode: str) -> Target:
+    from april_server.cli import cpu_share_env
+    from april_server.models import ensure_tiny_model
+
+    model = str(ensure_tiny_model())
+    if mode == "server":
+        server = LaunchedServer()
+        server.start()
+        return Target(server.url, model, procs=[server])
+    engines = [LaunchedServer(env=cpu_share_env(1)) for _ in range(2)]
+    for e in engines:
+        e.start()
+    owner = LaunchedServer(["--april-engines", ",".join(e.url for e in engines)])
+    owner.start()
+    return Target(owner.url, model, engines=engines, procs=[*engines, owner])
+
+
+def spec(gid: str, rng: random.Random) -> dict[str, Any]:
+    n = rng.randint(1, 2)
+    budgets = [int(8 * 50 ** rng.random()) for _ in range(n)]  # 8..400, long-tailed
+    return {"group_id": gid, "input_ids": [rng.randint(1, 300), rng.randint(1, 300)], "n": n,
+            "sampling_params": {"temperature": 0.0, "ignore_eos": True},
+            "member_params": [{"max_new_tokens": b} for b in budgets]}  # fmt: skip
+
+
+class Client:
+    def __init__(self, k: int, target: Target, led: ChaosLedger, seed: int) -> None:
+        self.k, self.target, self.led = k, target, led
+        self.rng = random.Random(seed * 1000 + k)
+        self.http = httpx.AsyncClient(base_url=target.url, timeout=READ_TIMEOUT_S)
+        self.pending: dict[str, dict[str, Any]] = {}  # request_id -> body of an abandoned call
+        self.n = 0
+
+    async def run(self, until: float) -> None:
+        names, weights = list(OPS), list(OPS.values())
+        while time.monotonic() < until:
+            op = self.rng.choices(names, weights)[0]
+            self.led.ops[op] += 1
+            try:
+                await getattr(self, "op_" + op)()
+            except httpx.TimeoutException as exc:
+                self.led.hangs.append(f"client {self.k} {op}: {type(exc).__name__}")
+            except httpx.TransportError as exc:  # the server side went away (owner mode)
+                self.led.errors.append(f"client {self.k} {op}: {type(exc).__name__}: {exc}")
+
+    def _body(self, stream: bool) -> tuple[str, dict[str, Any], list[str]]:
+        self.n += 1
+        rid = f"c{self.k}-{self.n}"
+        gids = [f"{rid}-{i}" for i in range(self.rng.randint(0, 3))]
+        # A streamed call's `done` line does not list dropped groups: drop only when plain.
+        keeps = ["snapshot", "tokens", "continue"] + ([] if stream else ["drop"])
+        body = {"groups": [spec(g, self.rng) for g in gids],
+                "target_groups": self.rng.randint(1, 3), "on_quota": self.rng.choice(keeps),
+                "stream": stream, "request_id": rid}  # fmt: skip
+        return rid, body, gids
+
+    async def _post(self, path: str, body: Any, timeout: float) -> httpx.Response:
+        r = await self.http.post(path, json=body, timeout=timeout)
+        self.led.status(path, r.status_code, r.text)
+        return r
+
+    async def op_call(self) -> None:
+        rid, body, gids = self._body(stream=False)
+        r = await self._post(R + "/rollouts", body, CALL_TIMEOUT_S)
+        if r.status_code == 200:
+            self.led.sent(gids, acknowledged=True, how=f"call {rid} ({body['on_quota']})")
+            self.led.answered(rid, r.json())
+
+    async def op_stream(self, abandon: bool = False) -> None:
+        rid, body, gids = self._body(stream=True)
+        events: list[dict[str, Any]] = []
+        started = False
+        try:
+            async with self.http.stream(
+                "POST", R + "/rollouts", json=body, timeout=CALL_TIMEOUT_S
+            ) as r:
+                self.led.status("stream", r.status_code, "" if r.status_code < 400 else "error")
+                if r.status_code != 200:
+                    return
+                started = True
+                read = self._read_events(r, events)
+                await asyncio.wait_for(read, self.rng.uniform(0.0, 1.5) if abandon else None)
+        except (TimeoutError, asyncio.TimeoutError):
+            pass  # abandoned: leaving the block closes the connection
+        finally:
+            if started:
+                how = f"{'abandoned' if abandon else 'streamed'} {rid} ({body['on_quota']})"
+                self.led.sent(gids, acknowledged=True, how=how)
+        done = [e for e in events if e["event"] == "done"]
+        if done:
+            groups = [e["group"] for e in events if e["event"] == "group_finished"]
+            self.led.answered(rid, {"batch_id": done[0]["batch_id"], "groups": groups})
+        elif started:
+            self.pending[rid] = {**body, "stream": False}  # its fate: ask again later
+        else:
+            self.led.sent(gids, acknowledged=False)
+
+    @staticmethod
+    async def _read_events(r: httpx.Response, events: list[dict[str, Any]]) -> None:
+        async for line in r.aiter_lines():
+            if line.strip():
+                events.append(json.loads(line))
+
+    async def op_abandon(self) -> None:
+        await self.op_stream(abandon=True)
+
+    async def op_retry(self) -> None:
+        if self.pending:
+            rid = self.rng.choice(list(self.pending))
+            await self.retry(rid)
+
+    async def retry(self, rid: str) -> None:
+        r = await self._post(R + "/rollouts", self.pending[rid], CALL_TIMEOUT_S)
+        for g in self.pending[rid]["groups"]:
+            self.led.story.setdefault(g["group_id"], []).append(f"retry {r.status_code}")
+        if r.status_code == 200:
+            self.led.answered(rid, r.json())
+            del self.pending[rid]
+        elif r.status_code in (400, 409):
+            del self.pending[rid]  # too few groups now: what it handed in stays buffered
+
+    async def buffered(self) -> list[dict[str, Any]]:
+        r = await self.http.get(R + "/partials", params={"limit": 200})
+        self.led.status("partials", r.status_code, r.text)
+        return r.json()["groups"] if r.status_code == 200 else []
+
+    async def op_duplicate(self) -> None:
+        """A group id sent twice in one call (400), or one the server knows (409)."""
+        self.n += 1
+        known = [g["group_id"] for g in await self.buffered()]
+        gid = self.rng.choice(known) if known and self.rng.random() < 0.5 else f"d{self.k}-{self.n}"
+        groups = [spec(gid, self.rng)] * (1 if gid in known else 2)
+        body = {"groups": groups, "resume_first": False, "on_quota": "tokens"}
+        r = await self._post(R + "/rollouts", body, CALL_TIMEOUT_S)
+        if r.status_code == 200:
+            if gid not in known:  # the same id twice in one call must never be accepted
+                self.led.errors.append(f"a call with {gid!r} twice was accepted")
+            else:  # it was delivered meanwhile, so the id was free again: a new group
+                self.led.reused.add(gid)
+                self.led.sent([gid], acknowledged=True)
+                self.led.answered(None, r.json())
+
+    async def op_abort(self) -> None:
+        body: dict[str, Any] = {"keep": self.rng.choice(["snapshot", "tokens", "drop"])}
+        groups = await self.buffered()
+        if self.rng.random() < 0.3 or not groups:
+            body["all"] = True
+        else:
+            body["group_ids"] = [self.rng.choice(groups)["group_id"]]
+        await self._post(R + "/abort", body, CALL_TIMEOUT_S)
+
+    async def op_delete(self) -> None:
+        groups = await self.buffered()
+        if groups:
+            gid = self.rng.choice(groups)["group_id"]
+            r = await self.http.delete(f"{R}/partials/{gid}", timeout=CALL_TIMEOUT_S)
+            self.led.status("delete", r.status_code, r.text)
+            if r.status_code == 200:
+                self.led.gone.add(gid)
+
+    async def op_resume(self) -> None:
+        groups = await self.buffered()
+        samples = [s for g in groups for s in g["samples"] if s["status"] == "partial"]
+        if samples:
+            body = {"sample_ids": [self.rng.choice(samples)["sample_id"]]}
+            await self._post(R + "/resume", body, CALL_TIMEOUT_S)
+
+    async def op_push(self) -> None:
+        self.n += 1
+        body = {"model_path": self.target.model_path, "weight_version": f"chaos-{self.k}-{self.n}",
+                "abort_all_requests": self.rng.random() < 0.5}  # fmt: skip
+        r = await self.http.post("/update_weights_from_disk", json=body, timeout=CALL_TIMEOUT_S)
+        if r.status_code == 502 and self.target.engines:
+            self.led.statuses[502] += 1  # an engine restarting missed it: it is replayed
+        else:
+            self.led.status("push", r.status_code, r.text)
+
+    async def op_read(self) -> None:
+        if self.rng.random() < 0.5:
+            await self.buffered()
+        else:
+            r = await self.http.get(R + "/stats")
+            self.led.status("stats", r.status_code, r.text)
+
+
+async def killer(target: Target, until: float, led: ChaosLedger) -> None:
+    """Owner mode: kill -9 one engine twice during the run, restarting it each time."""
+    span = until - time.monotonic()
+    for at in (span / 3, span / 3):
+        await asyncio.sleep(at)
+        led.ops["kill9"] += 1
+        await asyncio.to_thread(target.restart_engine, 1)
+
+
+async def drain(c: Client, led: ChaosLedger) -> tuple[int, int]:
+    """Resolve every abandoned call, stop everything, take every buffered group out."""
+    for rid in list(c.pending):
+        await c.retry(rid)
+    await c._post(R + "/abort", {"all": True, "keep": "tokens"}, CALL_TIMEOUT_S)
+    for _ in range(200):
+        stats = (await c.http.get(R + "/stats")).json()
+        left = int(stats["buffered_groups"])
+        if not left:
+            break
+        body = {"groups": [], "target_groups": min(left, 16), "on_quota": "tokens"}
+        r = await c._post(R + "/rollouts", body, CALL_TIMEOUT_S)
+        if r.status_code == 200:
+            led.answered(None, r.json())
+        else:
+            await asyncio.sleep(1.0)  # e.g. no engine healthy yet
+    stats = (await c.http.get(R + "/stats")).json()
+    return int(stats["buffered_groups"]), int(stats.get("snapshot_bytes_used", 0) or 0)
+
+
+async def run(target: Target, duration_s: float, clients: int, seed: int) -> ChaosLedger:
+    led = ChaosLedger()
+    until = time.monotonic() + duration_s
+    crowd = [Client(k, target, led, seed) for k in range(clients)]
+    jobs = [c.run(until) for c in crowd]
+    if target.engines:
+        jobs.append(killer(target, until, led))
+    await asyncio.gather(*jobs)
+    for c in crowd[1:]:
+        crowd[0].pending.update(c.pending)
+    left, held = await drain(crowd[0], led)
+    for c in crowd:
+        await c.http.aclose()
+    led.final = led.check(left, held)
+    return led
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="april-chaos", description=__doc__.split("\n")[0])
+    p.add_argument("--duration-s", type=float, default=300.0)
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--mode", choices=["server", "owner"], default="server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", help="an already running server (server mode only)")
+    p.add_argument("--json-out", help="write the counts and failures here")
+    args = p.parse_args(argv)
+    if args.url:
+        from april_server.models import ensure_tiny_model
+
+        target = Target(args.url, str(ensure_tiny_model()))
+    else:
+        print(f"chaos: launching ({args.mode}) ...", file=sys.stderr, flush=True)
+        target = launch(args.mode)
+    try:
+        led = asyncio.run(run(target, args.duration_s, args.clients, args.seed))
+    finally:
+        for proc in target.procs:
+            proc.stop()
+    failed = led.final
+    figures = {
+        "mode": args.mode, "duration_s": args.duration_s, "clients": args.clients,
+        "ops": sum(led.ops.values()), "by_op": dict(led.ops), "statuses": dict(led.statuses),
+        "acknowledged": len(led.acknowledged), "delivered": len(led.delivered),
+        "gone": len(led.gone), "no_engine_503": led.no_engine, "failures": failed,
+    }  # fmt: skip
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(figures, f, indent=1)
+    for line in failed[:20]:
+        print(f"chaos: FAIL {line}", file=sys.stderr)
+    verdict = "FAIL" if failed else "PASS"
+    print(
+        f"chaos ({args.mode}): {figures['ops']} ops by {args.clients} clients in "
+        f"{args.duration_s:.0f} s, statuses {dict(sorted(led.statuses.items()))}, "
+        f"{len(led.acknowledged)} groups acknowledged, {len(led.delivered)} delivered, "
+        f"{len(led.gone)} deleted or dropped, {len(led.hangs)} hangs, "
+        f"{len(failed)} failed checks: {verdict}"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The chaos client's ledger (pure): what it sent, what the server acknowledged, where every
+acknowledged group ended, and the checks of `april_client.bench.chaos`.
+
+- A group is *acknowledged* once a call that sent it answered 200 (its groups were adopted),
+  or a streamed call that sent it started its stream (the same, before the first line).
+- A group whose call's fate is unknown (the client abandoned it, or timed out) is *pending*
+  until a retry of that call's `request_id` says what became of it: a retry returns the
+  stored answer of an attempt that delivered, or runs again on what the attempt handed in.
+- Delivered: returned by a call whose answer the client read whole (for a retry, the answer
+  is deduplicated by `request_id`: the same stored answer twice is one delivery).
+- Gone: deleted (`DELETE` answered 200) or dropped (`dropped_group_ids`).
+After the drain, every acknowledged group must be delivered exactly once or gone, and nothing
+delivered may be unknown or incomplete.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ChaosLedger:
+    acknowledged: set[str] = field(default_factory=set)
+    maybe: set[str] = field(default_factory=set)  # sent by calls of unknown fate
+    delivered: Counter[str] = field(default_factory=Counter)
+    gone: set[str] = field(default_factory=set)
+    answers: dict[str, str] = field(default_factory=dict)  # request_id -> batch_id delivered
+    statuses: Counter[int] = field(default_factory=Counter)
+    ops: Counter[str] = field(default_factory=Counter)
+    hangs: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    no_engine: int = 0  # 503 no_engine (owner mode, while no engine is healthy)
+    reused: set[str] = field(default_factory=set)  # ids sent again after their delivery
+    final: list[str] = field(default_factory=list)  # the failed checks, once run
+    story: dict[str, list[str]] = field(default_factory=dict)  # group id -> what happened
+
+    def status(self, what: str, code: int, body: str = "") -> None:
+        self.statuses[code] += 1
+        if code == 503 and "no_engine" in body:
+            self.no_engine += 1
+        elif code >= 500:
+            self.errors.append(f"{what}: HTTP {code} {body[:200]}")
+
+    def sent(self, gids: list[str], acknowledged: bool, how: str = "") -> None:
+        (self.acknowledged if acknowledged else self.maybe).update(gids)
+        for g in gids:
+            self.story.setdefault(g, []).append(f"sent by {how or 'a call'}")
+
+    def answered(self, request_id: str | None, resp: dict[str, Any]) -> None:
+        """A call's whole answer: its groups are delivered (once per request_id)."""
+        if request_id is not None:
+            if self.answers.get(request_id) == resp["batch_id"]:
+                return  # the stored answer again: not a second delivery
+            self.answers[request_id] = resp["batch_id"]
+        for g in resp["groups"]:
+            self.delivered[g["group_id"]] += 1
+            self.story.setdefault(g["group_id"], []).append(f"delivered by {resp['batch_id']}")
+            self.errors.extend(whole(g))
+        for gid in resp.get("dropped_group_ids") or []:
+            self.gone.add(gid)
+            self.story.setdefault(gid, []).append(f"dropped by {resp['batch_id']}")
+
+    def check(self, buffered_after_drain: int, snapshot_bytes_after_drain: int) -> list[str]:
+        """Every failed check, in words (what went wrong during the run included); empty
+        when all hold."""
+        bad = list(self.errors)
+        bad += [f"hang: {h}" for h in self.hangs]
+        twice = [g for g, n in self.delivered.items() if n > (2 if g in self.reused else 1)]
+        if twice:
+            bad.append(f"{len(twice)} groups delivered more than once, e.g. {twice[:3]}")
+        known = self.acknowledged | self.maybe
+        unknown = [g for g in self.delivered if g not in known]
+        if unknown:
+            bad.append(f"{len(unknown)} delivered groups were never sent, e.g. {unknown[:3]}")
+        lost = sorted(self.acknowledged - set(self.delivered) - self.gone)
+        if lost:
+            told = "; ".join(f"{g}: {', '.join(self.story.get(g, []))}" for g in lost[:3])
+            bad.append(f"{len(lost)} acknowledged groups unaccounted for: {told}")
+        if buffered_after_drain:
+            bad.append(f"{buffered_after_drain} groups still buffered after the drain")
+        if snapshot_bytes_after_drain:
+            bad.append(f"{snapshot_bytes_after_drain} snapshot bytes held after the drain")
+        return bad
+
+
+def whole(group: dict[str, Any]) -> list[str]:
+    """What is wrong with a delivered group (tokens, logprobs and segments must agree)."""
+    out = []
+    for s in group["samples"]:
+        sid = s["sample_id"]
+        n = len(s["output_ids"])
+        if len(s["output_logprobs"]) != n:
+            out.append(f"{sid}: {n} tokens, {len(s['output_logprobs'])} logprobs")
+        pos = 0
+        for seg in s["segments"]:
+            if seg["start"] != pos or seg["end"] < seg["start"]:
+                out.append(f"{sid}: segments not contiguous at {pos}")
+                break
+            pos = seg["end"]
+        if pos != n:
+            out.append(f"{sid}: segments cover {pos} of {n} tokens")
+        if s["status"] not in ("completed", "truncated"):
+            out.append(f"{sid}: delivered as {s['status']}")
+    return out

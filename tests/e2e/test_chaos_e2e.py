@@ -1,0 +1,26 @@
+"""A 60-second chaos run against a real server (the client is `april_client.bench.chaos`;
+`make chaos` runs it for minutes, on one server and on an owner over two engines)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from april_client.bench.chaos import Target, run
+from april_server.models import ensure_tiny_model
+from tests.e2e.test_rollouts_e2e import clear_buffer
+from tests.server_proc import ServerProc
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_minute_of_chaos_hangs_nothing_and_loses_nothing(tiny_server: ServerProc) -> None:
+    with tiny_server.client() as c:
+        clear_buffer(c)
+    target = Target(tiny_server.url, str(ensure_tiny_model()))
+    led = asyncio.run(run(target, duration_s=60, clients=4, seed=23))
+    ops = sum(led.ops.values())
+    print(f"chaos: {ops} ops, statuses {dict(led.statuses)}, {len(led.acknowledged)} acked")
+    assert led.final == [], led.final[:10]
+    assert ops > 100 and len(led.acknowledged) > 20  # it did stir things up
