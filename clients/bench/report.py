@@ -62,7 +62,7 @@ COLUMNS = [  # (header, key, format)
     ("out tok/s", "output_throughput", ".1f"),
     ("x sync", "output_throughput_vs_sync", ".2f"),
     ("wall tok/s", "wall_throughput", ".1f"),
-    ("x sync", "wall_throughput_vs_sync", ".2f"),
+    ("wall x sync", "wall_throughput_vs_sync", ".2f"),
     ("run idle %", "run_idle_frac", "pct"),
     ("samples/s", "samples_per_s", ".2f"),
     ("gen tok/s", "generated_throughput", ".1f"),

@@ -176,6 +176,12 @@ async def run_modes(
         f"{cfg.max_tokens} tokens, over-sampling {cfg.over_sampling}, {wl.kind} workload, "
         f"seed {args.seed}"
     )
+    if cfg.train_time > 0 or cfg.bump_version:
+        title += (
+            f"; trainer: {cfg.train_time:g} s training"
+            + (" + weight push" if cfg.bump_version else "")
+            + " per step"
+        )
     meta = {
         "run_id": cfg.run_tag,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
