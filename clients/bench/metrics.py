@@ -5,7 +5,8 @@ Definitions (printed by `april-bench --help-metrics`):
   drain included for APRIL). Training time and weight updates are outside it.
 - output_throughput: tokens of the *consumed* samples / rollout wall (tokens/s), APRIL's headline;
   for APRIL the consumed tokens include ones generated in earlier steps (the partial buffer).
-- generated_throughput: tokens the engine generated during rollouts / rollout wall.
+- generated_throughput: tokens the engine generated during rollouts / rollout wall (april-async's
+  background tokens, generated between calls, are not in it; they are in generated_tokens).
 - time to quota: submit -> the K-th whole group finished (sync: the last one).
 - mean running batch: time-weighted mean of SGLang's `num_running_reqs` during rollouts;
   idle_frac: share of rollout time with none running; tail_frac: share with fewer than half the
@@ -24,6 +25,9 @@ Definitions (printed by `april-bench --help-metrics`):
 - weight push latency (`push_p50_s`, `push_max_s`): `/update_weights_from_disk` round trips
   after each step, against `idle_push_s`, one push with nothing running at the mode's start.
 - tokens wasted: generated - consumed - still buffered at the end (discarded work).
+  april-async's generated tokens include `background_tokens`: those generated between its calls
+  (`/stats` background_output_tokens, from the mode's start to its end, after its leftover
+  was stopped with `/abort`), so its ledger closes like the others'.
 - engine time: the server's own clock of seconds inside SGLang forward batches during the
   step's rollout wall, split into prefill (first prefill and re-prefill of continuations;
   `engine_prefill_tokens`) and decode (`engine_decode_steps`, `engine_mean_decode_batch` =
@@ -231,7 +235,8 @@ class ModeResult:
         s = self.steps
         wall = sum(r.wall_s for r in s)
         consumed = sum(r.consumed_tokens for r in s)
-        generated = sum(r.generated_tokens for r in s) + self.background_tokens
+        in_calls = sum(r.generated_tokens for r in s)
+        generated = in_calls + self.background_tokens
         stale = merge(r.staleness for r in s)
         pushes = [r.push_s for r in s if r.push_s is not None]
         run_tp = wall_throughput(consumed, [r.span_s for r in s])
@@ -248,7 +253,7 @@ class ModeResult:
             "generated_tokens": generated,
             "output_throughput": round(consumed / wall, 3) if wall else None,
             "samples_per_s": round(samples / wall, 4) if wall else None,
-            "generated_throughput": round(generated / wall, 3) if wall else None,
+            "generated_throughput": round(in_calls / wall, 3) if wall else None,
             "mean_time_to_quota_s": round(sum(r.time_to_quota_s for r in s) / len(s), 4)
             if s
             else None,
