@@ -56,6 +56,11 @@ class Ledger:
     def consumed_groups(self) -> list[str]:
         return [gid for step in self.steps for gid in dict.fromkeys(c.group_id for c in step)]
 
+    def outstanding(self) -> set[str]:
+        """Groups sent and neither consumed nor dropped: still on the server (prefetch sizes
+        the next step's hand-in from it)."""
+        return set(self.sent) - set(self.consumed_groups) - self.dropped
+
     def samples_per_step(self) -> list[int]:
         return [len(s) for s in self.steps]
 

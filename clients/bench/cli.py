@@ -1,6 +1,7 @@
 """`april-bench`: the RL load tester that compares sync, APRIL and APRIL with KV snapshots.
 
 april-bench --quick                       # launch the embedded default, compare all modes
+april-bench --quick --train-s 2           # a trainer that trains 2 s per step, then pushes
 april-bench --url http://host:30000 --steps 10 --groups 32 --n 8 --max-tokens 8192
 april-bench --simulate                    # project the gain at 8xH200 scale (a model)
 april-bench --simulate --sim-engines 1,2,4,8,16   # the same model at each engine count
@@ -79,7 +80,17 @@ def parser() -> argparse.ArgumentParser:
     a("--over-sampling", type=float, default=2.0, help="APRIL: in-flight groups = this x K")
     a("--max-tokens", type=int, default=512)
     a("--temperature", type=float, default=1.0)
-    a("--train-time", type=float, default=0.0, help="simulated training seconds per step")
+    a(
+        "--train-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stand in for the trainer between calls: wait S seconds, then push the same weights "
+        "(/update_weights_from_disk) with weight_version = the step number; april-async "
+        "generates meanwhile. Sets --train-time S and --bump-version",
+    )
+    a("--train-time", type=float, default=0.0, help="simulated training seconds per step "
+      "(older spelling; --train-s also names versions by step)")  # fmt: skip
     a(
         "--bump-version",
         action=argparse.BooleanOptionalAction,
@@ -207,10 +218,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config(args: argparse.Namespace) -> BenchConfig:
     if args.max_inflight not in ("all", "auto") and not args.max_inflight.isdigit():
         raise SystemExit("--max-inflight must be all, auto or a positive integer")
+    train_time, bump, step_versions = args.train_time, args.bump_version, False
+    if args.train_s is not None:
+        if args.train_s < 0:
+            raise SystemExit("--train-s must be >= 0")
+        if args.train_time and args.train_time != args.train_s:
+            raise SystemExit("--train-s sets the training time: drop --train-time")
+        train_time, bump, step_versions = args.train_s, True, True
     return BenchConfig(
         steps=args.steps, groups=args.groups, n=args.n, over_sampling=args.over_sampling,
-        max_tokens=args.max_tokens, temperature=args.temperature, train_time=args.train_time,
-        bump_version=args.bump_version, max_inflight=args.max_inflight,
+        max_tokens=args.max_tokens, temperature=args.temperature, train_time=train_time,
+        bump_version=bump, step_versions=step_versions, max_inflight=args.max_inflight,
         max_staleness=args.max_staleness, stream_sync=args.stream_sync, poll_hz=args.poll_hz,
         run_tag=f"bench{uuid.uuid4().hex[:6]}", keep_buffer=args.keep_buffer,
         interleave=args.interleave,
@@ -264,6 +282,11 @@ def mode_specs(args: argparse.Namespace, sweep: bool = False) -> list[ModeSpec]:
         raise SystemExit(f"--modes {text!r}: name each mode once, at least one")
     if args.interleave and sum(s.kind != "sync" for s in specs) > 1:
         raise SystemExit("--interleave takes sync and one APRIL mode: APRIL modes share the buffer")
+    if args.interleave and any(s.kind == "april-async" for s in specs):
+        raise SystemExit(
+            "--interleave cannot take april-async: it generates between its calls, so it would "
+            "load the other mode's steps"
+        )
     return specs
 
 

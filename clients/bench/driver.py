@@ -6,7 +6,12 @@
   `/april/v1/rollouts` for K finished groups (`on_quota: tokens`, so resumes re-prefill).
 - `april-kv`: the same with `on_quota: snapshot` (resumes restore KV snapshots); refused, not
   faked, when the server has no KV snapshots.
-Between steps: optional simulated training (`train_time`) and a weight-version bump.
+- `april-async`: over-provisioning like `april`, with `on_quota: continue` (the call's
+  stragglers keep generating in the background after it answered) and prefetch: right after a
+  call answers, the next step's new groups go in with `POST /groups` (`start: background`), so
+  they generate while the trainer trains and the next call sends no groups.
+Between steps: optional simulated training (`train_time`) and a weight push (`bump_version`),
+whose latency is measured against one push with nothing running at the start.
 """
 
 from __future__ import annotations
@@ -21,28 +26,33 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from .accounting import Consumed, Ledger
-from .metrics import ModeResult, StepRecord, timeline_stats
+from .metrics import ModeResult, StepRecord, timeline_stats, windows_idle_frac
 from .server_api import (
     BenchError,
     LoadPoller,
     R,
     ServerInfo,
+    abort_groups,
+    background_tokens,
     buffered_groups,
     check,
     delete_groups,
     engine_clock,
 )
+from .staleness import add, offpolicy_tokens, sample_histogram, version_lag
 from .workload import WorkGroup, Workload
 
-Mode = Literal["sync", "april", "april-kv"]
-MODES: tuple[Mode, ...] = ("sync", "april", "april-kv")
+Mode = Literal["sync", "april", "april-kv", "april-async"]
+MODES: tuple[Mode, ...] = ("sync", "april", "april-kv", "april-async")
+ON_QUOTA = {"april": "tokens", "april-kv": "snapshot", "april-async": "continue"}
 
 
 @dataclass(frozen=True)
 class ModeSpec:
     """One column of the comparison: a mode, and for APRIL modes its `max_inflight_groups`
-    policy. Written `april@auto`, `april@all`, `april-kv@16`; plain `april` takes the run's
-    `--max-inflight`. The label names the column and the mode's group ids."""
+    policy. Written `april@auto`, `april@all`, `april-kv@16`, `april-async@auto`; plain
+    `april` takes the run's `--max-inflight`. The label names the column and the mode's
+    group ids."""
 
     kind: Mode
     max_inflight: str  # "all" (static APRIL), "auto" or a positive integer
@@ -80,6 +90,7 @@ class BenchConfig:
     temperature: float = 1.0
     train_time: float = 0.0
     bump_version: bool = False
+    step_versions: bool = False  # name pushed versions by step number ("0", "1", ...): --train-s
     max_inflight: str = "all"  # "all" (static APRIL), "auto" or an integer
     max_staleness: int | None = None
     stream_sync: bool = False
@@ -115,8 +126,11 @@ class ModeRunner:
         self.ledger = Ledger(spec.label, cfg.groups, cfg.n, exact_budgets=exact)
         self.next_index = 0
         self.version = info.weight_version
+        self.history = [info.weight_version]  # versions in push order: staleness counts in it
         self.buffered: list[str] = []
         self.windows: list[tuple[float, float, float]] = []  # (session start, end, local start)
+        self.run_windows: list[tuple[float, float]] = []  # rollouts, prefetch, training, push
+        self.background0 = 0
         self.ticks = 0
         self.finished = False
 
@@ -143,7 +157,41 @@ class ModeRunner:
         if self.mode == "april-kv" and not self.info.kv_snapshots:
             self.result.available = False
             self.result.reason = f"no KV snapshots on this server: {self.info.kv_reason}"
+        if self.mode == "april-async" and not self.info.background:
+            self.result.available = False
+            self.result.reason = "no background generation on this server (/stats has no "
+            self.result.reason += "background_groups: on_quota continue and POST /groups)"
         return self.result.available
+
+    def set_version(self, version: str) -> None:
+        self.version = version
+        if self.history[-1] != version:
+            self.history.append(version)
+
+    async def begin(self) -> None:
+        """Before the mode's first step: where the server's background tally stands."""
+        if self.mode == "april-async":
+            self.background0 = await background_tokens(self.http)
+
+    def trained(self, train_s: float, push_s: float | None, t0: float, t1: float) -> None:
+        """The trainer's time after the last step: the training wait, then the push (if any);
+        `t0`, `t1` in seconds since the session began."""
+        rec = self.result.steps[-1]
+        rec.train_s, rec.push_s = train_s, push_s
+        self.run_windows.append((t0, t1))
+
+    @property
+    def want(self) -> int:
+        """Groups in flight at each call: over-sampling x K (at least K)."""
+        return max(self.cfg.groups, math.ceil(self.cfg.over_sampling * self.cfg.groups))
+
+    def outstanding(self) -> int:
+        """Our groups on the server (buffered, generating or finished, not yet consumed).
+        april-async counts them from its ledger: a call lists only the groups it claimed,
+        not the background ones it did not need."""
+        if self.mode == "april-async":
+            return len(self.ledger.outstanding())
+        return len(self.buffered)
 
     async def step(self, step: int, poller: LoadPoller) -> None:
         """Run one step and record it; `poller` times are seconds since the session began."""
@@ -163,12 +211,20 @@ class ModeRunner:
         local = self.result.steps[-1].t_end if self.result.steps else 0.0
         rec.t_start, rec.t_end = local, local + rec.wall_s
         self.windows.append((a0, a0 + rec.wall_s, local))
+        self.run_windows.append((a0, a0 + rec.wall_s))
         rec.mean_running, rec.idle_frac, rec.tail_frac = timeline_stats(
             poller.samples, a0, a0 + rec.wall_s, self.cfg.groups * self.cfg.n
         )
         rec.max_budget = max((c.tokens for c in out.consumed), default=0)
         self.ledger.consume(step, out.consumed)
         self.result.steps.append(rec)
+        if self.mode == "april-async":  # a call lists only the groups it claimed
+            rec.buffered_groups = len(self.ledger.outstanding())
+        if self.mode == "april-async" and step + 1 < self.cfg.steps:
+            p0 = time.perf_counter()
+            rec.prefetched_groups = await self.prefetch(step + 1)
+            rec.prefetch_s = time.perf_counter() - p0
+            self.run_windows.append((p0 - poller.t0, p0 - poller.t0 + rec.prefetch_s))
 
     async def finish(self, poller: LoadPoller) -> ModeResult:
         """Mode-local timeline (this mode's rollout phases only, end to end), leftover, checks.
@@ -180,10 +236,27 @@ class ModeRunner:
             (local + t - a0, r) for a0, a1, local in self.windows for t, r in poller.samples
             if a0 <= t <= a1
         ]  # fmt: skip
+        self.result.run_idle_frac = windows_idle_frac(poller.samples, self.run_windows)
+        if self.mode == "april-async" and self.result.available:
+            # Stop our background work first, so that what is counted as leftover stays put
+            # and every token it generated is in the server's tally.
+            await abort_groups(self.http, sorted(self.ledger.outstanding()))
+            self.result.background_tokens = await background_tokens(self.http) - self.background0
         await self.collect_leftover()
         # A mode found unavailable mid-step did not record what it received: nothing to check.
         self.result.checks = self.ledger.check() if self.result.available else []
+        self.note_staleness()
         return self.result
+
+    def note_staleness(self) -> None:
+        limit = self.cfg.max_staleness
+        if limit is None:
+            return
+        over = sum(t for r in self.result.steps for lag, t in r.staleness.items() if lag > limit)
+        if over:
+            self.result.notes.append(
+                f"{over} consumed tokens were more than max_staleness={limit} versions old"
+            )
 
     # ---- sync ---------------------------------------------------------------------------------
 
@@ -193,10 +266,14 @@ class ModeRunner:
         outs = await asyncio.gather(*(self.sync_group(g, t0, step) for g in groups))
         wall = time.perf_counter() - t0
         consumed = [c for group in outs for c, _ in group]
-        off = sum(c.tokens for group in outs for c, v in group if v != self.version)
+        hist: dict[int, int] = {}
+        for group in outs:
+            for c, v in group:
+                add(hist, version_lag(v, self.version, self.history), c.tokens)
         tokens = sum(c.tokens for c in consumed)
-        rec = StepRecord(step, wall, wall, len(consumed), tokens, tokens, offpolicy_tokens=off,
-                         weight_version=self.version)  # fmt: skip
+        rec = StepRecord(step, wall, wall, len(consumed), tokens, tokens,
+                         offpolicy_tokens=offpolicy_tokens(hist), weight_version=self.version,
+                         staleness=hist)  # fmt: skip
         return StepOutcome(rec, consumed)
 
     async def sync_group(self, g: WorkGroup, t0: float, step: int) -> list[tuple[Consumed, str]]:
@@ -246,22 +323,40 @@ class ModeRunner:
         m = self.spec.max_inflight
         return total if m == "all" else m if m == "auto" else int(m)
 
+    def group_spec(self, g: WorkGroup) -> dict[str, Any]:
+        cfg = self.cfg
+        return {"group_id": self.gid(g), **self.prompt(g), "n": g.n,
+                "sampling_params": g.sampling_params(cfg.max_tokens, cfg.temperature),
+                "member_params": g.member_params(), "metadata": {"answer": g.answer}}  # fmt: skip
+
+    async def prefetch(self, step: int) -> int:
+        """april-async: hand in `step`'s new groups now, generating in the background, so that
+        the call of `step` sends none. Returns how many were handed in."""
+        groups = self.draw(max(0, self.want - self.outstanding()))
+        if not groups:
+            return 0
+        body = {
+            "groups": [self.group_spec(g) for g in groups],
+            "start": "background",
+            "max_staleness": self.cfg.max_staleness,
+            "request_id": f"{self.cfg.run_tag}-{self.spec.slug}-p{step}",
+        }
+        out = check(await self.http.post(R + "/groups", json=body), "POST /groups")
+        if out.get("group_ids") != [self.gid(g) for g in groups]:
+            raise BenchError(f"POST /groups answered {out.get('group_ids')!r} for {len(groups)}")
+        return len(groups)
+
     async def april_step(self, step: int) -> StepOutcome:
         cfg = self.cfg
-        want = max(cfg.groups, math.ceil(cfg.over_sampling * cfg.groups))
-        groups = self.draw(max(0, want - len(self.buffered)))
+        outstanding = self.outstanding()
+        groups = self.draw(max(0, self.want - outstanding))
         body = {
-            "groups": [
-                {"group_id": self.gid(g), **self.prompt(g), "n": g.n,
-                 "sampling_params": g.sampling_params(cfg.max_tokens, cfg.temperature),
-                 "member_params": g.member_params(), "metadata": {"answer": g.answer}}
-                for g in groups
-            ],
+            "groups": [self.group_spec(g) for g in groups],
             "target_groups": cfg.groups,
             "resume_first": True,
-            "on_quota": "snapshot" if self.mode == "april-kv" else "tokens",
+            "on_quota": ON_QUOTA[self.mode],
             "max_staleness": cfg.max_staleness,
-            "max_inflight_groups": self.inflight(len(self.buffered) + len(groups)),
+            "max_inflight_groups": self.inflight(outstanding + len(groups)),
             "stream": True,
             "request_id": f"{cfg.run_tag}-{self.spec.slug}-s{step}",
         }  # fmt: skip
@@ -294,18 +389,16 @@ class ModeRunner:
                 "no KV snapshots in this build"
             )
         version = str(stats.get("weight_version", self.version))
-        consumed, off = [], 0
-        for grp in finished:
-            for s in grp["samples"]:
-                n_tok = len(s["output_ids"])
-                consumed.append(Consumed(s["sample_id"], grp["group_id"], s["index"], n_tok,
-                                         s["status"]))  # fmt: skip
-                off += sum(seg["end"] - seg["start"] for seg in s["segments"]
-                           if seg["weight_version"] != version)  # fmt: skip
+        consumed = [
+            Consumed(s["sample_id"], grp["group_id"], s["index"], len(s["output_ids"]),
+                     s["status"])
+            for grp in finished for s in grp["samples"]
+        ]  # fmt: skip
+        hist = sample_histogram((s for g in finished for s in g["samples"]), version, self.history)
         rec = StepRecord(
             step, wall, ttq if ttq is not None else float(stats.get("time_to_quota_s") or wall),
             len(consumed), sum(c.tokens for c in consumed), int(stats.get("output_tokens", 0)),
-            offpolicy_tokens=off,
+            offpolicy_tokens=offpolicy_tokens(hist), staleness=hist,
             restored_kv_tokens=int(stats.get("restored_kv_tokens", 0)),
             recomputed_tokens=int(stats.get("recomputed_tokens", 0)),
             resumed_samples=int(stats.get("resumed_samples", 0)),

@@ -5,14 +5,29 @@ Definitions (printed by `april-bench --help-metrics`):
   drain included for APRIL). Training time and weight updates are outside it.
 - output_throughput: tokens of the *consumed* samples / rollout wall (tokens/s), APRIL's headline;
   for APRIL the consumed tokens include ones generated in earlier steps (the partial buffer).
-- generated_throughput: tokens the engine generated during rollouts / rollout wall.
+- generated_throughput: tokens the engine generated during rollouts / rollout wall (april-async's
+  background tokens, generated between calls, are not in it; they are in generated_tokens).
 - time to quota: submit -> the K-th whole group finished (sync: the last one).
 - mean running batch: time-weighted mean of SGLang's `num_running_reqs` during rollouts;
   idle_frac: share of rollout time with none running; tail_frac: share with fewer than half the
   step's consumed batch (K x n) running (the long-tail bubble).
 - off-policy fraction: consumed tokens generated under an older weight version than the one
   current when the step was consumed / consumed tokens.
+- staleness histogram (`staleness_hist`): consumed tokens by how many weight versions older
+  they are than the version current when the step was consumed (0 = on-policy; `?` = a version
+  the bench did not push); `max_staleness_seen` is the largest lag.
+- run wall (`run_wall_s`): what the trainer lives through, per step: the rollout wall, the
+  prefetch (april-async: handing in the next step's groups), the training wait (`--train-s`)
+  and the weight push. `wall_throughput` = consumed tokens / run wall (the end-to-end figure:
+  generation that overlaps training shows here, not in output_throughput).
+- run_idle_frac: share of the run wall with no request running in SGLang (`/v1/loads`, which
+  counts background generation too), training periods included; sync idles while it trains.
+- weight push latency (`push_p50_s`, `push_max_s`): `/update_weights_from_disk` round trips
+  after each step, against `idle_push_s`, one push with nothing running at the mode's start.
 - tokens wasted: generated - consumed - still buffered at the end (discarded work).
+  april-async's generated tokens include `background_tokens`: those generated between its calls
+  (`/stats` background_output_tokens, from the mode's start to its end, after its leftover
+  was stopped with `/abort`), so its ledger closes like the others'.
 - engine time: the server's own clock of seconds inside SGLang forward batches during the
   step's rollout wall, split into prefill (first prefill and re-prefill of continuations;
   `engine_prefill_tokens`) and decode (`engine_decode_steps`, `engine_mean_decode_batch` =
@@ -31,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from .staleness import merge
 
 PERCENTILES = (90, 95, 99)
 LATENCY_NAMES = ("ttft", "tpot", "itl", "e2e_latency")
@@ -95,6 +112,27 @@ def timeline_stats(
     return area / total, idle / total, tail / total
 
 
+def windows_idle_frac(
+    samples: Sequence[tuple[float, int]], windows: Sequence[tuple[float, float]]
+) -> float:
+    """Share of the time inside `windows` (each `(t0, t1)`) with no request running."""
+    total = sum(max(0.0, b - a) for a, b in windows)
+    if total <= 0:
+        return 0.0
+    idle = sum(timeline_stats(samples, a, b, 1)[1] * (b - a) for a, b in windows if b > a)
+    return idle / total
+
+
+def wall_throughput(consumed_tokens: int, spans: Sequence[float]) -> float | None:
+    """Consumed tokens per second of the trainer's whole loop (rollouts and training)."""
+    wall = sum(spans)
+    return consumed_tokens / wall if wall > 0 else None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -113,7 +151,14 @@ class StepRecord:
     tail_frac: float = 0.0
     inflight_target: int | None = None  # APRIL "auto": the running batch the server chose
     max_budget: int = 0  # longest consumed sample (calibrates the simulator on sync steps)
-    weight_version: str = ""
+    weight_version: str = ""  # current when the step was consumed
+    staleness: dict[int, int] = field(default_factory=dict)  # lag in versions -> consumed tokens
+    # The trainer's time after the call: handing in the next step's groups (april-async), the
+    # training wait, the weight push that ends it (None: no push after this step).
+    prefetch_s: float = 0.0
+    prefetched_groups: int = 0
+    train_s: float = 0.0
+    push_s: float | None = None
     # Engine forward time inside this step (server's `engine_time` before/after): where the
     # step's wall time went. None when the server does not report it.
     prefill_s: float | None = None
@@ -129,9 +174,16 @@ class StepRecord:
     def output_throughput(self) -> float:
         return self.consumed_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def span_s(self) -> float:
+        """The step as the trainer lives it: rollout, prefetch, training, push."""
+        return self.wall_s + self.prefetch_s + self.train_s + (self.push_s or 0.0)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["output_throughput"] = round(self.output_throughput, 3)
+        d["staleness"] = {str(k): v for k, v in sorted(self.staleness.items())}
+        d["span_s"] = round(self.span_s, 4)
         return d
 
 
@@ -175,12 +227,19 @@ class ModeResult:
     leftover_tokens: int = 0
     checks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    idle_push_s: float | None = None  # one weight push with nothing running, at the start
+    background_tokens: int = 0  # generated between calls (april-async), not in any call's stats
+    run_idle_frac: float | None = None  # over every step's span (rollout and training)
 
     def totals(self) -> dict[str, Any]:
         s = self.steps
         wall = sum(r.wall_s for r in s)
         consumed = sum(r.consumed_tokens for r in s)
-        generated = sum(r.generated_tokens for r in s)
+        in_calls = sum(r.generated_tokens for r in s)
+        generated = in_calls + self.background_tokens
+        stale = merge(r.staleness for r in s)
+        pushes = [r.push_s for r in s if r.push_s is not None]
+        run_tp = wall_throughput(consumed, [r.span_s for r in s])
         samples = sum(r.consumed_samples for r in s)
 
         def weighted(attr: str) -> float:
@@ -194,7 +253,7 @@ class ModeResult:
             "generated_tokens": generated,
             "output_throughput": round(consumed / wall, 3) if wall else None,
             "samples_per_s": round(samples / wall, 4) if wall else None,
-            "generated_throughput": round(generated / wall, 3) if wall else None,
+            "generated_throughput": round(in_calls / wall, 3) if wall else None,
             "mean_time_to_quota_s": round(sum(r.time_to_quota_s for r in s) / len(s), 4)
             if s
             else None,
@@ -204,6 +263,17 @@ class ModeResult:
             "offpolicy_frac": round(sum(r.offpolicy_tokens for r in s) / consumed, 4)
             if consumed
             else 0.0,
+            "run_wall_s": round(sum(r.span_s for r in s), 4),
+            "train_s": round(sum(r.train_s for r in s), 4),
+            "wall_throughput": None if run_tp is None else round(run_tp, 3),
+            "run_idle_frac": None if self.run_idle_frac is None else round(self.run_idle_frac, 4),
+            "staleness_hist": {str(k): v for k, v in stale.items()},
+            "max_staleness_seen": max(stale, default=0),
+            "push_count": len(pushes),
+            "push_p50_s": _round(percentile(pushes, 50)),
+            "push_max_s": _round(max(pushes, default=None)),
+            "idle_push_s": _round(self.idle_push_s),
+            "background_tokens": self.background_tokens,
             "tokens_wasted": generated - consumed - self.leftover_tokens,
             "leftover_groups": self.leftover_groups,
             "leftover_tokens": self.leftover_tokens,
@@ -215,3 +285,7 @@ class ModeResult:
             "median_group_latency_ms": float(np.median(g)) if g.size else None,
             "p99_group_latency_ms": float(np.percentile(g, 99)) if g.size else None,
         }
+
+
+def _round(v: float | None, digits: int = 4) -> float | None:
+    return None if v is None else round(v, digits)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import ModeResult
+from .staleness import describe
 
 
 def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -24,7 +25,12 @@ def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str
             continue
         tot = r.totals()
         rec.update(tot)
-        for key in ("output_throughput", "samples_per_s", "generated_throughput"):
+        for key in (
+            "output_throughput",
+            "samples_per_s",
+            "generated_throughput",
+            "wall_throughput",
+        ):
             b = base.get(key)
             rec[f"{key}_vs_sync"] = round(tot[key] / b, 4) if b and tot[key] else None
         rec.update(r.latencies.summary())
@@ -55,6 +61,9 @@ COLUMNS = [  # (header, key, format)
     ("mode", "mode", ""),
     ("out tok/s", "output_throughput", ".1f"),
     ("x sync", "output_throughput_vs_sync", ".2f"),
+    ("wall tok/s", "wall_throughput", ".1f"),
+    ("wall x sync", "wall_throughput_vs_sync", ".2f"),
+    ("run idle %", "run_idle_frac", "pct"),
     ("samples/s", "samples_per_s", ".2f"),
     ("gen tok/s", "generated_throughput", ".1f"),
     ("rollout s", "rollout_wall_s", ".1f"),
@@ -108,9 +117,31 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
             )
         if r.get("engine_prefill_s") is not None:
             lines.append(engine_time_line(r))
+        if r.get("staleness_hist") is not None:
+            lines.append(staleness_line(r))
+        if r.get("push_count") or r.get("idle_push_s") is not None:
+            lines.append(push_line(r))
+        for n in r.get("notes") or []:
+            lines.append(f"{r['mode']} note: {n}")
         for c in r.get("checks") or []:
             lines.append(f"CHECK FAILED {r['mode']}: {c}")
     return "\n".join(lines + notes)
+
+
+def staleness_line(r: dict[str, Any]) -> str:
+    hist = {int(k): v for k, v in r["staleness_hist"].items()}
+    return (
+        f"{r['mode']} consumed tokens by versions old (lag: tokens): {describe(hist)}; "
+        f"run {r['run_wall_s']:.1f}s of which training {r['train_s']:.1f}s"
+    )
+
+
+def push_line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['mode']} weight push (s): p50 {_fmt(r.get('push_p50_s'), '.3f')}, max "
+        f"{_fmt(r.get('push_max_s'), '.3f')} over {r.get('push_count', 0)} pushes; idle push "
+        f"{_fmt(r.get('idle_push_s'), '.3f')}"
+    )
 
 
 def engine_time_line(r: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ class ServerInfo:
     kv_snapshots: bool
     kv_reason: str
     sglang_version: str
+    background: bool = False  # on_quota continue and POST /groups (/stats background_groups)
 
 
 def kv_availability(stats: dict[str, Any]) -> tuple[bool, str]:
@@ -64,6 +65,7 @@ async def probe(http: httpx.AsyncClient) -> ServerInfo:
         kv_snapshots=ok,
         kv_reason=reason,
         sglang_version=str(server.get("version", "")),
+        background="background_groups" in stats,
     )
 
 
@@ -92,6 +94,19 @@ async def buffered_groups(http: httpx.AsyncClient) -> list[dict[str, Any]]:
 async def delete_groups(http: httpx.AsyncClient, group_ids: list[str]) -> None:
     for gid in group_ids:
         check(await http.delete(f"{R}/partials/{gid}"), f"DELETE partials/{gid}")
+
+
+async def abort_groups(http: httpx.AsyncClient, group_ids: list[str]) -> None:
+    """Stop these groups generating (tokens kept, they stay buffered); idempotent."""
+    if group_ids:
+        body = {"group_ids": group_ids, "keep": "tokens"}
+        check(await http.post(R + "/abort", json=body), "POST /abort")
+
+
+async def background_tokens(http: httpx.AsyncClient) -> int:
+    """Tokens the server generated between calls so far (`/stats` background_output_tokens)."""
+    stats = check(await http.get(R + "/stats"), "GET stats")
+    return int(stats.get("background_output_tokens") or 0)
 
 
 async def engine_clock(http: httpx.AsyncClient) -> dict[str, float]:

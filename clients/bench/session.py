@@ -64,33 +64,63 @@ async def drive(
     info: ServerInfo,
     poller: LoadPoller,
 ) -> None:
-    """Interleaved: step s of every mode, then (training, weight bump) once for all. Otherwise
-    mode after mode, each starting with an empty prefix cache and its own bumps."""
+    """Interleaved: step s of every mode, then (training, weight push) once for all. Otherwise
+    mode after mode, each starting with an empty prefix cache, one idle push and its own
+    pushes. The trainer's time after each step (training wait, push) is timed for every mode
+    it stands for."""
+
+    def version(step: int, tag: str, current: str) -> str:
+        """The version of the weights that step `step` runs under (pushed before it)."""
+        if cfg.step_versions:
+            return str(step)
+        return current if step == 0 else f"{tag}-v{step}"
+
+    async def idle_push(group: list[ModeRunner], tag: str) -> None:
+        """One push with nothing running: the baseline for the pushes between steps."""
+        if not cfg.bump_version:
+            return
+        v = version(0, tag, group[0].version)
+        seconds = await bump_version(http, info.model_path, v)
+        for r in group:
+            r.result.idle_push_s = seconds
+            r.set_version(v)
 
     async def between(step: int, group: list[ModeRunner], tag: str) -> None:
+        t0 = time.perf_counter()
         if cfg.train_time > 0:
             await asyncio.sleep(cfg.train_time)
+        t1 = time.perf_counter()
+        push: float | None = None
         if cfg.bump_version and step + 1 < cfg.steps:
-            version = f"{tag}-v{step + 1}"
-            await bump_version(http, info.model_path, version)
+            v = version(step + 1, tag, "")
+            push = await bump_version(http, info.model_path, v)
             for r in group:
-                r.version = version
+                r.set_version(v)
+        t2 = time.perf_counter()
+        for r in group:
+            r.trained(t1 - t0, push, t0 - poller.t0, t2 - poller.t0)
 
     if cfg.interleave:
+        await idle_push(runners, cfg.run_tag)
+        for r in runners:
+            await r.begin()
         for step in range(cfg.steps):
             for r in runners:
                 if r.result.available:
                     await r.step(step, poller)
-            await between(step, runners, cfg.run_tag)
+            await between(step, [r for r in runners if r.result.available], cfg.run_tag)
         return
     for r in runners:
         await flush_cache(http)
-        r.version = (await probe(http)).weight_version
+        r.set_version((await probe(http)).weight_version)
+        tag = f"{cfg.run_tag}-{r.spec.slug}"
+        await idle_push([r], tag)
+        await r.begin()
         for step in range(cfg.steps):
             await r.step(step, poller)
             if not r.result.available:
                 break
-            await between(step, [r], f"{cfg.run_tag}-{r.spec.slug}")
+            await between(step, [r], tag)
         await r.finish(poller)  # its leftover must leave the buffer before the next mode
 
 
@@ -146,6 +176,12 @@ async def run_modes(
         f"{cfg.max_tokens} tokens, over-sampling {cfg.over_sampling}, {wl.kind} workload, "
         f"seed {args.seed}"
     )
+    if cfg.train_time > 0 or cfg.bump_version:
+        title += (
+            f"; trainer: {cfg.train_time:g} s training"
+            + (" + weight push" if cfg.bump_version else "")
+            + " per step"
+        )
     meta = {
         "run_id": cfg.run_tag,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -162,6 +198,7 @@ async def run_modes(
         "max_tokens": cfg.max_tokens,
         "train_time": cfg.train_time,
         "bump_version": cfg.bump_version,
+        "step_versions": cfg.step_versions,
         "max_inflight": cfg.max_inflight,
         "max_staleness": cfg.max_staleness,
         "stream_sync": cfg.stream_sync,

@@ -1,5 +1,6 @@
-"""april-bench against a real CPU server: two tiny steps of sync and APRIL with weight-version
-bumps write sound JSONL records and both plots. A benchmark, not a timing test: no timed asserts."""
+"""april-bench against a real CPU server: two tiny steps of sync, APRIL and APRIL-async with a
+trainer's pause and weight push between them write sound JSONL records and both plots. A
+benchmark, not a timing test: no timed asserts."""
 
 from __future__ import annotations
 
@@ -17,21 +18,28 @@ pytestmark = pytest.mark.e2e
 def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_path: Path) -> None:
     out, plots = tmp_path / "bench.jsonl", tmp_path / "plots"
     args = cli.parse_args(
-        ["--url", tiny_server.url, "--modes", "sync,april", "--steps", "2", "--groups", "2",
-         "--n", "2", "--max-tokens", "48", "--bump-version", "--stream-sync", "--clear-buffer",
-         "--no-progress", "--json-out", str(out), "--plot-dir", str(plots)]
+        ["--url", tiny_server.url, "--modes", "sync,april,april-async", "--steps", "2",
+         "--groups", "2", "--n", "2", "--max-tokens", "48", "--train-s", "0.3", "--stream-sync",
+         "--clear-buffer", "--no-progress", "--json-out", str(out), "--plot-dir", str(plots)]
     )  # fmt: skip
     assert cli.run(args) == 0
     recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"sync", "april"}
+    assert set(recs) == {"sync", "april", "april-async"}
     for r in recs.values():
         assert r["available"] and r["checks_ok"], r["checks"]
         assert r["output_throughput"] > 0 and r["mode_checks"] == []
         assert [s["consumed_samples"] for s in r["per_step"]] == [4, 4]
-        assert r["tokens_wasted"] == 0
+        # Every generated token (april-async: in the background too) consumed or left over.
+        assert r["tokens_wasted"] == 0, r
+        assert [s["weight_version"] for s in r["per_step"]] == ["0", "1"]
+        assert r["push_count"] == 1 and r["idle_push_s"] is not None
+        assert sum(r["staleness_hist"].values()) == r["consumed_tokens"]
+        assert 0 < r["wall_throughput"] < r["output_throughput"]
         # The engine's own clock: both kinds ran, and they fit in the rollout wall.
         assert r["engine_prefill_s"] > 0 and r["engine_decode_s"] > 0, r
         assert r["engine_other_s"] > -0.05 * r["rollout_wall_s"], r
+    # The next step's groups went in right after step 0's call; step 1's call sent none.
+    assert [s["prefetched_groups"] for s in recs["april-async"]["per_step"]] == [2, 0]
     # Sync: every request's first token comes from its prefill, the rest from decode steps.
     sync = recs["sync"]
     assert sync["engine_decode_tokens"] + sync["consumed_samples"] == sync["generated_tokens"], sync
@@ -42,7 +50,7 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
     with tiny_server.client() as c:  # the leftover buffer was reported, then freed
         ours = [g for g in c.get("/april/v1/partials").json()["groups"]
                 if g["group_id"].startswith(recs["april"]["run_id"])]  # fmt: skip
-        assert ours == []
+        assert ours == [] and c.get("/april/v1/stats").json()["background_groups"] == 0
 
 
 def test_sweep_compares_static_and_adaptive_side_by_side(

@@ -87,3 +87,14 @@ def test_modes_must_consume_the_same_samples_per_step() -> None:
     assert compare_modes([a, b]) == []
     b.consume(1, consumed("g4", (3, 5)))
     assert compare_modes([a, b]) != []
+
+
+def test_outstanding_groups_are_sent_and_neither_consumed_nor_dropped() -> None:
+    """What april-async's prefetch sizes the next hand-in from."""
+    led = ledger()
+    assert led.outstanding() == {f"g{i}" for i in range(6)}
+    led.consume(0, consumed("g1", (3, 5)) + consumed("g3", (3, 5)))
+    led.dropped.add("g5")
+    assert led.outstanding() == {"g0", "g2", "g4"}
+    led.send("g6", 6, (3, 5))  # a hand-in for the next step
+    assert led.outstanding() == {"g0", "g2", "g4", "g6"}

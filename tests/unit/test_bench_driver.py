@@ -15,10 +15,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from april_client.bench import cli
 
+BACKGROUND_STRIDE = 5  # tokens each background sample generates while the trainer trains
+
 
 class FakeServer:
     """Native /generate plus a minimal APRIL rollout: the K groups with the least work left
-    finish; everything else advances by as many tokens and is buffered."""
+    finish; everything else advances by as many tokens and is buffered. Background groups
+    (`on_quota: continue`, `POST /groups`) advance by BACKGROUND_STRIDE tokens under the old
+    version when a weight push arrives (what they generated while the trainer trained)."""
 
     def __init__(
         self, duplicate: bool = False, kv: Any = "not available", effective: str = ""
@@ -27,6 +31,9 @@ class FakeServer:
         self.buffer: dict[str, dict[str, Any]] = {}
         self.duplicate, self.kv, self.effective = duplicate, kv, effective
         self.returned: list[dict[str, Any]] = []
+        self.background: set[str] = set()
+        self.background_tokens = 0
+        self.calls: list[dict[str, Any]] = []  # every /rollouts body
         self.app = FastAPI()
         get, post = self.app.get, self.app.post
         get("/model_info")(lambda: {"model_path": "/fake", "weight_version": self.version})
@@ -39,16 +46,57 @@ class FakeServer:
                 "weight_version": self.version,
                 "kv_snapshots": self.kv,
                 "engine": {"vocab_size": 100},
+                "background_groups": len(self.background),
+                "background_output_tokens": self.background_tokens,
             }  # fmt: skip
         )
-        self.app.delete("/april/v1/partials/{gid}")(lambda gid: {"deleted": self.buffer.pop(gid)})
+        self.app.delete("/april/v1/partials/{gid}")(self.delete)
         post("/update_weights_from_disk")(self.update)
+        post("/april/v1/groups")(self.groups)
+        post("/april/v1/abort")(self.abort)
         post("/generate")(self.generate)
         post("/april/v1/rollouts")(self.rollouts)
 
     async def update(self, request: Request) -> dict[str, Any]:
+        for gid in self.background:
+            for s in self.buffer[gid]["samples"]:
+                self.background_tokens += self.advance(s, BACKGROUND_STRIDE)
         self.version = (await request.json())["weight_version"]
         return {"success": True}
+
+    def delete(self, gid: str) -> dict[str, Any]:
+        self.background.discard(gid)
+        return {"deleted": self.buffer.pop(gid)}
+
+    async def abort(self, request: Request) -> dict[str, Any]:
+        self.background -= set((await request.json())["group_ids"])
+        return {"samples": []}
+
+    def new_group(self, g: dict[str, Any]) -> dict[str, Any]:
+        gid, params = g["group_id"], g["member_params"]
+        members = [self.sample(gid, j, p["max_new_tokens"]) for j, p in enumerate(params)]
+        return {"group_id": gid, "samples": members}
+
+    async def groups(self, request: Request) -> dict[str, Any]:
+        body = await request.json()
+        for g in body["groups"]:
+            self.buffer[g["group_id"]] = self.new_group(g)
+            if body["start"] == "background":
+                self.background.add(g["group_id"])
+        ids = [g["group_id"] for g in body["groups"]]
+        return {"group_ids": ids, "started_samples": len(ids)}
+
+    def advance(self, s: dict[str, Any], most: int) -> int:
+        """Generate up to `most` tokens of `s` under the current version; how many it made."""
+        gain = min(most, s["max_new_tokens"] - len(s["output_ids"]))
+        if gain > 0:
+            start = len(s["output_ids"])
+            s["output_ids"] += [7] * gain
+            seg = {"start": start, "end": start + gain, "kv": "fresh"}
+            s["segments"].append({**seg, "weight_version": self.version})
+        if len(s["output_ids"]) == s["max_new_tokens"]:
+            s["status"] = "truncated"
+        return max(gain, 0)
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
@@ -66,11 +114,8 @@ class FakeServer:
 
     async def rollouts(self, request: Request) -> Response:
         body = await request.json()
-        pool = list(self.buffer.values())
-        for g in body["groups"]:
-            gid, params = g["group_id"], g["member_params"]
-            members = [self.sample(gid, j, p["max_new_tokens"]) for j, p in enumerate(params)]
-            pool.append({"group_id": gid, "samples": members})
+        self.calls.append(body)
+        pool = list(self.buffer.values()) + [self.new_group(g) for g in body["groups"]]
 
         def left(g: dict[str, Any]) -> int:
             return max(s["max_new_tokens"] - len(s["output_ids"]) for s in g["samples"])
@@ -80,20 +125,15 @@ class FakeServer:
         horizon, produced = left(take[-1]), 0
         for g in pool:
             for s in g["samples"]:
-                gain = min(horizon, s["max_new_tokens"] - len(s["output_ids"]))
-                if gain:
-                    start = len(s["output_ids"])
-                    s["output_ids"] += [7] * gain
-                    seg = {"start": start, "end": start + gain, "kv": "fresh"}
-                    s["segments"].append({**seg, "weight_version": self.version})
-                    produced += gain
-                if len(s["output_ids"]) == s["max_new_tokens"]:
-                    s["status"] = "truncated"
+                produced += self.advance(s, horizon)
         ids = {g["group_id"] for g in take}
         if self.duplicate and self.returned:
             take[0] = self.returned[0]  # a buggy server: an old group again, a new one lost
         self.returned += take
         self.buffer = {g["group_id"]: g for g in pool if g["group_id"] not in ids}
+        self.background -= ids
+        if body["on_quota"] == "continue":
+            self.background |= set(self.buffer)
         stats = {"weight_version": self.version, "output_tokens": produced, "recomputed_tokens": 0,
                  "restored_kv_tokens": 0, "resumed_samples": 0,
                  "on_quota_effective": self.effective or body["on_quota"]}  # fmt: skip
@@ -121,7 +161,7 @@ def test_sync_and_april_consume_the_same_samples_and_lose_none(tmp_path: Path) -
     rc, recs = bench(server, tmp_path, "--bump-version", "--stream-sync")
     assert rc == 0
     by_mode = {r["mode"]: r for r in recs}
-    assert set(by_mode) == {"sync", "april", "april-kv"}
+    assert set(by_mode) == {"sync", "april", "april-kv", "april-async"}
     sync, april, kv = by_mode["sync"], by_mode["april"], by_mode["april-kv"]
     for r in (sync, april):
         assert r["checks_ok"] and r["checks"] == [] and r["mode_checks"] == []
@@ -208,3 +248,60 @@ def test_simulate_after_a_run_measures_its_cost_model(
     out = capsys.readouterr().out
     assert "simulated replay of this run's setup" in out and "measured in this run" in out
     assert "projection at scale" in out
+
+
+def test_april_async_prefetches_the_next_step_and_keeps_an_exact_ledger(tmp_path: Path) -> None:
+    server = FakeServer()
+    rc, recs = bench(server, tmp_path, "--modes", "sync,april,april-async", "--train-s", "0.05")
+    assert rc == 0
+    by_mode = {r["mode"]: r for r in recs}
+    aa = by_mode["april-async"]
+    assert aa["checks_ok"] and aa["checks"] == [] and aa["mode_checks"] == []
+    # Step 0 sends over-sampling x K = 4 groups; every later call sends none: the groups it
+    # needs were handed in with POST /groups right after the previous call answered.
+    calls = [c for c in server.calls if "april-async" in c["request_id"]]
+    assert [len(c["groups"]) for c in calls] == [4, 0, 0]
+    assert {c["on_quota"] for c in calls} == {"continue"}
+    steps = aa["per_step"]
+    assert [s["prefetched_groups"] for s in steps] == [2, 2, 0]  # none after the last step
+    assert [s["buffered_groups"] for s in steps] == [2, 2, 2]
+    assert aa["leftover_groups"] == 2 and server.buffer == {} and server.background == set()
+    # Background tokens are counted as generated: nothing is wasted, nothing unaccounted.
+    assert aa["background_tokens"] > 0 and aa["tokens_wasted"] == 0
+    # They were generated under the version before each push: one version old when consumed.
+    assert aa["staleness_hist"].get("1", 0) > 0 and aa["max_staleness_seen"] >= 1
+    assert by_mode["sync"]["staleness_hist"] == {"0": by_mode["sync"]["consumed_tokens"]}
+    for r in recs:
+        assert [s["weight_version"] for s in r["per_step"]] == ["0", "1", "2"]
+        assert r["train_s"] >= 3 * 0.05 and r["push_count"] == 2
+        assert r["idle_push_s"] is not None and r["push_max_s"] >= r["push_p50_s"]
+        assert r["run_wall_s"] >= r["rollout_wall_s"] + r["train_s"]
+        assert 0 < r["wall_throughput"] < r["output_throughput"]
+        assert sum(r["staleness_hist"].values()) == r["consumed_tokens"]
+        assert r["run_idle_frac"] is not None and r["wall_throughput_vs_sync"] is not None
+
+
+def test_train_s_sets_training_time_pushes_and_step_versions() -> None:
+    cfg = cli.config(cli.parse_args(["--train-s", "1.5"]))
+    assert (cfg.train_time, cfg.bump_version, cfg.step_versions) == (1.5, True, True)
+    old = cli.config(cli.parse_args(["--train-time", "2", "--bump-version"]))
+    assert (old.train_time, old.bump_version, old.step_versions) == (2.0, True, False)
+    with pytest.raises(SystemExit, match="drop --train-time"):
+        cli.config(cli.parse_args(["--train-s", "1", "--train-time", "2"]))
+    with pytest.raises(SystemExit, match="cannot take april-async"):
+        cli.mode_specs(cli.parse_args(["--interleave", "--modes", "sync,april-async"]))
+
+
+def test_april_async_is_refused_by_a_server_without_background_generation(
+    tmp_path: Path,
+) -> None:
+    server = FakeServer()
+    server.app.router.routes = [
+        r for r in server.app.router.routes if getattr(r, "path", "") != "/april/v1/stats"
+    ]
+    server.app.get("/april/v1/stats")(
+        lambda: {"weight_version": server.version, "kv_snapshots": "no"}
+    )
+    rc, recs = bench(server, tmp_path, "--modes", "april-async")
+    assert rc == 0 and recs[0]["available"] is False
+    assert "no background generation" in recs[0]["reason"]

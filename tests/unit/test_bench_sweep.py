@@ -16,6 +16,8 @@ def test_mode_spec_policies() -> None:
     assert ModeSpec.parse("april", default_inflight="auto").max_inflight == "auto"
     assert ModeSpec.parse("april").label == "april"
     assert ModeSpec.parse("april@all").slug == "april-at-all"
+    assert ModeSpec.parse("april-async") == ModeSpec("april-async", "all", "april-async")
+    assert ModeSpec.parse("april-async@auto").slug == "april-async-at-auto"
     for bad in ("sync@auto", "april@0", "april@many", "turbo", "april@"):
         with pytest.raises(BenchError):
             ModeSpec.parse(bad)
