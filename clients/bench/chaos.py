@@ -257,11 +257,24 @@ async def killer(target: Target, until: float, led: ChaosLedger) -> None:
         await asyncio.to_thread(target.restart_engine, 1)
 
 
+async def settled(c: Client, timeout_s: float = 300.0) -> None:
+    """Wait until no call runs (an abandoned call winds down after its client left)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        r = await c.http.get(R + "/stats")
+        if r.status_code == 200 and not r.json()["active_calls"]:
+            return
+        await asyncio.sleep(0.5)
+    c.led.hangs.append(f"calls still active {timeout_s:.0f} s after the clients stopped")
+
+
 async def drain(c: Client, led: ChaosLedger) -> tuple[int, int]:
     """Resolve every abandoned call, stop everything, take every buffered group out."""
+    await settled(c)
     for rid in list(c.pending):
         await c.retry(rid)
     await c._post(R + "/abort", {"all": True, "keep": "tokens"}, CALL_TIMEOUT_S)
+    await settled(c)
     for _ in range(200):
         stats = (await c.http.get(R + "/stats")).json()
         left = int(stats["buffered_groups"])
@@ -273,8 +286,13 @@ async def drain(c: Client, led: ChaosLedger) -> tuple[int, int]:
             led.answered(None, r.json())
         else:
             await asyncio.sleep(1.0)  # e.g. no engine healthy yet
+    await settled(c)
     stats = (await c.http.get(R + "/stats")).json()
-    return int(stats["buffered_groups"]), int(stats.get("snapshot_bytes_used", 0) or 0)
+    left = int(stats["buffered_groups"]) + int(stats.get("claimed_groups", 0))
+    for gid in sorted(led.acknowledged - set(led.delivered) - led.gone)[:5]:
+        r = await c.http.get(f"{R}/partials/{gid}")  # what the server says of a lost one
+        led.story.setdefault(gid, []).append(f"now: GET /partials -> {r.status_code}")
+    return left, int(stats.get("snapshot_bytes_used", 0) or 0)
 
 
 async def run(target: Target, duration_s: float, clients: int, seed: int) -> ChaosLedger:
