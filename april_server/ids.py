@@ -1,4 +1,4 @@
-"""Identifiers of the contract (`shared/docs/api.md`, "Identifiers").
+"""Identifiers of the contract (`docs/api.md`, "Identifiers").
 
 `group_id` and `request_id` are 1-128 characters from `[A-Za-z0-9._:-]`, so every id
 round-trips through every route that names it (`/partials/{group_id}`, `sample_id =

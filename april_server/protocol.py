@@ -1,4 +1,4 @@
-"""Wire types of the april-server HTTP contract (shared/docs/api.md), as msgspec Structs.
+"""Wire types of the april-server HTTP contract (docs/api.md), as msgspec Structs.
 
 Imports only msgspec, so the client package can reuse these types with only httpx + msgspec.
 Requests forbid unknown fields (a typo is a 4xx, not a silently ignored option); responses
