@@ -35,7 +35,7 @@ bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
 	@V=$(VENV) && $$V/bin/python -m kernels.bench_kv_copy --quick
 
 bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (tiny, SmolLM2)
-	@V=$(VENV) && $$V/bin/python -m kernels.bench_resume
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.resume
 
 bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.buffer --json-out out/bench-buffer.json

@@ -8,13 +8,20 @@ CPU-appropriate defaults below are added unless the same flag was given.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from april_server import env
 from april_server.config import AprilConfig
+
+if TYPE_CHECKING:
+    from april_server.auth import AuthPolicy
+    from april_server.engine_base import BaseEngine
 
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
     ("--device", "cpu"),
@@ -238,7 +245,27 @@ def main(argv: list[str] | None = None) -> None:
     env.set_kv_host_bytes(april.april_kv_host_bytes)
     from april_server.door.engine import launch
 
-    launch(build_argv(rest, april, cpu), config)
+    # The door runs SGLang; the routes come from the layers above it, handed down.
+    launch(build_argv(rest, april, cpu), config, functools.partial(mount_routes, config))
+
+
+def mount_routes(
+    config: AprilConfig, app: Any, make_engine: Callable[[], BaseEngine], auth: AuthPolicy
+) -> None:
+    """The routes april-server adds to SGLang's app (`door.engine.launch` calls this with the
+    config bound): the /april/v1 API over one manager, and the engine routes, so that any
+    april-server can be one engine of a fleet driven by an owner elsewhere."""
+    from april_server.app import create_router, extend_app
+    from april_server.door.weight_hooks import listen
+    from april_server.fleet.engine_routes import create_engine_router
+    from april_server.server import ManagerHolder
+
+    holder = ManagerHolder(config, make_engine)
+    # Weight pushes cut our running segments at the version boundary (door/weight_hooks.py).
+    listen(lambda: None if (m := holder.peek()) is None else m.segments)
+    app.include_router(create_router(holder.get, config, auth))
+    app.include_router(create_engine_router(lambda: holder.get().engine, auth))
+    extend_app(app)
 
 
 if __name__ == "__main__":

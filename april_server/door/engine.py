@@ -12,9 +12,11 @@ import asyncio
 import itertools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from april_server.auth import AuthPolicy
 from april_server.config import AprilConfig
 from april_server.engine_base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.errors import bad_request
@@ -271,18 +273,20 @@ class SGLangEngine(SnapshotEngine):
         }
 
 
-def launch(sglang_argv: list[str], config: AprilConfig) -> None:
-    """Run SGLang's HTTP server with the /april/v1 routes added. Blocks until shutdown."""
+# What the layers above add to SGLang's app: given the app, a factory for the engine (called
+# once SGLang's server runs) and the auth policy, mount the /april/v1 routes. The door takes it as
+# an argument so that it imports nothing from the layers above it (tests/unit/test_layers.py).
+MountRoutes = Callable[[Any, Callable[[], BaseEngine], AuthPolicy], None]
+
+
+def launch(sglang_argv: list[str], config: AprilConfig, mount: MountRoutes) -> None:
+    """Run SGLang's HTTP server with the routes that `mount` adds. Blocks until shutdown."""
     check_sglang_version()
     from sglang.srt.entrypoints import http_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
-    from april_server.app import create_router, extend_app
-    from april_server.auth import AuthPolicy
-    from april_server.door.weight_hooks import listen, register_weight_hooks
-    from april_server.fleet.engine_routes import create_engine_router
-    from april_server.server import ManagerHolder
+    from april_server.door.weight_hooks import register_weight_hooks
 
     register_weight_hooks()  # this process only: it serves the weight-update routes
     load_plugins()  # ... and applies every registered hook
@@ -299,12 +303,6 @@ def launch(sglang_argv: list[str], config: AprilConfig) -> None:
         tm = http_server.get_global_state().tokenizer_manager
         return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0, dp_size=dp_size)
 
-    holder = ManagerHolder(config, make_engine)
-    # Weight pushes cut our running segments at the version boundary (weight_hooks.py).
-    listen(lambda: None if (m := holder.peek()) is None else m.segments)
     auth = AuthPolicy(server_args.api_key, getattr(server_args, "admin_api_key", None))
-    http_server.app.include_router(create_router(holder.get, config, auth))
-    # Any april-server can be one engine of a fleet driven by an owner elsewhere.
-    http_server.app.include_router(create_engine_router(lambda: holder.get().engine, auth))
-    extend_app(http_server.app)
+    mount(http_server.app, make_engine, auth)
     http_server.launch_server(server_args)

@@ -1,10 +1,10 @@
 """The KV copy kernels compiled ahead of time for sm_80, sm_90a and sm_100a, no GPU needed.
 
-`python -m kernels.aot_check` runs in a subprocess (the kernels must be JITFunctions, and this
-session runs Triton in its interpreter): every launch the launcher can make, specialized as
-Triton's JIT would on a GPU, compiled to PTX and cubin by the bundled ptxas. The tests below
-restate each property on the JSON it writes, and check that the checker does fail on a
-de-vectorized kernel, on 32-bit offsets and on a tile that spills.
+`python -m april_client.bench.gpu_check.aot_check` runs in a subprocess (the kernels must be
+JITFunctions, and this session runs Triton in its interpreter): every launch the launcher can
+make, specialized as Triton's JIT would on a GPU, compiled to PTX and cubin by the bundled
+ptxas. The tests below restate each property on the JSON it writes, and check that the checker
+does fail on a de-vectorized kernel, on 32-bit offsets and on a tile that spills.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import kv_copy_triton
-from kernels.aot_inspect import (
+from april_client.bench.gpu_check.aot_inspect import (
     Access,
     ptx_accesses,
     ptx_target,
@@ -28,6 +27,7 @@ from kernels.aot_inspect import (
     sass_accesses,
     ttir_narrow_int_ops,
 )
+from kernels import kv_copy_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = {80, 90, 100}
@@ -39,7 +39,7 @@ def _run_checker(tmp: Path, *args: str, module_dir: Path | None = None):
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (module_dir, ROOT) if p)
     env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")  # not the user's cache
     return subprocess.run(
-        [sys.executable, "-m", "kernels.aot_check", *args],
+        [sys.executable, "-m", "april_client.bench.gpu_check.aot_check", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,6 +1,5 @@
 """How the client is imported: the package is `april_client` (sources in clients/), importing it
-needs only httpx and msgspec, and the deprecated `clients` name, from a checkout, gives the very
-same modules (one copy of each class) with a DeprecationWarning."""
+needs only httpx and msgspec, and the folder name `clients` is not an import name (no alias)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from tests.unit.client_fakes import ROOT
 
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`code` in a fresh interpreter run from the repo root (a checkout, as the old name needs)."""
+    """`code` in a fresh interpreter run from the repo root (a checkout)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -47,56 +46,13 @@ def test_import_needs_only_httpx_and_msgspec() -> None:
     assert out.stdout.split() == ["AprilClient", "AsyncAprilClient"]
 
 
-OLD_NAME_CHECKS = """
-import sys, warnings
-if {no_install}:  # a bare checkout: hide the editable install's finder
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    {first}
-    {second}
-from clients import AprilClient, AprilError, NotFound
-from clients.bench.cli import main
-import clients.client, clients._routes
-import april_client.bench.cli
-assert clients is april_client, "one package object"
-assert AprilClient is april_client.AprilClient and AprilError is april_client.AprilError
-assert NotFound is april_client.NotFound and issubclass(NotFound, april_client.AprilError)
-assert main is april_client.bench.cli.main
-assert clients.client is april_client.client and clients._routes is april_client._routes
-assert sys.modules["clients.bench.cli"] is april_client.bench.cli
-assert april_client.__spec__.name == "april_client"
-assert april_client.bench.cli.__spec__.name == "april_client.bench.cli"
-dep = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-assert len(dep) == 1 and "april_client" in str(dep[0].message), [str(w.message) for w in caught]
-assert dep[0].filename == "<string>", dep[0].filename  # points at the importing code
-print("ok")
-"""
-
-
-@pytest.mark.parametrize(
-    ("no_install", "old_first"),
-    # a bare checkout (no install) has no `april_client` folder: only the old name finds it
-    [(False, True), (False, False), (True, True)],
-    ids=["installed-old-first", "installed-new-first", "bare-checkout"],
-)
-def test_the_old_name_is_the_same_package_and_deprecated(no_install: bool, old_first: bool) -> None:
-    imports = ["import clients", "import april_client"]
-    first, second = imports if old_first else imports[::-1]
-    out = run_python(OLD_NAME_CHECKS.format(no_install=no_install, first=first, second=second))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
-
-
-def test_python_m_works_under_the_old_name() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "clients.bench.buffer", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "python -m april_client.bench.buffer" in out.stdout
+def test_the_folder_name_is_not_an_import_name() -> None:
+    """No `clients` alias: from a checkout, `import clients` fails and names `april_client`."""
+    out = run_python("import clients")
+    assert out.returncode != 0
+    assert "import `april_client` instead" in out.stderr
+    assert "DeprecationWarning" not in out.stderr
+    assert not (ROOT / "clients" / "_legacy.py").exists()
 
 
 def test_a_vendored_copy_works_under_its_own_name(tmp_path: Path) -> None:

@@ -1,10 +1,10 @@
 """Compile every launch of the KV copy kernels for real GPU targets and check the code. No GPU.
 
-    python -m kernels.aot_check [--archs 80,90,100] [--kernels save,restore]
+    python -m april_client.bench.gpu_check.aot_check [--archs 80,90,100] [--kernels save,restore]
         [--itemsizes 1,2,4,8] [--kernels-module kernels.kv_copy_triton] [--sass some]
         [--json-out FILE]
 
-For each launch of ``kernels.aot_variants.launches`` and each target (sm_80, sm_90a, sm_100a
+For each launch of ``aot_variants.launches`` and each target (sm_80, sm_90a, sm_100a
 by default) Triton compiles TTIR -> PTX -> cubin with its bundled ptxas (ptxas-blackwell for
 sm_100a); the check reads:
 
@@ -42,7 +42,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.aot_inspect import (
+from april_client.bench.gpu_check.aot_inspect import (
     Access,
     histogram,
     loop_accesses,
@@ -52,7 +52,7 @@ from kernels.aot_inspect import (
     sass_accesses,
     ttir_narrow_int_ops,
 )
-from kernels.aot_variants import (
+from april_client.bench.gpu_check.aot_variants import (
     ITEMSIZES,
     KERNELS,
     Launch,
@@ -61,7 +61,7 @@ from kernels.aot_variants import (
     launches,
     tiles,
 )
-from kernels.aot_variants import specialize as jit_specialize
+from april_client.bench.gpu_check.aot_variants import specialize as jit_specialize
 
 ARCHS = (80, 90, 100)
 

@@ -1,4 +1,4 @@
-"""Markdown of a `kernels.gpu_check` report: one summary table, then one table per measurement."""
+"""Markdown of a gpu-check report: one summary table, then one table per measurement."""
 
 from __future__ import annotations
 

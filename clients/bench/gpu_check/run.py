@@ -1,4 +1,4 @@
-"""Run context of `kernels.gpu_check`: the time budget and child processes with timeouts."""
+"""Run context of the gpu-check: the time budget and child processes with timeouts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # clients/bench/gpu_check/run.py
 MARGIN_S = 10.0  # kept back from every part for writing the report and stopping the server
 
 

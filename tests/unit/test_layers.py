@@ -1,0 +1,101 @@
+"""The layer order of the code, lowest first. A module may import from its own layer and the
+layers below it, never from one above: the arrows run one way, so a lower layer can be read,
+tested and reused without the ones above it. (Which package may import SGLang is checked in
+test_structure.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.unit.test_structure import ROOT
+
+# Lowest first. `kernels` imports nothing of ours. The core (wire types, samples, buffer, store,
+# manager, ...) is bookkeeping. The door runs SGLang (and only it imports SGLang). `http` is the
+# /april/v1 router over one manager and the holder that builds it. The fleet builds on those to
+# drive engines on other machines. `entry` (the command line) wires a process from all of them.
+# The client and its benchmarks, which launch servers, sit on top.
+LAYERS = ["kernels", "core", "door", "http", "fleet", "entry", "april_client"]
+NAMED = {
+    "april_server.door": "door",
+    "april_server.app": "http",
+    "april_server.server": "http",
+    "april_server.fleet": "fleet",
+    "april_server.cli": "entry",
+    "april_server.__main__": "entry",
+}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a dotted module name of ours; None for anything else (stdlib, third party)."""
+    for prefix, layer in NAMED.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return LAYERS.index(layer)
+    root = module.split(".")[0]
+    if root == "april_server":
+        return LAYERS.index("core")
+    return LAYERS.index(root) if root in LAYERS else None
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "clients":
+        parts[0] = "april_client"
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def resolve(module: str, level: int, importer: str, is_package: bool) -> str:
+    """An import's absolute name (relative imports resolved against the importer)."""
+    if level == 0:
+        return module
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, module] if module else base)
+
+
+def upward_imports() -> list[str]:
+    import ast
+
+    bad = []
+    for top in ("kernels", "april_server", "clients"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            me = module_name(path)
+            mine = layer_of(me)
+            assert mine is not None, me
+            for node in ast.walk(ast.parse(path.read_text())):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = resolve(node.module or "", node.level, me, path.name == "__init__.py")
+                    names = [base] + [f"{base}.{a.name}" for a in node.names]
+                for name in names:
+                    theirs = layer_of(name)
+                    if theirs is not None and theirs > mine:
+                        bad.append(f"{me} -> {name}")
+    return sorted(set(bad))
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    assert upward_imports() == []
+
+
+def test_the_layer_rule_sees_an_upward_import() -> None:
+    """The rule itself: a door module reaching into the fleet, or kernels into the server, is
+    counted as upward (so the test above cannot pass by classifying nothing)."""
+
+    def at(module: str) -> int:
+        layer = layer_of(module)
+        assert layer is not None, module
+        return layer
+
+    assert at("april_server.fleet.engine_routes") > at("april_server.door.engine")
+    assert at("april_server.protocol") > at("kernels.kv_copy")
+    assert at("april_server.app") > at("april_server.door.engine")
+    assert at("april_server.cli") > at("april_server.fleet.gateway")
+    assert at("april_client.bench.gpu_check.parts") > at("april_server.cli")
+    assert at("april_client") > at("april_server.cli")
+    assert layer_of("torch") is None
+    assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
