@@ -35,6 +35,8 @@ Definitions (printed by `april-bench --help-metrics`):
   decoding request); `engine_other_s` = wall - both (scheduling, HTTP, abort and
   persistence, the engine idle). Compute time on CPU; launch time only under SGLang's overlap
   scheduler on a GPU.
+  april-async: the clock is read around each call, so background forwards that ran between the
+  reading and the call pausing them are in it too (engine_other_s can go below 0).
 - TTFT / TPOT / ITL / E2E follow sglang.bench_serving: TPOT = (E2E - TTFT) / (tokens - 1),
   ITL = gaps between streamed chunks; `{mean,median,std,p90,p95,p99}_{name}_ms`.
 """

@@ -35,9 +35,11 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
         assert r["push_count"] == 1 and r["idle_push_s"] is not None
         assert sum(r["staleness_hist"].values()) == r["consumed_tokens"]
         assert 0 < r["wall_throughput"] < r["output_throughput"]
-        # The engine's own clock: both kinds ran, and they fit in the rollout wall.
+        # The engine's own clock: both kinds ran, and they fit in the rollout wall (not for
+        # april-async: its window also holds background forwards before the call paused them).
         assert r["engine_prefill_s"] > 0 and r["engine_decode_s"] > 0, r
-        assert r["engine_other_s"] > -0.05 * r["rollout_wall_s"], r
+        if r["mode"] != "april-async":
+            assert r["engine_other_s"] > -0.05 * r["rollout_wall_s"], r
     # The next step's groups went in right after step 0's call; step 1's call sent none.
     assert [s["prefetched_groups"] for s in recs["april-async"]["per_step"]] == [2, 0]
     # Sync: every request's first token comes from its prefill, the rest from decode steps.
