@@ -40,7 +40,9 @@ async def abandoned_stream(url: str, k: int, rng: random.Random) -> tuple[int, l
     `done` line arrived before the client left (a call that met its quota that fast)."""
     body = {
         "groups": [group(f"ab{k}", [k % 50 + 3, 9], [200], ignore_eos=True)],
-        "target_groups": 3,
+        # Its own group always makes the target reachable: the call is accepted however much
+        # of the buffer other calls have taken, and still claims buffered groups first.
+        "target_groups": 1,
         "stream": True,
         "request_id": f"abandon-{k}",
     }
@@ -71,7 +73,7 @@ async def retried(c: httpx.AsyncClient, k: int) -> list[str]:
     call runs again on the groups it had handed in. 400: too few groups available now."""
     body = {
         "groups": [group(f"ab{k}", [k % 50 + 3, 9], [200], ignore_eos=True)],
-        "target_groups": 3,
+        "target_groups": 1,
         "request_id": f"abandon-{k}",
     }
     r = await c.post(R + "/rollouts", json=body, timeout=300)
@@ -131,7 +133,7 @@ def test_abandoned_streams_beside_ordinary_calls_hang_nothing_and_lose_nothing(
             streams, calls = results[:DISCONNECTS], results[DISCONNECTS:]
             accepted = {f"ab{k}" for k, (status, _) in enumerate(streams) if status == 200}
             abandoned = sum(1 for status, got in streams if status == 200 and not got)
-            assert abandoned >= DISCONNECTS // 4, streams  # the storm did happen
+            assert abandoned >= DISCONNECTS // 2, streams  # the storm did happen
             delivered = [g["group_id"] for r in calls for g in r["groups"]]
             delivered += [gid for _, got in streams for gid in got]
             await settled(c)  # the abandoned calls wind down on their own
