@@ -5,7 +5,7 @@
 # Light extras (LIGHT below: one wheel each) stay out of the key and are installed with the
 # project itself, so adding one does not rebuild the heavy venv.
 # CPU-only x86: SGLang is installed with --no-deps and its CUDA-only dependencies are left out
-# (recipe: shared/docs/sglang-integration.md §6).
+# (CPU recipe: torch/torchvision at SGLang's pins first, then sglang --no-deps, then the extras listed in pyproject.toml; flashinfer, sgl-kernel and the other CUDA-only packages are left out).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${APRIL_PYTHON:-python3}
