@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo train-demo sweep test test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak chaos
+.PHONY: demo train-demo sweep bench-async test test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -12,6 +12,9 @@ train-demo:  ## TRL's GRPOTrainer on april-server, synchronous vs APRIL, same se
 
 sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations, 3 runs each (~60 min on a 2-core CPU)
 	@V=$(VENV) && $$V/bin/april-bench --quick --sweep --repeat 3 --json-out out/sweep.jsonl --plot-dir out/sweep
+
+bench-async:  ## never idle: sync vs april vs april-async, a trainer of TRAIN_S s (default 2.7, sync's rollout time per step here) between calls, 3 interleaved repeats (~5 min)
+	@V=$(VENV) && $$V/bin/april-bench --quick --sweep-point tiny:512:8x4 --repeat 3 --modes sync,april,april-async --train-s $${TRAIN_S:-2.7} --json-out out/async.jsonl
 
 test:  ## the whole suite: unit, kernels (Triton interpreter), end to end on a real SGLang
 	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -57,7 +59,14 @@ class EngineClock:
     forward runs inside the call, so this is compute time; with SGLang's overlap scheduler on
     a GPU it is launch time only and undercounts."""
 
-    def __init__(self) -> None:
+    RECENT_S = 60  # `/stats` `engine_idle_share` looks this far back
+
+    def __init__(self, now: Any = time.monotonic) -> None:
+        self.now = now
+        self.started = now()
+        # Busy seconds per wall second, newest last, at most RECENT_S + 1 entries: the idle
+        # share of the last minute costs O(60) to read, whatever the server's age.
+        self.recent: deque[list[float]] = deque()
         self.totals = {"prefill": [0.0, 0, 0], "decode": [0.0, 0, 0]}  # seconds, batches, tokens
         # Context attended by decode steps (sum of sequence lengths): with the same batch size a
         # step over longer contexts costs more, so this separates "bigger batch" from "longer".
@@ -77,11 +86,46 @@ class EngineClock:
         acc[0] += seconds
         acc[1] += 1
         acc[2] += tokens
+        second = float(int(self.now()))
+        if self.recent and self.recent[-1][0] == second:
+            self.recent[-1][1] += seconds
+        else:
+            self.recent.append([second, seconds])
+        self._forget_old(second)
+
+    def _forget_old(self, second: float) -> None:
+        while self.recent and self.recent[0][0] < second - self.RECENT_S:
+            self.recent.popleft()
 
     def snapshot(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        now = self.now()
+        self._forget_old(float(int(now)))
+        uptime = now - self.started
+        # Sums over ranks and engines (merge_rank_stats) stay right: busy over capacity.
+        out: dict[str, float] = {
+            "uptime_s": round(uptime, 6),
+            "recent_busy_s": round(sum(b for _, b in self.recent), 6),
+            "recent_window_s": round(min(uptime, float(self.RECENT_S)), 6),
+        }
         for kind, (seconds, batches, tokens) in self.totals.items():
             out[f"{kind}_s"], out[f"{kind}_batches"] = round(seconds, 6), batches
             out[f"{kind}_tokens"] = tokens
         out["decode_context_tokens"] = self.decode_context_tokens
         return out
+
+
+def idle_shares(clock: Mapping[str, float]) -> dict[str, float | None]:
+    """The engine's idle share from a (merged) clock snapshot: over the last minute and since
+    start-up; None before any time has passed. Busy is time inside `run_batch`, so with a GPU's
+    overlap scheduler (launch time only) the share reads high."""
+
+    def share(busy: float, capacity: float) -> float | None:
+        return None if capacity <= 0 else round(min(max(1.0 - busy / capacity, 0.0), 1.0), 4)
+
+    busy_total = clock.get("prefill_s", 0.0) + clock.get("decode_s", 0.0)
+    return {
+        "engine_idle_share": share(
+            clock.get("recent_busy_s", 0.0), clock.get("recent_window_s", 0.0)
+        ),
+        "engine_idle_share_since_start": share(busy_total, clock.get("uptime_s", 0.0)),
+    }

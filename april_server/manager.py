@@ -23,6 +23,7 @@ from april_server.background import OWNER as BACKGROUND
 from april_server.background import Background
 from april_server.buffer import PartialBuffer
 from april_server.engine_base import BaseEngine
+from april_server.engine_clock import idle_shares
 from april_server.errors import bad_request, conflict, not_found
 from april_server.inflight import (
     Admission,
@@ -418,6 +419,7 @@ class RolloutManager:
         idle = self.buffer.idle
         c = self.counters
         kv: dict[str, Any] = {"kv_snapshots": "disabled"}
+        clock = await self.engine.engine_clock()
         snap_engine = self.segments.snap
         if snap_engine is not None:
             kv = {"kv_snapshots": "enabled", **await snap_engine.snapshot_stats()}
@@ -442,6 +444,7 @@ class RolloutManager:
             **kv,
             **{k: getattr(c, k) for k in c.__dataclass_fields__},
             "engine": self.engine.engine_stats(),
-            "engine_time": await self.engine.engine_clock(),
+            "engine_time": clock,
+            **idle_shares(clock),
             "inflight_policy": self._inflight_stats(),
         }

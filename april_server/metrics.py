@@ -33,6 +33,8 @@ HELP = {
     "output_tokens": "tokens generated through the april routes",
     "recomputed_tokens": "context tokens re-prefilled by continuations",
     "restored_kv_tokens": "context tokens restored from KV snapshots",
+    "engine_idle_share": "share of the last minute the engine ran no forward batch",
+    "engine_idle_share_since_start": "share of the time since start-up with no forward batch",
 }
 
 

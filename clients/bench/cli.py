@@ -388,9 +388,13 @@ def run_sweep(args: argparse.Namespace) -> int:
         done.append((point, point_recs))
     labels = ", ".join(s.label for s in specs)
     reps = f"; median (min-max) of {args.repeat} runs" if args.repeat > 1 else ""
-    print(f"\n== sweep: consumed-token throughput vs sync ({labels}; {args.steps} steps, "
+    train_s = config(args).train_time
+    wall = bool(train_s)
+    what = (f"consumed tokens per wall second, {train_s:g} s training per step included"
+            if wall else "consumed-token throughput")  # fmt: skip
+    print(f"\n== sweep: {what} vs sync ({labels}; {args.steps} steps, "
           f"over-sampling {args.over_sampling}, seed {args.seed}{reps}) ==")  # fmt: skip
-    print(sweep_table(done))
+    print(sweep_table(done, wall=wall))
     if args.json_out:
         print(f"wrote {args.json_out}")
     return status

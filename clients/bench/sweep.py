@@ -71,31 +71,43 @@ def repeat_order(labels: Sequence[str], repeat: int) -> list[str]:
     return first + (rest[::-1] if repeat % 2 else rest)
 
 
-def sweep_table(results: Sequence[tuple[SweepPoint, list[dict[str, Any]]]]) -> str:
+def sweep_table(
+    results: Sequence[tuple[SweepPoint, list[dict[str, Any]]]], wall: bool = False
+) -> str:
     """One row per configuration: sync throughput, then each other mode's tok/s and ratio; with
-    several repeats of a configuration (records with the same mode), median (min-max)."""
+    several repeats of a configuration (records with the same mode), median (min-max).
+
+    `wall`: consumed tokens per wall second *including* the simulated training (`--train-s`),
+    the end-to-end figure, instead of per rollout second. There `april-async` also gets its
+    ratio to `april`, taken within each repeat (same server, same load) before the median."""
+    key, unit = ("wall_throughput", "wall tok/s") if wall else ("output_throughput", "tok/s")
     labels: list[str] = []
     for _, recs in results:
         for r in recs:
             if r["mode"] != "sync" and r["mode"] not in labels:
                 labels.append(r["mode"])
-    head = ["configuration", "sync tok/s"]
+    vs_april = wall and "april-async" in labels and "april" in labels
+    head = ["configuration", f"sync {unit}"]
     for label in labels:
-        head += [f"{label} tok/s", "x sync", "running target"] if "auto" in label else [
-            f"{label} tok/s", "x sync"]  # fmt: skip
+        head += [f"{label} {unit}", "x sync"]
+        if "auto" in label:
+            head.append("running target")
+        if vs_april and label == "april-async":
+            head.append("x april")
     head.append("checks")
     rows = [head]
     for point, recs in results:
         by_mode: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
             by_mode.setdefault(r["mode"], []).append(r)
-        row = [point.name, _cell(by_mode.get("sync", []), "output_throughput", "{:.1f}")]
+        row = [point.name, _cell(by_mode.get("sync", []), key, "{:.1f}")]
         for label in labels:
             runs = by_mode.get(label, [])
-            row += [_cell(runs, "output_throughput", "{:.1f}"),
-                    _cell(runs, "output_throughput_vs_sync", "x{:.2f}")]  # fmt: skip
+            row += [_cell(runs, key, "{:.1f}"), _cell(runs, f"{key}_vs_sync", "x{:.2f}")]
             if "auto" in label:
                 row.append(_targets(runs))
+            if vs_april and label == "april-async":
+                row.append(_cell(_ratios(recs, "april-async", "april", key), "ratio", "x{:.2f}"))
         ok = all(r.get("checks_ok", True) for r in recs if r.get("available"))
         row.append("ok" if ok and recs else "FAIL")
         rows.append(row)
@@ -103,6 +115,15 @@ def sweep_table(results: Sequence[tuple[SweepPoint, list[dict[str, Any]]]]) -> s
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _ratios(recs: Sequence[dict[str, Any]], mode: str, base: str, key: str) -> list[dict[str, Any]]:
+    """`mode`'s `key` over `base`'s, one per repeat where both were measured."""
+    by_repeat: dict[Any, dict[str, float]] = {}
+    for r in recs:
+        if r.get(key):
+            by_repeat.setdefault(r.get("repeat", 0), {})[r["mode"]] = float(r[key])
+    return [{"ratio": m[mode] / m[base]} for m in by_repeat.values() if mode in m and base in m]
 
 
 def _cell(runs: Sequence[dict[str, Any]], key: str, fmt: str) -> str:

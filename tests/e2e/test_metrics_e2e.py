@@ -37,6 +37,15 @@ def test_metrics_has_april_and_sglang_families(tiny_server: ServerProc) -> None:
     engine = {name: v for name, v in after.items() if name.startswith("sglang:")}
     assert "sglang:num_running_reqs" in engine and engine.get("sglang:context_len", 0) > 0
     assert not any(name.startswith("sglang:") for name in ours)
+    # The engine just generated: it was busy part of the last minute, and the share is the
+    # engine clock's (busy seconds over the window), the same in /stats and /metrics.
+    clock = stats["engine_time"]
+    assert 0 < clock["recent_busy_s"] <= clock["recent_window_s"] <= 60
+    assert 0 <= stats["engine_idle_share"] < 1 and 0 <= stats["engine_idle_share_since_start"] < 1
+    assert stats["engine_idle_share"] == pytest.approx(
+        1 - clock["recent_busy_s"] / clock["recent_window_s"], abs=1e-3
+    )
+    assert 0 <= after["april_engine_idle_share"] < 1
 
 
 def test_event_loop_lag_is_served(tiny_server: ServerProc) -> None:

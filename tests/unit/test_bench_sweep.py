@@ -92,3 +92,20 @@ def test_sweep_table_gives_median_and_range_over_repeats() -> None:
     line = sweep_table([(SweepPoint("tiny", 512, 8, 4), runs)]).splitlines()[2]
     assert line.split() == ["tiny:512:8x4", "100.0", "(90.0-120.0)", "150.0", "(130.0-180.0)",
                             "x1.50", "(x1.08-x2.00)", "39", "(30-44)", "FAIL"]  # fmt: skip
+
+
+def test_sweep_table_with_training_compares_wall_throughput_and_async_to_april() -> None:
+    def rec(mode: str, rep: int, wall: float, sync_wall: float) -> dict:
+        return {"mode": mode, "available": True, "repeat": rep, "checks_ok": True,
+                "output_throughput": 999.0, "output_throughput_vs_sync": 9.0,
+                "wall_throughput": wall, "wall_throughput_vs_sync": wall / sync_wall}  # fmt: skip
+
+    runs = [rec("sync", 0, 100.0, 100.0), rec("april", 0, 120.0, 100.0),
+            rec("april-async", 0, 180.0, 100.0), rec("sync", 1, 50.0, 50.0),
+            rec("april", 1, 80.0, 50.0), rec("april-async", 1, 80.0, 50.0)]  # fmt: skip
+    lines = sweep_table([(SweepPoint("tiny", 512, 8, 4), runs)], wall=True).splitlines()
+    assert "sync wall tok/s" in lines[0] and lines[0].split()[-2:] == ["april", "checks"]
+    # x april is the median of the per-repeat ratios (1.5 and 1.0), not a ratio of medians
+    assert lines[2].split() == ["tiny:512:8x4", "75.0", "(50.0-100.0)", "100.0", "(80.0-120.0)",
+                                "x1.40", "(x1.20-x1.60)", "130.0", "(80.0-180.0)", "x1.70",
+                                "(x1.60-x1.80)", "x1.25", "(x1.00-x1.50)", "ok"]  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from april_server.engine_clock import EngineClock, StepTimer
+from april_server.engine_clock import EngineClock, StepTimer, idle_shares
 
 
 @dataclass
@@ -72,3 +72,24 @@ def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
     assert steps == 3 and abs(mean - 0.1) < 1e-9 and std < 1e-6
     # Each gap is charged to the step that opened it, with that step's context: 40, 44, 48.
     assert context == 44 and abs(s_cc - 32) < 1e-9 and abs(s_tc) < 1e-9
+
+
+def test_idle_share_covers_the_last_minute_and_the_time_since_start() -> None:
+    now = [1000.0]
+    clock = EngineClock(now=lambda: now[0])
+    now[0] = 1010.0
+    clock.add(Batch("decode", 4, seq_lens_sum=40), 2.0)  # 2 s busy out of the first 10
+    snap = clock.snapshot()
+    assert snap["recent_busy_s"] == 2.0 and snap["recent_window_s"] == 10.0
+    assert idle_shares(snap) == {"engine_idle_share": 0.8, "engine_idle_share_since_start": 0.8}
+    now[0] = 1100.0
+    clock.add(Batch("extend", 1, extend_num_tokens=9), 30.0)
+    snap = clock.snapshot()
+    # The busy second at t=1010 has left the minute; since start: 32 s busy of 100.
+    assert snap["recent_busy_s"] == 30.0 and snap["recent_window_s"] == 60.0
+    assert idle_shares(snap) == {"engine_idle_share": 0.5, "engine_idle_share_since_start": 0.68}
+    now[0] = 1200.0  # a quiet minute: fully idle, and the ring holds nothing older
+    assert idle_shares(clock.snapshot())["engine_idle_share"] == 1.0 and not clock.recent
+    # Merged over two ranks (sums), the share is busy over both ranks' capacity.
+    merged = {"recent_busy_s": 30.0, "recent_window_s": 120.0, "uptime_s": 0.0}
+    assert idle_shares(merged) == {"engine_idle_share": 0.75, "engine_idle_share_since_start": None}
