@@ -149,8 +149,6 @@ class RolloutCall(Refill, WindDown):
         """Steps 2-6. `prepare()` must have succeeded."""
         req = self.req
         t0 = time.perf_counter()
-        limit, sample_target = await self._inflight_limits()
-        await self.mgr.admission_ready()
         tasks = self.tasks
         active: dict[str, int] = {}
         time_to_quota = None
@@ -158,6 +156,10 @@ class RolloutCall(Refill, WindDown):
         failure: Exception | None = None
         grace_until: float | None = None
         try:
+            # Inside the try: the caller may already hold a started stream (its groups are
+            # acknowledged), so a cancellation even here must wind down and keep them.
+            limit, sample_target = await self._inflight_limits()
+            await self.mgr.admission_ready()
             while True:
                 if self.quota.met:
                     # Streamed calls may wait `reject_grace_s` for late rejects (DAPO

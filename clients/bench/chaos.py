@@ -5,13 +5,16 @@
 
 Several clients at random send quota calls (plain; streamed; streamed and abandoned at a random
 moment; retried later with the same `request_id`), duplicate group ids, aborts (all or named,
-keep snapshot/tokens/drop), deletes, resumes, weight pushes with and without
-`abort_all_requests`, and reads. In `owner` mode an owner drives two engine servers and one of
-them is killed (-9) and restarted during the run. Then everything left is drained. The ledger
-(`chaos_ledger.py`) checks: no request hangs, no 5xx (an owner's 503 `no_engine` while no engine
-is healthy is counted apart), every acknowledged group delivered once or deleted/dropped, none
-delivered twice, every delivered sample whole, and once drained the buffer is empty and no
-snapshot bytes are held. The last line says it all; the exit status is 1 on any failed check.
+keep snapshot/tokens/drop), deletes, resumes, prefetches (`POST /groups` into the background or
+idle, some sent twice with one `request_id`), weight pushes with and without
+`abort_all_requests`, and reads; calls end with `on_quota` snapshot, tokens, drop or continue,
+so background generation runs between them. In `owner` mode an owner drives two engine servers
+and one of them is killed (-9) and restarted during the run. Then everything left is drained.
+The ledger (`chaos_ledger.py`) checks: no request hangs, no 5xx (an owner's 503 `no_engine`
+while no engine is healthy is counted apart), every acknowledged group delivered once or
+deleted/dropped, none delivered twice, every delivered sample whole, and once drained the buffer
+is empty and no snapshot bytes are held. The last line says it all; the exit status is 1 on any
+failed check.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ CALL_TIMEOUT_S = 180.0  # a call on the tiny model takes seconds; past this it i
 READ_TIMEOUT_S = 30.0
 OPS = {  # operation -> weight
     "call": 20, "stream": 12, "abandon": 12, "retry": 8, "duplicate": 4, "abort": 5,
-    "delete": 5, "resume": 6, "push": 3, "read": 15,
+    "delete": 5, "resume": 6, "push": 3, "read": 15, "prefetch": 6,
 }  # fmt: skip
 
 
@@ -152,6 +155,10 @@ class Client:
                 how = f"{'abandoned' if abandon else 'streamed'} {rid} ({body['on_quota']})"
                 self.led.sent(gids, acknowledged=True, how=how)
         done = [e for e in events if e["event"] == "done"]
+        for e in events if not done else []:
+            if e["event"] == "group_finished":  # seen, then the client left: it comes back
+                gid = e["group"]["group_id"]
+                self.led.story.setdefault(gid, []).append(f"streamed to {rid}, client left")
         if done:
             groups = [e["group"] for e in events if e["event"] == "group_finished"]
             self.led.answered(rid, {"batch_id": done[0]["batch_id"], "groups": groups})
@@ -176,8 +183,9 @@ class Client:
 
     async def retry(self, rid: str) -> None:
         r = await self._post(R + "/rollouts", self.pending[rid], CALL_TIMEOUT_S)
+        said = "" if r.status_code == 200 else f" {r.text[:120]}"
         for g in self.pending[rid]["groups"]:
-            self.led.story.setdefault(g["group_id"], []).append(f"retry {r.status_code}")
+            self.led.story.setdefault(g["group_id"], []).append(f"retry {r.status_code}{said}")
         if r.status_code == 200:
             self.led.answered(rid, r.json())
             del self.pending[rid]
@@ -188,6 +196,19 @@ class Client:
         r = await self.http.get(R + "/partials", params={"limit": 200})
         self.led.status("partials", r.status_code, r.text)
         return r.json()["groups"] if r.status_code == 200 else []
+
+    async def op_prefetch(self) -> None:
+        """`POST /groups`: hand groups in to generate in the background (or only buffer them),
+        now and then sent twice with the same request_id (the second must add nothing)."""
+        self.n += 1
+        rid = f"p{self.k}-{self.n}"
+        gids = [f"{rid}-{i}" for i in range(self.rng.randint(1, 3))]
+        body = {"groups": [spec(g, self.rng) for g in gids], "request_id": rid,
+                "start": self.rng.choice(["background", "background", "idle"])}  # fmt: skip
+        for _ in range(2 if self.rng.random() < 0.25 else 1):
+            r = await self._post(R + "/groups", body, CALL_TIMEOUT_S)
+            if r.status_code == 200:
+                self.led.sent(gids, acknowledged=True, how=f"prefetch {rid} ({body['start']})")
 
     async def op_duplicate(self) -> None:
         """A group id sent twice in one call (400), or one the server knows (409)."""
@@ -212,7 +233,10 @@ class Client:
             body["all"] = True
         else:
             body["group_ids"] = [self.rng.choice(groups)["group_id"]]
-        await self._post(R + "/abort", body, CALL_TIMEOUT_S)
+        r = await self._post(R + "/abort", body, CALL_TIMEOUT_S)
+        if r.status_code == 200:
+            for gid in {s["group_id"] for s in r.json()["samples"]}:
+                self.led.story.setdefault(gid, []).append(f"aborted (keep {body['keep']})")
 
     async def op_delete(self) -> None:
         groups = await self.buffered()
@@ -227,8 +251,11 @@ class Client:
         groups = await self.buffered()
         samples = [s for g in groups for s in g["samples"] if s["status"] == "partial"]
         if samples:
-            body = {"sample_ids": [self.rng.choice(samples)["sample_id"]]}
-            await self._post(R + "/resume", body, CALL_TIMEOUT_S)
+            sample = self.rng.choice(samples)
+            r = await self._post(
+                R + "/resume", {"sample_ids": [sample["sample_id"]]}, CALL_TIMEOUT_S
+            )
+            self.led.story.setdefault(sample["group_id"], []).append(f"resumed: {r.status_code}")
 
     async def op_push(self) -> None:
         self.n += 1
@@ -330,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         target = launch(args.mode)
     try:
         led = asyncio.run(run(target, args.duration_s, args.clients, args.seed))
+        if led.final:  # keep the servers' logs of a failed run
+            for proc in target.procs:
+                proc.keep_dir = True
+                print(f"chaos: server log kept: {proc.log_path}", file=sys.stderr)
     finally:
         for proc in target.procs:
             proc.stop()

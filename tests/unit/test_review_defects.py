@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from april_server.errors import ApiError
@@ -302,5 +303,43 @@ def test_a_restore_that_restored_nothing_does_not_leak_the_snapshot(tmp_path: Pa
         assert [g.group_id for g in r.groups] == ["long"]
         assert eng.snaps == set()  # before the fix: {"long/0"}, with nothing pointing at it
         mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_stream_cancelled_right_after_it_started_keeps_its_groups(tmp_path: Path) -> None:
+    """Found by `make chaos` (10 min, server): a streamed call answers 200 once its groups are
+    adopted, then sizes its running set (`auto` reads the engine's step curve; admission may ask
+    the engine's capacity). A client that left during those awaits cancelled the call before
+    its wind-down could run: the groups it had adopted, never made durable, were forgotten,
+    and a retry of its request_id found no record of them."""
+
+    async def go() -> None:
+        path = tmp_path / "b.sqlite"
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        gate = asyncio.Event()
+        real = mgr.admission_ready
+
+        async def slow_admission() -> Any:
+            await gate.wait()  # e.g. the engine busy answering a control message
+            return await real()
+
+        mgr.admission_ready = slow_admission  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("a", 50)], target_groups=1, stream=True, request_id="s-1")
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        call = asyncio.ensure_future(rollout(mgr, req, asyncio.Queue(), ready))
+        await asyncio.wait_for(ready, 5)  # the stream has started: "a" is acknowledged
+        await asyncio.sleep(0.01)
+        call.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert [e.group_id for e in mgr.buffer.idle.oldest()] == ["a"]
+        mgr.check_integrity()
+        mgr.store.close()
+        # Durable, with the attempt's record: after a restart a retry runs again on "a".
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        r = await rollout(mgr, msgspec.structs.replace(req, stream=False))
+        assert [g.group_id for g in r.groups] == ["a"]
+        assert len(r.groups[0].samples[0].output_ids) == 50
 
     asyncio.run(go())
