@@ -342,6 +342,44 @@ def test_kill9_of_an_engine_mid_call_loses_nothing(http: httpx.Client, fleet: Fl
     }  # both serve again
 
 
+def test_kill9_of_an_engine_during_background_generation_loses_nothing(
+    http: httpx.Client, fleet: Fleet
+) -> None:
+    """#19: groups handed in to generate in the background (no call running) on both engines;
+    one engine dies. Its samples run again on the other engine in the background: nothing is
+    lost, nothing generates twice, and the next call returns every group whole with the
+    uninterrupted greedy tokens."""
+    groups = [group(f"bk{i}", [5 + i, 11], [400, 400]) for i in range(3)]
+    want = {g["group_id"]: reference(http, g["input_ids"], 400)[0] for g in groups}
+    added = ok(http.post(R + "/groups", json={"groups": groups, "start": "background"}))
+    assert added["group_ids"] == ["bk0", "bk1", "bk2"]
+
+    def running_on(name: str) -> int:
+        slots = ok(http.get(R + "/stats"))["running_by_slot"]
+        return sum(x["running_samples"] for x in slots if x["engine"] == name)
+
+    victim = fleet.name(1)
+    wait_for("background samples on both engines",
+             lambda: running_on(victim) >= 1 and running_on(fleet.name(0)) >= 1)  # fmt: skip
+    assert ok(http.get(R + "/stats"))["active_calls"] == 0  # only the background generates
+    fleet.engines[1].kill9()
+    wait_for("the engine down", lambda: engines(http)[victim]["state"] == "down")
+    # Every group is still listed once; then all finish on the surviving engine.
+    listed = ok(http.get(R + "/partials"))["groups"]
+    assert sorted(g["group_id"] for g in listed) == ["bk0", "bk1", "bk2"]
+    r = ok(http.post(R + "/rollouts", json={"groups": [], "target_groups": 3}))
+    assert sorted(g["group_id"] for g in r["groups"]) == ["bk0", "bk1", "bk2"]
+    assert r["buffered_group_ids"] == []
+    for g in r["groups"]:
+        for s in g["samples"]:
+            assert s["status"] in ("completed", "truncated")
+            assert s["output_ids"] == want[g["group_id"]][: len(s["output_ids"])]
+            assert len(s["output_ids"]) == sum(x["end"] - x["start"] for x in s["segments"])
+    assert ok(http.get(R + "/stats"))["running_samples"] == 0
+    fleet.restart(1)
+    wait_for("the engine back", lambda: engines(http)[victim]["state"] == "healthy", 180)
+
+
 def test_a_push_through_the_owner_does_not_wait_for_stragglers(
     http: httpx.Client, fleet: Fleet
 ) -> None:
