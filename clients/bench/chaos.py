@@ -142,7 +142,8 @@ class Client:
             async with self.http.stream(
                 "POST", R + "/rollouts", json=body, timeout=CALL_TIMEOUT_S
             ) as r:
-                self.led.status("stream", r.status_code, "" if r.status_code < 400 else "error")
+                said = "" if r.status_code < 400 else (await r.aread()).decode(errors="replace")
+                self.led.status("stream", r.status_code, said)  # 503 no_engine is counted apart
                 if r.status_code != 200:
                     return
                 started = True
