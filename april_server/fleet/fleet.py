@@ -156,6 +156,8 @@ class FleetEngine(SnapshotEngine):
             if m.state != "down" and (refused or m.failures >= self.down_after):
                 m.set_state("down", f"probe failed: {type(exc).__name__}: {exc}")
             return
+        if m.unsent_drops:  # before it serves again: a new snapshot could reuse a key
+            await m.resend_drops()
         if self._update_lock.locked():
             return  # versions are in motion: the update itself settles every engine's state
         if self.version is None:

@@ -121,6 +121,9 @@ class RemoteEngine(SnapshotEngine):
         self.since = time.monotonic()  # when it entered its state
         self._down = asyncio.Event()  # set while it is out of reach: segments in flight end
         self._ops: list[ControlOp] = []
+        # Snapshot drops the engine did not get (out of reach for a moment): sent again before
+        # it serves again, or it would hold those snapshots for good. (key, dp_rank), in order.
+        self.unsent_drops: dict[tuple[str, int], None] = {}
         self._ops_ready = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
 
@@ -282,7 +285,31 @@ class RemoteEngine(SnapshotEngine):
         await self._kv("release", key, slot)
 
     async def drop_snapshot(self, key: str, slot: Slot) -> None:
-        await self._kv("drop", key, slot)
+        if self.state == "down" or not await self._send_drop(key, slot.dp_rank):
+            self.unsent_drops[(key, slot.dp_rank)] = None
+
+    async def _send_drop(self, key: str, dp_rank: int) -> bool:
+        try:
+            resp = await self.http.post(
+                self.url + ENGINE_PREFIX + "/kv",
+                content=encoder.encode(KvReq("drop", key, dp_rank, None)),
+                headers={**self.headers, "content-type": "application/json"},
+                timeout=PROBE_TIMEOUT_S * 6,
+            )
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.warning("april: engine %s: kv drop %s failed (sent again later): %s",
+                           self.name, key, exc)  # fmt: skip
+            return False
+        return True
+
+    async def resend_drops(self) -> None:
+        """Send the drops it missed; called after a probe answered, before it serves again (a
+        restarted engine holds none of those snapshots: the drops are no-ops there)."""
+        for key, rank in list(self.unsent_drops):
+            if not await self._send_drop(key, rank):
+                return  # still out of reach: the next probe tries again
+            self.unsent_drops.pop((key, rank), None)
 
     async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
         return (await self._kv("info", key, slot)).info

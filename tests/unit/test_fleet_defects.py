@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ from april_server.config import AprilConfig
 from april_server.engine_base import SegmentCall
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.gateway import create_owner_app
-from april_server.fleet.wire import encoder
+from april_server.fleet.wire import KvResp, encoder
 from april_server.inflight import EngineCapacity
 from april_server.manager import RolloutManager
 from april_server.placement import Slot
@@ -227,6 +228,53 @@ def test_a_generate_stream_that_fails_part_way_leaves_no_request_counted() -> No
                 except Exception:
                     pass  # the answer broke off, as the engine did
         assert sum(app.state.proxied.values()) == 0  # before: one per failed stream
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+# ---- found by `make chaos` (owner, 10 min): drops an engine missed for a moment ------------
+
+
+class DropServers(FakeServers):
+    """Also answers snapshot drops (`/kv` op drop), recording which engine got which key."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        super().__init__(hosts)
+        self.drops: list[tuple[str, str]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.netloc.decode()
+        if request.url.path == "/april/v1/engine/kv" and host not in self.gone:
+            body = json.loads(request.content)
+            assert body["op"] == "drop"
+            self.drops.append((host, body["key"]))
+            return httpx.Response(200, content=encoder.encode(KvResp()))
+        return await super().__call__(request)
+
+
+def test_a_drop_an_engine_missed_while_out_of_reach_is_sent_when_it_answers_again() -> None:
+    """An engine alive but out of reach for a moment (marked down: a lost connection under
+    load) missed the drops of samples that left meanwhile, and held their snapshots for good:
+    81,920 bytes after the drain of a 10-minute owner chaos run."""
+
+    async def go() -> None:
+        servers = DropServers(["a:1", "b:1"])
+        fleet = fleet_over(servers, ["a:1", "b:1"])
+        await fleet.probe_all()
+        b = fleet.members["b:1"]
+        servers.gone.add("b:1")
+        await fleet.probe_all()
+        assert b.state == "down"
+        await b.drop_snapshot("s-1/0", Slot("b:1", 0))  # skipped while down (before the fix)
+        servers.gone.discard("b:1")
+        await b.drop_snapshot("s-2/0", Slot("b:1", 0))  # still marked down: kept too
+        assert servers.drops == []
+        await fleet.probe_all()  # it answers again: the drops go out before it serves
+        assert servers.drops == [("b:1", "s-1/0"), ("b:1", "s-2/0")]
+        assert b.state == "healthy" and not b.unsent_drops
+        await fleet.probe_all()
+        assert len(servers.drops) == 2  # sent once
         await fleet.close()
 
     asyncio.run(go())
