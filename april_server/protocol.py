@@ -225,6 +225,9 @@ class InputReq(_Req):
 
     append_ids: list[int] | None = None
     text: str | None = None
+    # The turn it answers (the `turn` of its `sample_awaiting` event): a retry that arrives
+    # after the member moved on to a later turn gets 409 instead of answering that one.
+    turn: int | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------
