@@ -305,3 +305,45 @@ def test_a_call_without_turns_never_waits_for_answers(tmp_path: Path) -> None:
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
+    """The answer arrives after the ending call persisted its groups but before it handed them
+    back: it must be taken once the group is back in the buffer, not into the call's copy."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        persist = mgr.persist
+        answers: list[asyncio.Task[Any]] = []
+
+        async def late_persist(put: Any, delete: Any, call: Any = None) -> None:
+            await persist(put, delete, call)
+            waiting = [s for g in put for s in g.samples if s.status == "awaiting_input"]
+            if (
+                call is None
+                and waiting
+                and not answers
+                and any(c.stopped for c in mgr.calls.values())
+            ):
+                req = InputReq(append_ids=answer(1))
+                answers.append(asyncio.create_task(post_input(mgr, waiting[0].sample_id, req)))
+                await asyncio.sleep(0.05)  # the answer runs while the call still holds it
+
+        mgr.persist = late_persist  # type: ignore[method-assign]
+
+        async def no_answer(ev: StreamEvent) -> bool:
+            return False
+
+        req = RolloutReq(groups=[spec("a"), spec("f", 1)], target_groups=1, stream=True)
+        await drive(mgr, req, no_answer)
+        assert answers, "the wind-down never persisted an awaiting member"
+        r = await answers[0]
+        assert r.batch_id is None
+        (s,) = (await mgr.read_group("a")).samples
+        assert s.status == "partial" and [a.ids for a in s.appended] == [answer(1)]
+        mgr.store.close()
+        mgr = make(tmp_path)
+        (s,) = (await mgr.read_group("a")).samples
+        assert [a.ids for a in s.appended] == [answer(1)]  # durable
+
+    asyncio.run(go())
