@@ -34,7 +34,11 @@ class TurnsInCall(CallState):
                 continue
             self.announced.add((s.sample_id, len(s.turns)))
             if self.events is not None:
-                event = SampleAwaitingEvent(sample=s, turn=s.turn, batch_id=self.batch_id)
+                t = s.turns[-1]  # a turn is short: decoding it here costs little
+                text = self.mgr.engine.detokenize(s.output_ids[t.start : t.end])
+                event = SampleAwaitingEvent(
+                    sample=s, turn=s.turn, batch_id=self.batch_id, text=text
+                )
                 self.events.put_nowait(event)
 
     def _waits_for_input(self) -> bool:

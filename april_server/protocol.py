@@ -324,6 +324,7 @@ class SampleAwaitingEvent(_Resp, tag_field="event", tag="sample_awaiting"):
     sample: Sample
     turn: int
     batch_id: str = ""
+    text: str | None = None  # the turn's text, when the server has a tokenizer
 
     @property
     def turn_ids(self) -> list[int]:
