@@ -24,6 +24,7 @@ from april_server.auth import AuthPolicy
 from april_server.buffer_index import PartialsFilter
 from april_server.config import AprilConfig
 from april_server.errors import ApiError, bad_request, not_found
+from april_server.inputs import post_input
 from april_server.manager import RolloutManager
 from april_server.metrics import CONTENT_TYPE, prometheus_text
 from april_server.prefetch import add_groups
@@ -38,6 +39,8 @@ from april_server.protocol import (
     GroupFinishedEvent,
     GroupsReq,
     GroupsResp,
+    InputReq,
+    InputResp,
     PartialsResp,
     RejectReq,
     ResumeReq,
@@ -192,6 +195,14 @@ def create_router(
         engine_ready()
         return json_response(ResumeResp(samples=await mgr.resume(req)))
 
+    # `:path`: a sample id is "{group_id}/{index}".
+    @router.post(PREFIX + "/samples/{sample_id:path}/input")
+    @guarded
+    async def sample_input(sample_id: str, request: Request) -> Response:
+        """The tool's answer for a member awaiting input (agent rollouts)."""
+        req = await decode(request, InputReq)
+        return json_response(await post_input(get_manager(), sample_id, req))
+
     @router.get(PREFIX + "/partials")
     @guarded
     async def partials(request: Request) -> Response:
@@ -274,6 +285,7 @@ async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
                 ev = getter.result()
                 if isinstance(ev, GroupFinishedEvent):
                     sent.add(ev.group.group_id)
+                if ev is not None:  # turn events too (sample_awaiting, sample_interrupted)
                     yield _enc.encode(ev) + b"\n"
             resp: RolloutResp = task.result()
             for g in resp.groups:  # a replayed (idempotent) call emits its stored groups
@@ -329,6 +341,8 @@ ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
     ("post", PREFIX + "/groups"): (GroupsReq, GroupsResp),
     ("post", PREFIX + "/abort"): (AbortReq, AbortResp),
     ("post", PREFIX + "/resume"): (ResumeReq, ResumeResp),
+    ("post", PREFIX + "/samples/{sample_id}/input"): (InputReq, InputResp),
+    ("post", PREFIX + "/samples/{sample_id:path}/input"): (InputReq, InputResp),
     ("get", PREFIX + "/partials"): (None, PartialsResp),
     ("get", PREFIX + "/partials/{group_id}"): (None, Group),
     ("delete", PREFIX + "/partials/{group_id}"): (None, DeleteResp),

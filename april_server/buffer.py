@@ -83,6 +83,8 @@ class PartialBuffer:
         for e in self.idle.oldest():
             if e.group_id in self.owner:  # held in place (background.py): not idle now
                 continue
+            if e.unfinished and not e.runnable:  # nothing to run until an answer arrives
+                continue
             if not fits(e):
                 break
             picked.append(e)

@@ -37,11 +37,18 @@ class BufferEntry(msgspec.Struct, gc=False):
     # left, so admission can bound the KV a group will need without reading its body.
     context_tokens: int = 0
     remaining_tokens: int = 0
+    # Of its unfinished members, those awaiting input (agent rollouts): not runnable until
+    # an answer arrives, so not in `context_tokens`/`remaining_tokens`.
+    awaiting: int = 0
+
+    @property
+    def runnable(self) -> int:
+        return self.unfinished - self.awaiting
 
 
 def open_footprint(group: Group) -> tuple[int, int, int]:
-    """(unfinished members, their context tokens now, their budget left): what starting the
-    group asks of the engine."""
+    """(runnable members, their context tokens now, their budget left): what starting the
+    group asks of the engine. Members awaiting input do not run."""
     open_ = [s for s in group.samples if s.status == "partial"]
     context = sum(
         len(s.prompt_ids) + len(s.output_ids) + sum(len(a.ids) for a in s.appended) for s in open_
@@ -52,17 +59,19 @@ def open_footprint(group: Group) -> tuple[int, int, int]:
 
 def summarize(group: Group, seq: int) -> BufferEntry:
     versions = {seg.weight_version for s in group.samples for seg in s.segments}
-    unfinished, context, left = open_footprint(group)
+    runnable, context, left = open_footprint(group)
+    awaiting = sum(1 for s in group.samples if s.status == "awaiting_input")
     return BufferEntry(
         group_id=group.group_id,
         seq=seq,
         created_at=group.created_at,
         num_samples=len(group.samples),
-        unfinished=unfinished,
+        unfinished=runnable + awaiting,
         output_tokens=sum(len(s.output_ids) for s in group.samples),
         versions=tuple(sorted(versions)),
         context_tokens=context,
         remaining_tokens=left,
+        awaiting=awaiting,
     )
 
 
@@ -92,6 +101,8 @@ class BufferIndex:
         self.output_tokens = 0
         self.unfinished_samples = 0
         self.unfinished_groups = 0
+        self.awaiting_samples = 0
+        self.waiting_groups = 0  # unfinished, but every unfinished member awaits input
         for e in entries:
             self.add(e)
 
@@ -124,6 +135,13 @@ class BufferIndex:
         self.output_tokens += sign * e.output_tokens
         self.unfinished_samples += sign * e.unfinished
         self.unfinished_groups += sign * (e.unfinished > 0)
+        self.awaiting_samples += sign * e.awaiting
+        self.waiting_groups += sign * (e.unfinished > 0 and e.runnable == 0)
+
+    @property
+    def claimable(self) -> int:
+        """Idle groups a call can use now: all but those waiting for answers only."""
+        return len(self._by_id) - self.waiting_groups
 
     def oldest(self) -> Iterator[BufferEntry]:
         """Oldest first. Do not add or remove while iterating."""

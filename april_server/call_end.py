@@ -11,14 +11,14 @@ import time
 import msgspec
 
 from april_server import samples as S
-from april_server.call_state import CallState
+from april_server.call_turns import TurnsInCall
 from april_server.idempotency import attempt_record
 from april_server.protocol import Keep, RolloutResp, RolloutStats
 
 _enc = msgspec.json.Encoder()
 
 
-class WindDown(CallState):
+class WindDown(TurnsInCall):
     async def _wind_down(
         self, t0: float, time_to_quota: float | None, deliver: bool
     ) -> RolloutResp:
@@ -36,6 +36,12 @@ class WindDown(CallState):
         ending = [t for t in self.tasks if not t.done()]
         if ending:
             await asyncio.wait(ending)
+        # Agent rollouts: which members it interrupted (mid-turn or at a turn's start), and
+        # which reached a turn stop as they were stopped.
+        self._say_interrupted(runs)
+        for gid in dict.fromkeys(r.sample.group_id for r in runs):
+            if gid in mgr.groups:
+                self._announce_awaiting(gid)
         resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
         for g in self.discarded:  # their KV snapshots go with them
             for sample in g.samples:

@@ -8,12 +8,12 @@ from typing import Any
 
 from april_server import samples as S
 from april_server.buffer_index import BufferEntry, open_footprint
-from april_server.call_state import CallState
+from april_server.call_turns import TurnsInCall
 from april_server.inflight import kv_need
 from april_server.protocol import GroupFinishedEvent
 
 
-class Refill(CallState):
+class Refill(TurnsInCall):
     async def _refill(
         self,
         tasks: dict[asyncio.Task[None], str],
@@ -30,10 +30,12 @@ class Refill(CallState):
                 return
             started = self._start_group(gid, tasks)
             if started:
-                active[gid] = started
+                active[gid] = active.get(gid, 0) + started  # an answered member may run
                 self.peak_running = max(self.peak_running, len(tasks))
             elif S.group_finished(mgr.groups[gid]):
                 self._emit_finished(gid)
+            else:  # nothing runnable: its members await input
+                self._announce_awaiting(gid)
 
     async def _next_group(
         self, running: int, active: int, limit: int, sample_target: int
@@ -41,9 +43,9 @@ class Refill(CallState):
         """The next group to start, if it fits: buffered ones first (oldest first, claimed now,
         as many as fit at once), then the sent ones. None: wait for a running group to end."""
         mgr = self.mgr
-        if not self.ready and self.req.resume_first and len(mgr.buffer.idle):
+        if not self.ready and self.req.resume_first and mgr.buffer.idle.claimable:
             await self._claim_buffered(running, active, limit, sample_target)
-            if not self.ready and len(mgr.buffer.idle):
+            if not self.ready and mgr.buffer.idle.claimable:
                 return None  # the oldest buffered group does not fit yet
         queue = self.ready or self.fresh
         if not queue:
@@ -130,6 +132,8 @@ class Refill(CallState):
                 del active[gid]
                 if S.group_finished(self.mgr.groups[gid]):
                     self._emit_finished(gid)
+            if gid in self.mgr.groups:
+                self._announce_awaiting(gid)
 
     def _start_group(self, gid: str, tasks: dict[asyncio.Task[None], str]) -> int:
         n = self.mgr.start_group(gid, self.batch_id, self.tally, self.req.max_staleness, tasks)

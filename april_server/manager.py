@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 from april_server import samples as S
+from april_server import turns as turn_rules
 from april_server.background import OWNER as BACKGROUND
 from april_server.background import Background
 from april_server.buffer import PartialBuffer
@@ -102,6 +103,8 @@ class RolloutManager:
         self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
         self.background = Background(self)  # groups generating between calls
         self._capacity_key: object = ()  # what the admission bound was sized for
+        # POST /samples/{id}/input: one answer per group at a time (inputs.py).
+        self.input_locks: dict[str, list[Any]] = {}
 
     @property
     def groups(self) -> dict[str, Group]:
@@ -146,10 +149,14 @@ class RolloutManager:
 
     def listed(self, g: Group) -> Group:
         g.age_s = round(time.time() - g.created_at, 3)
-        if self.buffer.owner.get(g.group_id) == BACKGROUND:
+        if self.buffer.owner.get(g.group_id) == BACKGROUND or any(
+            s.sample_id in self.running for s in g.samples
+        ):
             g.state = "running"
+        elif S.group_finished(g):
+            g.state = "finished"
         else:
-            g.state = "finished" if S.group_finished(g) else "idle"
+            g.state = "awaiting" if any(turn_rules.awaiting(s) for s in g.samples) else "idle"
         return g
 
     # ---- claiming and persisting -------------------------------------------------------------
@@ -215,7 +222,9 @@ class RolloutManager:
         truncated instead); their tasks go into `tasks`. Returns how many started."""
         n = 0
         for s in self.groups[gid].samples:
-            if S.is_finished(s):
+            if S.is_finished(s) or turn_rules.awaiting(s):  # an awaiting member runs once answered
+                continue
+            if s.sample_id in self.running:  # answered before its group started: it runs
                 continue
             if S.remaining_budget(s) <= 0:
                 s.status, s.finish_reason = "truncated", "length"
@@ -239,6 +248,11 @@ class RolloutManager:
         # Background samples stop like any (with a snapshot when they are paused, the keep
         # asked for when they are aborted) and are no longer wanted there.
         named = self._groups_of(req)
+        for call in list(self.calls.values()):  # stop waiting for these groups' answers
+            if req.all or req.batch_id == call.batch_id:
+                call.give_up(None)
+            elif named & set(call.group_ids):
+                call.give_up(named & set(call.group_ids))
         scope.update(self.background.sample_ids(None if req.all else named))
         mine = [
             r
@@ -307,7 +321,11 @@ class RolloutManager:
             chosen = [self.sample(sid) for sid in req.sample_ids]
             self._check_resumable(req, chosen, appends)
             for sid, ids in appends.items():
-                S.append_context(self.sample(sid), ids, self.engine.context_len)
+                sample = self.sample(sid)
+                if turn_rules.awaiting(sample):  # the tool's answer: recorded like POST .../input
+                    turn_rules.apply_answer(sample, ids)
+                else:
+                    S.append_context(sample, ids, self.engine.context_len)
             tally = CallTally()
             tasks = [
                 self.start_sample(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
@@ -331,6 +349,11 @@ class RolloutManager:
         for s in chosen:
             if S.is_finished(s) and s.sample_id not in appends:
                 raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
+            if turn_rules.awaiting(s) and s.sample_id not in appends:
+                raise conflict(
+                    "awaiting_input",
+                    f"sample {s.sample_id!r} awaits input: give its answer in append_ids",
+                )
             if req.kv == "restore" and not self.segments.usable(
                 s, self.current_version(), self.version_history, req.max_staleness
             ):
@@ -431,6 +454,16 @@ class RolloutManager:
             "buffered_unfinished_groups": idle.unfinished_groups,
             "buffered_unfinished_samples": idle.unfinished_samples,
             "claimed_groups": len(self.groups),
+            # Agent rollouts: members whose turn ended at a turn stop, waiting for an answer
+            # (idle ones from the index; those a call holds, from memory).
+            "awaiting_input_samples": idle.awaiting_samples
+            + sum(
+                1
+                for gid, g in self.groups.items()
+                if self.buffer.owner.get(gid) != BACKGROUND
+                for s in g.samples
+                if turn_rules.awaiting(s)
+            ),
             **({} if self.loop_lag is None else self.loop_lag.figures()),
             "running_samples": len(self.running),
             "running_by_slot": self.segments.by_slot(),

@@ -11,7 +11,10 @@ from typing import Any, Literal
 
 import msgspec
 
-SampleStatus = Literal["completed", "truncated", "partial"]
+# `awaiting_input`: its turn ended at a turn stop; it waits for the tool's answer (Turns).
+SampleStatus = Literal["completed", "truncated", "partial", "awaiting_input"]
+# What ended a turn: a turn stop (the member then awaits input), or its episode's end.
+TurnEnd = Literal["turn_stop", "stop", "length", "max_turns"]
 KvOrigin = Literal["fresh", "restored", "recomputed"]
 # What becomes of an interrupted sample (abort `keep`, and stopping a call's stragglers).
 Keep = Literal["snapshot", "tokens", "drop"]
@@ -53,6 +56,29 @@ class Appended(_Resp):
     ids: list[int]
 
 
+class TurnRule(_Resp):
+    """What ends a turn of a member (as sent in a request's `turns`, kept on the sample)."""
+
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    max_turns: int | None = None
+
+
+class Turn(_Resp):
+    """One finished turn: `output_ids[start:end]`, what ended it (`end_reason`; `stop` is the
+    matched stop string or token id, when one matched), the weight versions that generated it,
+    when it ended (Unix seconds) and how long the sample then waited for input (null while it
+    waits, and after the episode's last turn)."""
+
+    start: int
+    end: int
+    stop: str | int | None
+    end_reason: TurnEnd = "turn_stop"
+    awaited_s: float | None = None
+    weight_versions: list[str] = []
+    ended_at: float = 0.0
+
+
 class Sample(_Resp):
     sample_id: str
     group_id: str
@@ -73,6 +99,42 @@ class Sample(_Resp):
     # Where the KV snapshot lives (the slot of the segment it was taken from); null without one.
     snapshot_engine: str | None = None
     snapshot_dp_rank: int | None = None
+    # Agent rollouts (docs/api.md, Turns): the member's turn rule and its finished turns.
+    turn_rule: TurnRule | None = None
+    turns: list[Turn] = []
+
+    @property
+    def turn(self) -> int:
+        """The turn the sample is in (1 = the first): awaiting input, the turn that just
+        ended; otherwise the one generating or to generate next."""
+        done = len(self.turns)
+        ended = self.status in ("completed", "truncated") and done > 0
+        return done if self.status == "awaiting_input" or ended else done + 1
+
+    @property
+    def response_ids(self) -> list[int]:
+        """The whole response in context order: generated tokens with the appended context
+        (tool answers, user turns) at their positions."""
+        out: list[int] = []
+        pos = 0
+        for ap in self.appended:
+            out += self.output_ids[pos : ap.at]
+            out += ap.ids
+            pos = ap.at
+        out += self.output_ids[pos:]
+        return out
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """One entry per `response_ids` token: 1 generated, 0 appended (stale tokens: see
+        `april_client.trainer_batch.response_mask`)."""
+        out: list[int] = []
+        pos = 0
+        for ap in self.appended:
+            out += [1] * (ap.at - pos) + [0] * len(ap.ids)
+            pos = ap.at
+        out += [1] * (len(self.output_ids) - pos)
+        return out
 
 
 class Group(_Resp):
@@ -89,6 +151,15 @@ class Group(_Resp):
 # ---- requests --------------------------------------------------------------------------------
 
 
+class TurnsSpec(_Req):
+    """`turns` of a group or a call: stop strings and stop token ids that end a turn (the
+    member then awaits input), and the most turns an episode may have."""
+
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    max_turns: int | None = None
+
+
 class GroupSpec(_Req):
     group_id: str
     n: int = 1
@@ -98,6 +169,8 @@ class GroupSpec(_Req):
     member_params: list[dict[str, Any]] | None = None
     seed: int | None = None
     metadata: Any = None
+    # What ends a turn of its members (agent rollouts); overrides the call's `turns`.
+    turns: TurnsSpec | None = None
 
 
 class RolloutReq(_Req):
@@ -111,6 +184,8 @@ class RolloutReq(_Req):
     request_id: str | None = None
     # Streamed calls only: after the quota is met, wait this long for late rejects.
     reject_grace_s: float = 0.0
+    # What ends a turn, for every group that does not carry its own (agent rollouts).
+    turns: TurnsSpec | None = None
 
 
 class GroupsReq(_Req):
@@ -120,6 +195,7 @@ class GroupsReq(_Req):
     start: Literal["background", "idle"] = "background"
     max_staleness: int | None = None
     request_id: str | None = None
+    turns: TurnsSpec | None = None
 
 
 class RejectReq(_Req):
@@ -142,6 +218,16 @@ class ResumeReq(_Req):
     stream: bool = False
     # Stale KV reuse bound (versions), when the server allows it (--april-allow-stale-kv).
     max_staleness: int | None = None
+
+
+class InputReq(_Req):
+    """`POST /samples/{sample_id}/input`: the tool's answer, as token ids or text."""
+
+    append_ids: list[int] | None = None
+    text: str | None = None
+    # The turn it answers (the `turn` of its `sample_awaiting` event): a retry that arrives
+    # after the member moved on to a later turn gets 409 instead of answering that one.
+    turn: int | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -190,6 +276,11 @@ class ResumeResp(_Resp):
     samples: list[Sample]
 
 
+class InputResp(_Resp):
+    sample: Sample
+    batch_id: str | None  # the running call that continues it now (null: it waits idle)
+
+
 class PartialsResp(_Resp):
     groups: list[Group]
     # Where the next page starts (`?cursor=`); null on the last page. A page under a filter
@@ -227,4 +318,29 @@ class DoneEvent(_Resp, tag_field="event", tag="done"):
     stats: RolloutStats
 
 
-StreamEvent = GroupFinishedEvent | DoneEvent
+class SampleAwaitingEvent(_Resp, tag_field="event", tag="sample_awaiting"):
+    """A member's turn `turn` ended at a turn stop: run the tool, post its answer."""
+
+    sample: Sample
+    turn: int
+    batch_id: str = ""
+    text: str | None = None  # the turn's text, when the server has a tokenizer
+
+    @property
+    def turn_ids(self) -> list[int]:
+        """The token ids of the turn that just ended."""
+        t = self.sample.turns[-1] if self.sample.turns else None
+        return [] if t is None else self.sample.output_ids[t.start : t.end]
+
+
+class SampleInterruptedEvent(_Resp, tag_field="event", tag="sample_interrupted"):
+    """The call winds down (quota met, abort) and stopped this generating member; `mid_turn`:
+    it had generated part of turn `turn` (kept, resumable)."""
+
+    sample_id: str
+    turn: int
+    mid_turn: bool
+    batch_id: str = ""
+
+
+StreamEvent = GroupFinishedEvent | SampleAwaitingEvent | SampleInterruptedEvent | DoneEvent

@@ -44,7 +44,9 @@ from april_server.protocol import (
     RolloutReq,
     RolloutResp,
     StreamEvent,
+    TurnsSpec,
 )
+from april_server.turns import check_spec
 
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager
@@ -59,12 +61,17 @@ YIELD_EVERY = 256  # groups validated between two yields to the event loop
 
 
 async def new_groups(
-    mgr: RolloutManager, specs: list[GroupSpec], handed_in: frozenset[str] = frozenset()
+    mgr: RolloutManager,
+    specs: list[GroupSpec],
+    handed_in: frozenset[str] = frozenset(),
+    turns: TurnsSpec | None = None,
 ) -> list[Group]:
     """Validate the request's groups and build them; raises ApiError, changes nothing. A big
     call yields to the event loop as it goes, so other requests are not held up. Groups in
     `handed_in` (an earlier attempt of the same `request_id` already handed them in) are
-    checked for their id only, and not built again."""
+    checked for their id only, and not built again. `turns`: the call's turn rule, for
+    groups that carry none."""
+    check_spec(turns, "turns", mgr.engine.vocab_size)
     seen: set[str] = set()
     built = []
     for i, spec in enumerate(specs):
@@ -89,7 +96,10 @@ async def new_groups(
             spec = msgspec.structs.replace(spec, seed=secrets.randbelow(2**31 - 2**16))
         for params in [spec.sampling_params, *(spec.member_params or [])]:
             mgr.engine.check_sampling_params({k: v for k, v in params.items()})
-        built.append(S.build_group(spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size))
+        check_spec(spec.turns, f"group {spec.group_id!r}: turns", mgr.engine.vocab_size)
+        built.append(
+            S.build_group(spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size, turns)
+        )
     return built
 
 
@@ -112,7 +122,7 @@ class RolloutCall(Refill, WindDown):
             raise bad_request(
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
-        fresh = await new_groups(mgr, req.groups, self.handed_in)
+        fresh = await new_groups(mgr, req.groups, self.handed_in, req.turns)
         for g in fresh:  # the validation yielded: another call may have sent the same id
             if mgr.buffer.known(g.group_id):
                 raise conflict("group_exists", f"group {g.group_id!r} is already known")
@@ -120,7 +130,8 @@ class RolloutCall(Refill, WindDown):
         # call holds or already delivered are not this call's to run again.
         again = [s.group_id for s in req.groups if s.group_id in self.handed_in]
         again = [gid for gid in again if gid in mgr.buffer.idle]
-        buffered = len(mgr.buffer.idle) if req.resume_first else len(again)
+        # Groups waiting only for answers are not available: nothing of them can run.
+        buffered = mgr.buffer.idle.claimable if req.resume_first else len(again)
         available = buffered + len(fresh)
         if req.target_groups > available:
             raise bad_request(
@@ -150,7 +161,7 @@ class RolloutCall(Refill, WindDown):
         req = self.req
         t0 = time.perf_counter()
         tasks = self.tasks
-        active: dict[str, int] = {}
+        active = self.active
         time_to_quota = None
         cancelled = False
         failure: Exception | None = None
@@ -186,10 +197,14 @@ class RolloutCall(Refill, WindDown):
                 await self._refill(tasks, active, limit, sample_target)
                 if self.quota.met:
                     continue
-                if not tasks:
+                if not tasks and not self._waits_for_input():
                     break  # nothing generating and nothing left: the quota is out of reach
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                self._collect(done, tasks, active)
+                # Woken by a segment's end, or by an answer that started one (call_turns.py).
+                self.wakeup.clear()
+                waiter = asyncio.ensure_future(self.wakeup.wait())
+                done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                self._collect(done - {waiter}, tasks, active)
         except asyncio.CancelledError:
             cancelled = True  # the caller went away: keep everything, acknowledge nothing
         except Exception as exc:  # a bug: the caller gets a 500, its groups stay buffered
@@ -212,6 +227,7 @@ class RolloutCall(Refill, WindDown):
         self.mgr.calls.pop(self.batch_id, None)
         self.mgr.remember_batch(self.batch_id)
         self.mgr.release(self.batch_id)
+        self.closed.set()
 
 
 async def rollout(

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from april_server.errors import bad_request
-from april_server.protocol import Appended, Group, GroupSpec, KvOrigin, Sample, Segment
+from april_server.protocol import (
+    Appended,
+    Group,
+    GroupSpec,
+    KvOrigin,
+    Sample,
+    Segment,
+    TurnsSpec,
+)
+from april_server.turns import rule_of, with_turn_stops
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's own default, so an omitted budget means the same thing
 
@@ -33,6 +42,7 @@ class SegmentResult:
     prompt_tokens: int = 0
     error: str | None = None
     dp_rank: int | None = None  # the data-parallel rank that ran it, when the engine says
+    matched: str | int | None = None  # the stop string or token id that ended it, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +104,14 @@ def check_budget(
 
 
 def build_group(
-    spec: GroupSpec, prompt_ids: list[int], context_len: int, vocab_size: int | None
+    spec: GroupSpec,
+    prompt_ids: list[int],
+    context_len: int,
+    vocab_size: int | None,
+    turns: TurnsSpec | None = None,
 ) -> Group:
-    """A new group from a request spec; raises 400 on bad input."""
+    """A new group from a request spec; raises 400 on bad input. `turns`: the call's turn
+    rule, for a group that carries none."""
     gid = spec.group_id
     if not gid:
         raise bad_request("invalid_group", "group_id must be a non-empty string")
@@ -114,6 +129,7 @@ def build_group(
             f"group {gid!r}: member_params has {len(spec.member_params)} entries, n is {spec.n}",
         )
     now = time.time()
+    rule = rule_of(spec.turns if spec.turns is not None else turns)
     samples = []
     for i in range(spec.n):
         params = dict(spec.sampling_params)
@@ -138,6 +154,7 @@ def build_group(
                 sampling_params=params,
                 seed=None if spec.seed is None else spec.seed + i,
                 metadata=spec.metadata,
+                turn_rule=rule,
             )
         )
     return Group(group_id=gid, samples=samples, metadata=spec.metadata, created_at=now)
@@ -178,6 +195,7 @@ def plan_continuation(
     params = dict(sample.sampling_params)
     if override_params:
         params.update(override_params)
+    params = with_turn_stops(params, sample.turn_rule)
     params["max_new_tokens"] = remaining_budget(sample)
     if sample.seed is not None:
         params["sampling_seed"] = sample.seed
@@ -191,6 +209,7 @@ def reset_output(sample: Sample) -> None:
     sample.output_logprobs = []
     sample.segments = []
     sample.appended = []
+    sample.turns = []
     sample.status = "partial"
     sample.finish_reason = None
     clear_snapshot(sample)

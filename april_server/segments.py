@@ -21,6 +21,7 @@ from typing import Any
 
 from april_server import samples as S
 from april_server import snapshots as K
+from april_server import turns as T
 from april_server.engine_base import (
     BaseEngine,
     EngineUnavailable,
@@ -312,6 +313,7 @@ class SegmentRunner:
         before = len(sample.output_ids)
         kv = "restored" if out.restored > 0 else cont.kv
         S.apply_segment(sample, out.result, kv, out.slot.engine, out.slot.dp_rank)
+        T.end_of_segment(sample, out.result.matched)  # a turn stop: it awaits input
         produced = len(sample.output_ids) - before
         tally.output_tokens += produced
         self.counters.output_tokens += produced

@@ -51,11 +51,9 @@ CREATE TABLE IF NOT EXISTS buffer (
     context_tokens INTEGER NOT NULL,
     remaining_tokens INTEGER NOT NULL,
     boot TEXT NOT NULL,
-    body BLOB NOT NULL
+    body BLOB NOT NULL,
+    awaiting INTEGER NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS buffer_summary_by_seq
-    ON buffer (seq, group_id, created_at, num_samples, unfinished, output_tokens, versions,
-               context_tokens, remaining_tokens);
 CREATE TABLE IF NOT EXISTS calls (
     request_id TEXT PRIMARY KEY,
     seq INTEGER NOT NULL,
@@ -63,9 +61,16 @@ CREATE TABLE IF NOT EXISTS calls (
 );
 CREATE INDEX IF NOT EXISTS calls_by_seq ON calls (seq);
 """
+# The summaries, read at start-up from this covering index without touching the bodies.
+_SUMMARY_INDEX = """
+CREATE INDEX IF NOT EXISTS buffer_summary_by_seq_v3
+    ON buffer (seq, group_id, created_at, num_samples, unfinished, output_tokens, versions,
+               context_tokens, remaining_tokens, awaiting);
+DROP INDEX IF EXISTS buffer_summary_by_seq;
+"""
 _SUMMARY = (
     "seq, group_id, created_at, num_samples, unfinished, output_tokens, versions,"
-    " context_tokens, remaining_tokens"
+    " context_tokens, remaining_tokens, awaiting"
 )
 MAX_REMEMBERED_CALLS = 10_000  # idempotency window; the oldest responses are forgotten first
 MAX_BATCHED_COMMITS = 64  # commits that may share one transaction (one fsync)
@@ -169,8 +174,17 @@ def _open(path: Path | None) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
     db.executescript(_SCHEMA)
+    _migrate_v2(db)
+    db.executescript(_SUMMARY_INDEX)
     _migrate_v1(db)
     return db
+
+
+def _migrate_v2(db: sqlite3.Connection) -> None:
+    """Version 2 had no `awaiting` column (agent rollouts): add it; its rows await nothing."""
+    columns = [row[1] for row in db.execute("PRAGMA table_info(buffer)")]
+    if "awaiting" not in columns:
+        db.execute("ALTER TABLE buffer ADD COLUMN awaiting INTEGER NOT NULL DEFAULT 0")
 
 
 def _migrate_v1(db: sqlite3.Connection) -> None:
@@ -196,14 +210,14 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
 def _upsert(db: sqlite3.Connection, put: Iterable[tuple[Group, BufferEntry]], boot: str) -> None:
     db.executemany(
         "INSERT INTO buffer (group_id, seq, created_at, num_samples, unfinished, output_tokens,"
-        " versions, context_tokens, remaining_tokens, boot, body)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " versions, context_tokens, remaining_tokens, boot, body, awaiting)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT(group_id) DO UPDATE SET seq = excluded.seq,"
         " created_at = excluded.created_at, num_samples = excluded.num_samples,"
         " unfinished = excluded.unfinished, output_tokens = excluded.output_tokens,"
         " versions = excluded.versions, context_tokens = excluded.context_tokens,"
         " remaining_tokens = excluded.remaining_tokens, boot = excluded.boot,"
-        " body = excluded.body",
+        " body = excluded.body, awaiting = excluded.awaiting",
         (
             (
                 e.group_id,
@@ -217,6 +231,7 @@ def _upsert(db: sqlite3.Connection, put: Iterable[tuple[Group, BufferEntry]], bo
                 e.remaining_tokens,
                 boot,
                 encode_group(g),
+                e.awaiting,
             )
             for g, e in put
         ),
@@ -309,8 +324,10 @@ class BufferStore:
         def read(db: sqlite3.Connection) -> list[BufferEntry]:
             rows = db.execute(f"SELECT {_SUMMARY} FROM buffer ORDER BY seq").fetchall()
             return [
-                BufferEntry(gid, seq, created, n, unfinished, out, tuple(_versions(v)), ctx, left)
-                for seq, gid, created, n, unfinished, out, v, ctx, left in rows
+                BufferEntry(
+                    gid, seq, created, n, unfinished, out, tuple(_versions(v)), ctx, left, aw
+                )
+                for seq, gid, created, n, unfinished, out, v, ctx, left, aw in rows
             ]
 
         return self._blocking(read)

@@ -25,6 +25,8 @@ from april_server.protocol import (
     GroupSpec,
     GroupsReq,
     GroupsResp,
+    InputReq,
+    InputResp,
     Keep,
     KvMode,
     OnQuota,
@@ -34,7 +36,10 @@ from april_server.protocol import (
     ResumeResp,
     RolloutReq,
     RolloutResp,
+    SampleAwaitingEvent,
+    SampleInterruptedEvent,
     StreamEvent,
+    TurnsSpec,
 )
 
 from ._errors import (
@@ -53,7 +58,8 @@ MAX_BACKOFF_S = 30.0
 JSON_HEADERS = {"content-type": "application/json"}
 
 T = TypeVar("T")
-Event = GroupFinishedEvent | DoneEvent
+Event = GroupFinishedEvent | SampleAwaitingEvent | SampleInterruptedEvent | DoneEvent
+TurnsArg = TurnsSpec | Mapping[str, Any] | None
 
 _encoder = msgspec.json.Encoder()
 _any_decoder = msgspec.json.Decoder()
@@ -65,6 +71,7 @@ _resume_decoder = msgspec.json.Decoder(ResumeResp)
 _partials_decoder = msgspec.json.Decoder(PartialsResp)
 _group_decoder = msgspec.json.Decoder(Group)
 _delete_decoder = msgspec.json.Decoder(DeleteResp)
+_input_decoder = msgspec.json.Decoder(InputResp)
 _event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(StreamEvent)
 
 
@@ -191,6 +198,17 @@ def group_specs(groups: Sequence[GroupSpec | Mapping[str, Any]]) -> list[GroupSp
     return out
 
 
+def turns_spec(turns: TurnsArg) -> TurnsSpec | None:
+    """A call's `turns` from a struct or a dict (`{"stop": [...], "stop_token_ids": [...],
+    "max_turns": k}`); a bad dict raises `ValueError`."""
+    if turns is None or isinstance(turns, TurnsSpec):
+        return turns
+    try:
+        return msgspec.convert(dict(turns), TurnsSpec)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"turns is not a valid turn rule: {exc}") from None
+
+
 def _ids(name: str, ids: Sequence[str]) -> list[str]:
     # NOTE: list("g/0") would silently send ["g", "/", "0"].
     if isinstance(ids, str | bytes):
@@ -219,6 +237,7 @@ def rollout(
     max_inflight_groups: int | Literal["auto"],
     request_id: str | None,
     stream: bool,
+    turns: TurnsArg = None,
 ) -> Call[RolloutResp]:
     req = RolloutReq(
         groups=group_specs(groups),
@@ -229,6 +248,7 @@ def rollout(
         max_inflight_groups=max_inflight_groups,
         stream=stream,
         request_id=request_id,
+        turns=turns_spec(turns),
     )
     # A request_id makes the call idempotent on the server, so only then may it be retried.
     return Call(
@@ -247,12 +267,14 @@ def add_groups(
     start: Literal["background", "idle"],
     max_staleness: int | None,
     request_id: str | None,
+    turns: TurnsArg = None,
 ) -> Call[GroupsResp]:
     req = GroupsReq(
         groups=group_specs(groups),
         start=start,
         max_staleness=max_staleness,
         request_id=request_id,
+        turns=turns_spec(turns),
     )
     return Call(
         "POST",
@@ -299,6 +321,21 @@ def resume(
         sampling_params=None if sampling_params is None else dict(sampling_params),
     )
     return Call("POST", f"{PREFIX}/resume", _resume_decoder.decode, _encode_req(req))
+
+
+def post_input(
+    sample_id: str, append_ids: Sequence[int] | None, text: str | None, turn: int | None = None
+) -> Call[InputResp]:
+    if (append_ids is None) == (text is None):
+        raise ValueError("give exactly one of append_ids, text")
+    if isinstance(append_ids, str | bytes):
+        raise ValueError("append_ids must be a list of token ids")
+    ids = None if append_ids is None else list(append_ids)
+    body = _encode_req(InputReq(append_ids=ids, text=text, turn=turn))
+    # A sample id is "{group_id}/{index}": its "/" stays a path separator (the route takes it).
+    path = f"{PREFIX}/samples/{quote(sample_id, safe='/')}/input"
+    # Not retried: a second answer for the same turn is a 409, whatever the first did.
+    return Call("POST", path, _input_decoder.decode, body)
 
 
 def partials_page(
@@ -428,6 +465,6 @@ class EventReader:
             raise ProtocolError(f"bad event line in rollout stream from {self.url}: {exc}") from exc
         if isinstance(event, DoneEvent):
             self.done = event
-        else:
+        elif isinstance(event, GroupFinishedEvent):
             self.groups.append(event.group)
         return event

@@ -18,6 +18,7 @@ from april_server.protocol import (
     DeleteResp,
     Group,
     GroupsResp,
+    InputResp,
     Keep,
     KvMode,
     OnQuota,
@@ -118,6 +119,7 @@ class AprilClient(_ClientBase):
         max_staleness: int | None = None,
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
+        turns: routes.TurnsArg = None,
     ) -> RolloutResp:
         """POST /rollouts: run until `target_groups` groups finish; the rest is buffered."""
         return self._send(
@@ -130,6 +132,7 @@ class AprilClient(_ClientBase):
                 max_inflight_groups=max_inflight_groups,
                 request_id=request_id,
                 stream=False,
+                turns=turns,
             )
         )
 
@@ -143,6 +146,7 @@ class AprilClient(_ClientBase):
         max_staleness: int | None = None,
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
+        turns: routes.TurnsArg = None,
     ) -> RolloutStream:
         """POST /rollouts with `stream: true`: iterate the events as groups finish."""
         call = routes.rollout(
@@ -154,6 +158,7 @@ class AprilClient(_ClientBase):
             max_inflight_groups=max_inflight_groups,
             request_id=request_id,
             stream=True,
+            turns=turns,
         )
         return RolloutStream(call, self._url(call), lambda: self._open_stream(call))
 
@@ -164,12 +169,17 @@ class AprilClient(_ClientBase):
         start: Literal["background", "idle"] = "background",
         max_staleness: int | None = None,
         request_id: str | None = None,
+        turns: routes.TurnsArg = None,
     ) -> GroupsResp:
         """POST /groups: hand groups in without waiting (prefetch); `background` generates
         them between calls, `idle` only buffers them. A later call serves them."""
         return self._send(
             routes.add_groups(
-                groups, start=start, max_staleness=max_staleness, request_id=request_id
+                groups,
+                start=start,
+                max_staleness=max_staleness,
+                request_id=request_id,
+                turns=turns,
             )
         )
 
@@ -198,6 +208,21 @@ class AprilClient(_ClientBase):
     ) -> ResumeResp:
         """Continue buffered samples; returns once they finish."""
         return self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
+
+    def post_input(
+        self,
+        sample_id: str,
+        append_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        turn: int | None = None,
+    ) -> InputResp:
+        """POST /samples/{sample_id}/input: the tool's answer for a member awaiting input
+        (token ids, or text the server tokenizes). During its call the member continues at
+        once (`batch_id` names the call); after it, the answer is kept and the member waits
+        for the next call. `Conflict` (409 `not_awaiting`) when it is not awaiting input, or
+        (with `turn`, the event's) not for that turn: a late retry never answers a later one."""
+        return self._send(routes.post_input(sample_id, append_ids, text, turn))
 
     def partials_page(
         self,

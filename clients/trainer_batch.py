@@ -56,6 +56,25 @@ def fresh_mask(sample: Sample, current_version: str) -> list[int]:
     return mask
 
 
+def response_mask(
+    sample: Sample, current_version: str | None = None, stale: StaleTokens = "keep"
+) -> list[int]:
+    """The loss mask over `sample.response_ids` (generated tokens with appended context, e.g.
+    tool answers, in context order): 1 generated, 0 appended; with `stale="mask"`, also 0 for
+    tokens generated under a weight version other than `current_version`."""
+    keep = [1] * len(sample.output_ids)
+    if stale == "mask":
+        if current_version is None:
+            raise ValueError("stale='mask' needs current_version")
+        keep = fresh_mask(sample, current_version)
+    out: list[int] = []
+    pos = 0
+    for ap in sample.appended:
+        out += keep[pos : ap.at] + [0] * len(ap.ids)
+        pos = ap.at
+    return out + keep[pos:]
+
+
 def stale_tokens(sample: Sample, current_version: str) -> int:
     return len(sample.output_ids) - sum(fresh_mask(sample, current_version))
 

@@ -208,6 +208,11 @@ class SGLangEngine(SnapshotEngine):
             raise bad_request("no_tokenizer", "this server has no tokenizer: send input_ids")
         return list(self.tm.tokenizer.encode(text))
 
+    def detokenize(self, ids: list[int]) -> str | None:
+        if self.tm.tokenizer is None:
+            return None
+        return str(self.tm.tokenizer.decode(ids))
+
     def check_sampling_params(self, params: dict[str, Any]) -> None:
         check_sampling_params(params, self.vocab_size)
 
@@ -250,6 +255,9 @@ class SGLangEngine(SnapshotEngine):
         meta = final["meta_info"]
         reason = meta.get("finish_reason")
         kind = reason.get("type") if isinstance(reason, dict) else reason
+        matched = reason.get("matched") if isinstance(reason, dict) else None
+        if isinstance(matched, list):  # a multi-token stop: its last token ended it
+            matched = matched[-1] if matched else None
         logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
         return SegmentResult(
             output_ids=list(final.get("output_ids") or []),
@@ -259,6 +267,7 @@ class SGLangEngine(SnapshotEngine):
             cached_tokens=int(meta.get("cached_tokens", 0)),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             dp_rank=None if meta.get("dp_rank") is None else int(meta["dp_rank"]),
+            matched=matched if isinstance(matched, (str, int)) else None,
         )
 
     def abort(self, rid: str) -> None:

@@ -23,6 +23,7 @@ KNOWN_PARAMS = {
     "top_k",
     "ignore_eos",
     "stop_token_ids",
+    "stop",
     "sampling_seed",
 }
 
@@ -65,6 +66,8 @@ class FakeEngine(BaseEngine):
         out: list[int] = []
         budget = sampling_params["max_new_tokens"]
         finish = "length"
+        matched: int | None = None
+        stops = set(sampling_params.get("stop_token_ids") or [])
         try:
             while len(out) < budget:
                 await asyncio.sleep(self.delay_s)
@@ -75,12 +78,15 @@ class FakeEngine(BaseEngine):
                 out.append(tok)
                 ctx.append(tok)
                 if tok == EOS and not sampling_params.get("ignore_eos", False):
-                    finish = "stop"
+                    finish, matched = "stop", tok
+                    break
+                if tok in stops and not sampling_params.get("ignore_eos", False):
+                    finish, matched = "stop", tok
                     break
         finally:
             self.active.discard(rid)
         lps = [-0.01 * (t % 7) for t in out]
-        return SegmentResult(out, lps, finish, self.version, cached_tokens=0)
+        return SegmentResult(out, lps, finish, self.version, cached_tokens=0, matched=matched)
 
     def abort(self, rid: str) -> None:
         self.aborted.add(rid)
