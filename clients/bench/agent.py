@@ -80,6 +80,7 @@ class ModeFigures:
     consumed_groups: int = 0
     generated_tokens: int = 0  # every token the engine generated for this mode
     engine_busy_s: float | None = None
+    engine: dict[str, float] = field(default_factory=dict)  # the engine clock over the mode
     leftover_groups: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -109,6 +110,15 @@ class ModeFigures:
             "consumed_tokens_per_s": round(self.consumed_tokens / wall, 3) if wall else None,
             "engine_busy_s": None if self.engine_busy_s is None else round(self.engine_busy_s, 3),
             "engine_idle_share": idle,
+            "engine_prefill_s": self.engine.get("prefill_s"),
+            "engine_decode_s": self.engine.get("decode_s"),
+            "engine_prefill_tokens": self.engine.get("prefill_tokens"),
+            # Running sequences per decode step: what over-provisioning is for.
+            "mean_decode_batch": (
+                round(self.engine["decode_tokens"] / self.engine["decode_batches"], 2)
+                if self.engine.get("decode_batches")
+                else None
+            ),
             "awaiting_input_s": round(awaited, 3),
             "tool_answers": answered,
             "awaiting_s_per_answer": round(awaited / answered, 3) if answered else None,
@@ -318,9 +328,9 @@ async def measure_mode(
                   file=sys.stderr, flush=True)  # fmt: skip
     clock1 = await engine_clock(http)
     if clock0 and clock1:
-        runner.fig.engine_busy_s = sum(
-            clock1.get(k, 0.0) - clock0.get(k, 0.0) for k in ("prefill_s", "decode_s")
-        )
+        delta = {k: round(v - clock0.get(k, 0.0), 6) for k, v in clock1.items()}
+        runner.fig.engine = delta
+        runner.fig.engine_busy_s = delta.get("prefill_s", 0.0) + delta.get("decode_s", 0.0)
     if isinstance(runner, AprilAgent):
         await runner.close()
     return runner.fig
@@ -352,7 +362,8 @@ async def session(url: str, args: argparse.Namespace) -> tuple[list[dict[str, An
 def table(recs: list[dict[str, Any]]) -> str:
     cols = [
         ("mode", "mode", "s"), ("consumed tok/s", "consumed_tokens_per_s", ".2f"),
-        ("engine idle", "engine_idle_share", "pct"), ("awaiting s", "awaiting_input_s", ".1f"),
+        ("engine idle", "engine_idle_share", "pct"), ("decode batch", "mean_decode_batch", ".2f"),
+        ("awaiting s", "awaiting_input_s", ".1f"),
         ("s/answer", "awaiting_s_per_answer", ".2f"), ("answers", "tool_answers", "d"),
         ("turns/ep", "turns_per_episode", ".2f"), ("consumed tok", "consumed_tokens", "d"),
         ("wall s", "wall_s", ".1f"), ("generated tok", "generated_tokens", "d"),

@@ -85,7 +85,9 @@ def test_figures_rate_idle_share_and_awaiting_time() -> None:
     fig = ModeFigures("april", steps=[2.0, 3.0], consumed_groups=2, generated_tokens=150)
     fig.episodes = [Episode(40, 3, 1.5, 2), Episode(60, 1, 0.0, 0)]
     fig.engine_busy_s = 4.0
+    fig.engine = {"decode_tokens": 30.0, "decode_batches": 10.0, "prefill_s": 1.0}
     rec = fig.record()
+    assert rec["mean_decode_batch"] == 3.0 and rec["engine_prefill_s"] == 1.0
     assert rec["consumed_tokens_per_s"] == 20.0  # 100 tokens in 5 s of rollout wall
     assert rec["engine_idle_share"] == 0.2
     assert rec["awaiting_input_s"] == 1.5 and rec["awaiting_s_per_answer"] == 0.75
