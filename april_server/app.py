@@ -341,6 +341,7 @@ ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
     ("post", PREFIX + "/groups"): (GroupsReq, GroupsResp),
     ("post", PREFIX + "/abort"): (AbortReq, AbortResp),
     ("post", PREFIX + "/resume"): (ResumeReq, ResumeResp),
+    ("post", PREFIX + "/samples/{sample_id}/input"): (InputReq, InputResp),
     ("post", PREFIX + "/samples/{sample_id:path}/input"): (InputReq, InputResp),
     ("get", PREFIX + "/partials"): (None, PartialsResp),
     ("get", PREFIX + "/partials/{group_id}"): (None, Group),

@@ -30,7 +30,7 @@ class Refill(TurnsInCall):
                 return
             started = self._start_group(gid, tasks)
             if started:
-                active[gid] = started
+                active[gid] = active.get(gid, 0) + started  # an answered member may run
                 self.peak_running = max(self.peak_running, len(tasks))
             elif S.group_finished(mgr.groups[gid]):
                 self._emit_finished(gid)

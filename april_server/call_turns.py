@@ -1,9 +1,10 @@
 """Turns within one call (agent rollouts, docs/api.md "Turns"): a member whose turn ended at a
-turn stop awaits input; the call says so on its stream (`sample_awaiting`), waits for answers
-while it has nothing else to run, and continues an answered member at once under its own
-quota (`continue_answered`, from `POST /samples/{id}/input`). When the call winds down it says
-which generating members it interrupted (`sample_interrupted`); awaiting members stay awaiting
-in the buffer. The rules of a turn are `turns.py`'s."""
+turn stop awaits input; a streamed call that declares `turns` says so on its stream
+(`sample_awaiting`), waits for answers while it has nothing else to run, and continues an
+answered member at once under its own quota (`continue_answered`, from
+`POST /samples/{id}/input`). When the call winds down it says which generating members it
+interrupted (`sample_interrupted`); awaiting members stay awaiting in the buffer. The rules of
+a turn are `turns.py`'s."""
 
 from __future__ import annotations
 
@@ -15,20 +16,37 @@ from april_server.segments import Running
 
 
 class TurnsInCall(CallState):
+    @property
+    def takes_answers(self) -> bool:
+        """Whether this call streams turn events and waits for answers: a streamed call that
+        declares `turns` (for itself or a group it sends). Any other call runs what it can
+        and never waits: its caller could not see who awaits (and an older client could not
+        read the events)."""
+        req = self.req
+        return req.stream and (req.turns is not None or any(g.turns for g in req.groups))
+
     def _announce_awaiting(self, gid: str) -> None:
         """Emit `sample_awaiting` once per member and turn that now awaits input."""
+        if not self.takes_answers:
+            return
         for s in self.mgr.groups[gid].samples:
             if not T.awaiting(s) or (s.sample_id, len(s.turns)) in self.announced:
                 continue
             self.announced.add((s.sample_id, len(s.turns)))
             if self.events is not None:
-                event = SampleAwaitingEvent(sample=s, turn=s.turn, batch_id=self.batch_id)
+                t = s.turns[-1]  # a turn is short: decoding it here costs little
+                text = self.mgr.engine.detokenize(s.output_ids[t.start : t.end])
+                event = SampleAwaitingEvent(
+                    sample=s, turn=s.turn, batch_id=self.batch_id, text=text
+                )
                 self.events.put_nowait(event)
 
     def _waits_for_input(self) -> bool:
         """Whether the call has nothing generating but should wait for answers: it holds a
         member awaiting input, in a group nobody aborted during the call."""
         mgr = self.mgr
+        if not self.takes_answers:
+            return False
         for gid in self.group_ids:
             if gid in self.given_up or mgr.buffer.owner.get(gid) != self.batch_id:
                 continue
@@ -60,7 +78,7 @@ class TurnsInCall(CallState):
         """After the wind-down stopped `runs`: one `sample_interrupted` per member of an agent
         episode left unfinished (mid_turn: it had generated part of its turn, kept). Calls
         without turns stream exactly what they did before."""
-        if self.events is None:
+        if self.events is None or not self.takes_answers:
             return
         for r in runs:
             s = r.sample

@@ -75,6 +75,10 @@ class BaseEngine(ABC):
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`; raises ApiError(400) when the server has no tokenizer."""
 
+    def detokenize(self, ids: list[int]) -> str | None:
+        """The text of `ids` (None when the server has no tokenizer)."""
+        return None
+
     @abstractmethod
     def check_sampling_params(self, params: dict[str, Any]) -> None:
         """Raise ApiError(400) for sampling params the engine would reject."""

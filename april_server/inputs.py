@@ -45,14 +45,16 @@ async def post_input(mgr: RolloutManager, sample_id: str, req: InputReq) -> Inpu
     held[1] += 1
     try:
         async with held[0]:
-            return await _take(mgr, sample_id, gid, ids)
+            return await _take(mgr, sample_id, gid, ids, req.turn)
     finally:
         held[1] -= 1
         if not held[1]:
             del locks[gid]
 
 
-async def _take(mgr: RolloutManager, sample_id: str, gid: str, ids: list[int]) -> InputResp:
+async def _take(
+    mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
+) -> InputResp:
     while True:
         if not mgr.buffer.known(gid):
             raise not_found(f"unknown sample_id {sample_id!r}")
@@ -64,7 +66,7 @@ async def _take(mgr: RolloutManager, sample_id: str, gid: str, ids: list[int]) -
             await call.closed.wait()
             continue
         sample = mgr.sample(sample_id)
-        _check(mgr, sample, ids)
+        _check(mgr, sample, ids, turn)
         T.apply_answer(sample, ids)
         if call.holds_for_input(sample):
             call.continue_answered(sample)
@@ -72,16 +74,18 @@ async def _take(mgr: RolloutManager, sample_id: str, gid: str, ids: list[int]) -
         return InputResp(sample=sample, batch_id=None)
     if owner == BACKGROUND:  # handed back first, like for a call
         async with mgr.background.paused():
-            return await run_to_end(_answer_idle(mgr, sample_id, gid, ids))
-    return await run_to_end(_answer_idle(mgr, sample_id, gid, ids))
+            return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+    return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
 
 
-async def _answer_idle(mgr: RolloutManager, sample_id: str, gid: str, ids: list[int]) -> InputResp:
+async def _answer_idle(
+    mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
+) -> InputResp:
     owner = f"input-{uuid.uuid4().hex[:12]}"
     try:
         (group,) = await mgr.buffer.claim([gid], owner, busy_code="group_busy")
         sample = mgr.sample(sample_id)
-        _check(mgr, sample, ids)
+        _check(mgr, sample, ids, turn)
         T.apply_answer(sample, ids)
         await mgr.persist([group], [])  # durable before the route answers
     finally:
@@ -89,8 +93,8 @@ async def _answer_idle(mgr: RolloutManager, sample_id: str, gid: str, ids: list[
     return InputResp(sample=sample, batch_id=None)
 
 
-def _check(mgr: RolloutManager, sample: Sample, ids: list[int]) -> None:
-    T.check_answer(sample, ids, mgr.engine.vocab_size)
+def _check(mgr: RolloutManager, sample: Sample, ids: list[int], turn: int | None) -> None:
+    T.check_answer(sample, ids, mgr.engine.vocab_size, turn)
     S.check_budget(
         len(sample.prompt_ids),
         S.num_appended(sample) + len(ids),

@@ -223,6 +223,8 @@ class RolloutManager:
         for s in self.groups[gid].samples:
             if S.is_finished(s) or turn_rules.awaiting(s):  # an awaiting member runs once answered
                 continue
+            if s.sample_id in self.running:  # answered before its group started: it runs
+                continue
             if S.remaining_budget(s) <= 0:
                 s.status, s.finish_reason = "truncated", "length"
                 continue

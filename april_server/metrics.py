@@ -33,6 +33,7 @@ HELP = {
     "output_tokens": "tokens generated through the april routes",
     "recomputed_tokens": "context tokens re-prefilled by continuations",
     "restored_kv_tokens": "context tokens restored from KV snapshots",
+    "awaiting_input_samples": "agent-rollout members waiting for a tool's answer",
 }
 
 

@@ -225,6 +225,9 @@ class InputReq(_Req):
 
     append_ids: list[int] | None = None
     text: str | None = None
+    # The turn it answers (the `turn` of its `sample_awaiting` event): a retry that arrives
+    # after the member moved on to a later turn gets 409 instead of answering that one.
+    turn: int | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -321,6 +324,7 @@ class SampleAwaitingEvent(_Resp, tag_field="event", tag="sample_awaiting"):
     sample: Sample
     turn: int
     batch_id: str = ""
+    text: str | None = None  # the turn's text, when the server has a tokenizer
 
     @property
     def turn_ids(self) -> list[int]:

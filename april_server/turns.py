@@ -129,8 +129,16 @@ def end_of_segment(sample: Sample, matched: str | int | None, now: float | None 
     )
 
 
-def check_answer(sample: Sample, ids: list[int], vocab_size: int | None) -> None:
-    """Raise before anything changes: 409 `not_awaiting`, 400 for bad token ids."""
+def check_answer(
+    sample: Sample, ids: list[int], vocab_size: int | None, turn: int | None = None
+) -> None:
+    """Raise before anything changes: 409 `not_awaiting` (also when `turn`, if given, is not
+    the turn it awaits an answer for), 400 for bad token ids."""
+    if sample.status == AWAITING and turn is not None and turn != sample.turn:
+        raise conflict(
+            "not_awaiting",
+            f"sample {sample.sample_id!r} awaits the answer of turn {sample.turn}, not {turn}",
+        )
     if sample.status != AWAITING:
         raise conflict(
             "not_awaiting",

@@ -324,14 +324,14 @@ def resume(
 
 
 def post_input(
-    sample_id: str, append_ids: Sequence[int] | None, text: str | None
+    sample_id: str, append_ids: Sequence[int] | None, text: str | None, turn: int | None = None
 ) -> Call[InputResp]:
     if (append_ids is None) == (text is None):
         raise ValueError("give exactly one of append_ids, text")
     if isinstance(append_ids, str | bytes):
         raise ValueError("append_ids must be a list of token ids")
     ids = None if append_ids is None else list(append_ids)
-    body = _encode_req(InputReq(append_ids=ids, text=text))
+    body = _encode_req(InputReq(append_ids=ids, text=text, turn=turn))
     # A sample id is "{group_id}/{index}": its "/" stays a path separator (the route takes it).
     path = f"{PREFIX}/samples/{quote(sample_id, safe='/')}/input"
     # Not retried: a second answer for the same turn is a 409, whatever the first did.

@@ -215,12 +215,14 @@ class AprilClient(_ClientBase):
         append_ids: Sequence[int] | None = None,
         *,
         text: str | None = None,
+        turn: int | None = None,
     ) -> InputResp:
         """POST /samples/{sample_id}/input: the tool's answer for a member awaiting input
         (token ids, or text the server tokenizes). During its call the member continues at
         once (`batch_id` names the call); after it, the answer is kept and the member waits
-        for the next call. `Conflict` (409 `not_awaiting`) when it is not awaiting input."""
-        return self._send(routes.post_input(sample_id, append_ids, text))
+        for the next call. `Conflict` (409 `not_awaiting`) when it is not awaiting input, or
+        (with `turn`, the event's) not for that turn: a late retry never answers a later one."""
+        return self._send(routes.post_input(sample_id, append_ids, text, turn))
 
     def partials_page(
         self,

@@ -208,6 +208,11 @@ class SGLangEngine(SnapshotEngine):
             raise bad_request("no_tokenizer", "this server has no tokenizer: send input_ids")
         return list(self.tm.tokenizer.encode(text))
 
+    def detokenize(self, ids: list[int]) -> str | None:
+        if self.tm.tokenizer is None:
+            return None
+        return str(self.tm.tokenizer.decode(ids))
+
     def check_sampling_params(self, params: dict[str, Any]) -> None:
         check_sampling_params(params, self.vocab_size)
 

@@ -231,6 +231,9 @@ class FleetEngine(SnapshotEngine):
     def weight_version(self) -> str:
         return self.version or ""
 
+    def detokenize(self, ids: list[int]) -> str | None:
+        return None if self._tokenizer is None else str(self._tokenizer.decode(ids))
+
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:
             raise bad_request(

@@ -1,4 +1,6 @@
 """A seeded storm of random operations from concurrent clients against one CPU server.
+Agent rollouts (#20) take part: streamed calls whose members stop at turn stops, answered at
+once, twice, or left to an abort; answers to buffered members after their call ended.
 
 Checks: no 5xx, no stuck request (every call returns within its timeout), every group ends in
 exactly one place (returned once, dropped/rejected/deleted, or still buffered), the KV pool's
@@ -8,6 +10,7 @@ Size: APRIL_STORM_OPS (default 1000) operations over 4 clients; `make soak` runs
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -24,6 +27,8 @@ pytestmark = pytest.mark.e2e
 NUM_OPS = int(os.environ.get("APRIL_STORM_OPS", "1000"))
 CLIENTS = 4
 SEED = int(os.environ.get("APRIL_STORM_SEED", "1234"))
+# Tokens the tiny model often emits under greedy decoding: turns end within a few dozen.
+TURN_STOPS = [364, 370, 385, 430, 34, 28, 17, 91, 401, 349]
 
 
 class Ledger:
@@ -40,9 +45,23 @@ def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -
     """One random operation; False when it had nothing to act on (no call made)."""
     op = rng.choices(
         ["rollout", "rollout_snap", "abort", "resume", "delete", "bump", "drop_call",
-         "rollout_continue", "prefetch"],
-        weights=[30, 25, 10, 15, 10, 1, 5, 10, 5],
+         "rollout_continue", "prefetch", "agent", "answer"],
+        weights=[28, 23, 10, 14, 10, 1, 5, 10, 5, 6, 4],
     )[0]  # fmt: skip
+    if op == "agent":
+        return agent_call(c, rng, k, who, led)
+    if op == "answer":  # a tool's answer after its call ended (or racing another's)
+        parts = c.get(R + "/partials").json()["groups"]
+        waiting = [s for g in parts for s in g["samples"] if s["status"] == "awaiting_input"]
+        if not waiting:
+            return False
+        s = rng.choice(waiting)
+        body = {"append_ids": [rng.randint(1, 300), 7], "turn": len(s["turns"])}
+        r = c.post(f"{R}/samples/{s['sample_id']}/input", json=body)
+        led.statuses[r.status_code] += 1
+        if r.status_code not in (200, 404, 409):  # 404/409: deleted, answered meanwhile
+            led.errors.append(f"answer {r.status_code} {r.text[:200]}")
+        return True
     if op == "prefetch":  # into the background (#19): they generate between calls
         gids = [f"p{who}-{k}-{i}" for i in range(rng.randint(1, 2))]
         groups = [group(g, [rng.randint(1, 300)], [rng.randint(1, 40)]) for g in gids]
@@ -111,6 +130,63 @@ def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -
     return True
 
 
+def agent_call(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -> bool:
+    """A streamed call of agent episodes: each awaiting member is answered at once, answered
+    twice (the second must be refused), or its group is aborted (it stays awaiting)."""
+    gids = [f"a{who}-{k}-{i}" for i in range(rng.randint(1, 2))]
+    groups = [
+        {
+            "group_id": g,
+            "input_ids": [rng.randint(1, 300)],
+            "n": 2,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": rng.randint(8, 24)},
+        }
+        for g in gids
+    ]
+    with led.lock:
+        led.created += gids
+        idle = len(c.get(R + "/partials").json()["groups"])
+    body = {
+        "groups": groups,
+        "target_groups": max(1, min(len(gids) + idle, rng.randint(1, 3))),
+        "on_quota": rng.choice(["tokens", "snapshot", "continue"]),
+        "stream": True,
+        "turns": {"stop_token_ids": TURN_STOPS, "max_turns": rng.randint(2, 3)},
+    }
+    with c.stream("POST", R + "/rollouts", json=body) as r:
+        led.statuses[r.status_code] += 1
+        if r.status_code != 200:
+            r.read()
+            if r.status_code == 400 and r.json()["error"]["code"] == "invalid_target":
+                with led.lock:
+                    led.gone.update(gids)  # never created on the server
+            else:
+                led.errors.append(f"agent {r.status_code} {r.text[:200]}")
+            return True
+        for line in r.iter_lines():
+            if not line:
+                continue
+            ev = json.loads(line)
+            if ev["event"] == "group_finished":
+                with led.lock:
+                    led.returned[ev["group"]["group_id"]] += 1
+            elif ev["event"] == "sample_awaiting":
+                how = rng.choice(["now", "now", "twice", "abort"])
+                sid, turn = ev["sample"]["sample_id"], ev["turn"]
+                if how == "abort":
+                    a = c.post(R + "/abort", json={"group_ids": [sid.rpartition("/")[0]]})
+                    led.statuses[a.status_code] += 1
+                    continue
+                answer = {"append_ids": [rng.randint(1, 300), 7], "turn": turn}
+                for attempt in range(2 if how == "twice" else 1):
+                    a = c.post(f"{R}/samples/{sid}/input", json=answer)
+                    led.statuses[a.status_code] += 1
+                    # The first may race an abort-all (409: not awaiting); a second always 409s.
+                    if a.status_code not in (200, 409) or (attempt and a.status_code != 409):
+                        led.errors.append(f"input {attempt} {a.status_code} {a.text[:200]}")
+    return True
+
+
 def test_storm(tiny_server: ServerProc) -> None:
     led = Ledger()
     with tiny_server.client(timeout=120) as c:
@@ -146,6 +222,10 @@ def test_storm(tiny_server: ServerProc) -> None:
         buffered = {g["group_id"]: g for g in c.get(R + "/partials").json()["groups"]}
         live_bytes = sum(s["snapshot_bytes"] for g in buffered.values() for s in g["samples"])
         assert stats["snapshot_bytes_used"] == live_bytes
+        waiting = [s for g in buffered.values() for s in g["samples"]]
+        waiting = [s for s in waiting if s["status"] == "awaiting_input"]
+        assert stats["awaiting_input_samples"] == len(waiting)
+        print(f"storm: {len(waiting)} members left awaiting input")
         # Every group in exactly one place.
         assert all(n == 1 for n in led.returned.values()), led.returned.most_common(3)
         for gid in led.created:

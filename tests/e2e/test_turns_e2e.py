@@ -120,8 +120,9 @@ def uninterrupted(c: AprilClient) -> Sample:
         (12, 51, STOP, "turn_stop"),
         (51, 80, STOP, "max_turns"),
     ], turn_rows(s)  # the premise: the model emits STOP there under greedy decoding
-    awaited = [e.turn for e in events if isinstance(e, SampleAwaitingEvent)]
-    assert awaited == [1, 2]
+    awaited = [e for e in events if isinstance(e, SampleAwaitingEvent)]
+    assert [e.turn for e in awaited] == [1, 2]
+    assert all(e.text for e in awaited)  # the turn's text, for a tool that reads text
     return s
 
 

@@ -36,10 +36,10 @@ def test_post_input_sends_the_answer_and_reads_the_sample() -> None:
     for r in both(handler, lambda c: c.post_input("g/0", [5, 6])):
         assert isinstance(r, InputResp) and r.batch_id == "b-1"
         assert r.sample.status == "awaiting_input" and r.sample.turns[0].stop == 7
-    both(handler, lambda c: c.post_input("g/0", text="42"))
+    both(handler, lambda c: c.post_input("g/0", text="42", turn=2))
     assert [(q.method, q.url.path) for q in seen] == [("POST", "/april/v1/samples/g/0/input")] * 4
     assert [json.loads(q.content) for q in seen] == [{"append_ids": [5, 6]}] * 2 + [
-        {"text": "42"}
+        {"text": "42", "turn": 2}
     ] * 2
 
 

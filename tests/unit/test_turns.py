@@ -33,6 +33,7 @@ from tests.unit.fake_engine import EOS, FakeEngine, next_token
 PROMPT = [5, 6, 7]
 STOPS = [9, 17, 33, 41]  # turn stop token ids
 BUDGET = 60
+TURNS = TurnsSpec(stop_token_ids=STOPS, max_turns=3)
 
 
 def answer(turn: int) -> list[int]:
@@ -229,7 +230,9 @@ def test_answer_after_the_call_is_durable_and_the_next_call_goes_on(tmp_path: Pa
         mgr = make(tmp_path)
         (s,) = (await mgr.read_group("a")).samples
         assert s.status == "partial" and s.appended[-1].ids == answer(1)
-        second, _ = await drive(mgr, RolloutReq(groups=[], target_groups=1, stream=True))
+        second, _ = await drive(
+            mgr, RolloutReq(groups=[], target_groups=1, stream=True, turns=TURNS)
+        )
         (s,) = second.groups[0].samples
         want, mask, _ = episode()
         assert s.response_ids == want and s.loss_mask == mask
@@ -276,5 +279,71 @@ def test_the_wind_down_says_which_members_it_interrupted(tmp_path: Path) -> None
         cut = [e for e in seen if isinstance(e, SampleInterruptedEvent)]
         assert [(e.sample_id, e.turn, e.mid_turn) for e in cut] == [("slow/0", 1, True)]
         mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_call_without_turns_never_waits_for_answers(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path)
+
+        async def no_answer(ev: StreamEvent) -> bool:
+            return False
+
+        await drive(mgr, RolloutReq(groups=[spec("a", n=2), spec("f", 1)], stream=True), no_answer)
+        g = await mgr.read_group("a")
+        assert any(s.status == "awaiting_input" for s in g.samples)
+        # A plain call (its caller cannot see who awaits) runs what it can and answers; an
+        # older streamed client gets no turn events.
+        for stream in (False, True):
+            if all(s.status != "partial" for s in (await mgr.read_group("a")).samples):
+                break
+            req = RolloutReq(groups=[spec(f"x{stream}", 1)], target_groups=2, stream=stream)
+            resp, seen = await asyncio.wait_for(drive(mgr, req, no_answer), 30)
+            assert not resp.stats.quota_met
+            assert not [e for e in seen if isinstance(e, SampleAwaitingEvent)]
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
+    """The answer arrives after the ending call persisted its groups but before it handed them
+    back: it must be taken once the group is back in the buffer, not into the call's copy."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        persist = mgr.persist
+        answers: list[asyncio.Task[Any]] = []
+
+        async def late_persist(put: Any, delete: Any, call: Any = None) -> None:
+            await persist(put, delete, call)
+            waiting = [s for g in put for s in g.samples if s.status == "awaiting_input"]
+            if (
+                call is None
+                and waiting
+                and not answers
+                and any(c.stopped for c in mgr.calls.values())
+            ):
+                req = InputReq(append_ids=answer(1))
+                answers.append(asyncio.create_task(post_input(mgr, waiting[0].sample_id, req)))
+                await asyncio.sleep(0.05)  # the answer runs while the call still holds it
+
+        mgr.persist = late_persist  # type: ignore[method-assign]
+
+        async def no_answer(ev: StreamEvent) -> bool:
+            return False
+
+        req = RolloutReq(groups=[spec("a"), spec("f", 1)], target_groups=1, stream=True)
+        await drive(mgr, req, no_answer)
+        assert answers, "the wind-down never persisted an awaiting member"
+        r = await answers[0]
+        assert r.batch_id is None
+        (s,) = (await mgr.read_group("a")).samples
+        assert s.status == "partial" and [a.ids for a in s.appended] == [answer(1)]
+        mgr.store.close()
+        mgr = make(tmp_path)
+        (s,) = (await mgr.read_group("a")).samples
+        assert [a.ids for a in s.appended] == [answer(1)]  # durable
 
     asyncio.run(go())
