@@ -94,7 +94,7 @@ def rollout_with_tool(
                 sample=ev.sample,
             )
             answer = answer_ids(tool(call), tokenizer)
-            client.post_input(ev.sample.sample_id, answer)
+            client.post_input(ev.sample.sample_id, answer, turn=ev.turn)
             calls.answered.add(key)
             calls.posted_tokens += len(answer)
     done = stream.done

@@ -226,6 +226,9 @@ class AprilAgent:
                 self.max_inflight if self.max_inflight == "auto" else int(self.max_inflight)),
             "stream": True,
             "request_id": f"{run.tag}-april-s{step}",
+            # Declares turns for the call too, so that it waits for answers even in a step
+            # that sends no new group (every group carries its own `max_turns`).
+            "turns": {"stop_token_ids": list(run.wl.s.turn_stop_ids)},
         }  # fmt: skip
         t0 = time.perf_counter()
         done: dict[str, Any] | None = None
@@ -261,7 +264,7 @@ class AprilAgent:
     async def tool(self, sample_id: str, g: AgentGroup, member: int, turn: int) -> None:
         wl = self.run.wl
         await asyncio.sleep(wl.tool_latency(g.index, member, turn))
-        body = {"append_ids": wl.answer(g.index, member, turn)}
+        body = {"append_ids": wl.answer(g.index, member, turn), "turn": turn}
         resp = await self.run.http.post(f"{R}/samples/{sample_id}/input", json=body)
         if resp.status_code == 409:
             self.conflicts += 1  # not awaiting: must not happen, reported as a note

@@ -74,8 +74,8 @@ def test_each_awaiting_turn_gets_the_tool_answer_once_with_its_groups_row() -> N
         ("B\x07", [66, CALL], 1, {"secret": "h-row"}),
     ]
     assert posted == [
-        ("/april/v1/samples/g/0/input", {"append_ids": [ord("="), ord("4")]}),
-        ("/april/v1/samples/h/1/input", {"append_ids": [90, 91]}),
+        ("/april/v1/samples/g/0/input", {"append_ids": [ord("="), ord("4")], "turn": 1}),
+        ("/april/v1/samples/h/1/input", {"append_ids": [90, 91], "turn": 1}),
     ]
     assert loop.calls.answered == {("g/0", 1), ("h/1", 1)} and loop.calls.posted_tokens == 4
 
