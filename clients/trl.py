@@ -28,6 +28,11 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
    `logprobs` (the sampling policy's) to drop sequences that drifted too far.
 6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it
    left on the server: nothing of the run stays buffered.
+7. Tools (agent rollouts): with `tool=` (a callable from a `ToolCall`: the turn's text and ids,
+   the group's dataset row, to the answer as text or ids) and `turns=` (what ends a turn), a
+   member whose turn ends there gets the tool's answer appended and goes on; rows hold the
+   whole response with the answers in place and `env_mask` 0 on them, plus `april_tool_calls`
+   (answers in the row). See `trl_tools.py`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from typing import Any, Literal
 import msgspec
 
 from . import AprilClient, NotFound
+from ._routes import TurnsArg
 from .trainer_batch import Ledger, StaleTokens, extra_groups, rows_from_groups, unique_prompts
+from .trl_tools import Tool, ToolLoop
 
 
 @dataclass
@@ -85,8 +92,13 @@ class AprilRollout:
     _calls: int = 0
     _metadata: dict[str, dict[str, Any]] | None = None  # prompt key -> row as JSON metadata
     _pool: list[tuple[str, Any]] = field(default_factory=list)  # training prompts, with keys
+    tool: Tool | None = None  # agent rollouts: answers each turn (see trl_tools.py)
+    turns: TurnsArg = None  # what ends a turn (needed with `tool`)
+    _tools: ToolLoop | None = None
 
     def __post_init__(self) -> None:
+        if self.tool is not None:
+            self._tools = ToolLoop(self.tool, self.turns)
         if self.stale_tokens not in ("mask", "keep"):
             raise ValueError(f"stale_tokens must be 'mask' or 'keep', got {self.stale_tokens!r}")
         if self.over_provision < 1.0:
@@ -114,21 +126,28 @@ class AprilRollout:
         sent = [s["group_id"] for s in specs]
         t0 = time.perf_counter()
         self.ledger.on_sent(sent, step)
-        resp = self.client.rollout(
-            specs,
-            len(firsts),
+        kw: dict[str, Any] = dict(
             resume_first=training,
             on_quota=self.on_quota if training else "drop",
             max_staleness=self.max_staleness,
             max_inflight_groups=self.max_inflight_groups,
             request_id=f"{self.run_id}.c{call}",
         )
+        if self._tools is None:
+            resp = self.client.rollout(specs, len(firsts), **kw)
+        else:
+            tok = trainer.processing_class
+            resp = self._tools.rollout(self.client, specs, len(firsts), tok, **kw)
         returned = [g.group_id for g in resp.groups]
         self.ledger.on_returned(returned, step)
         version = resp.stats.weight_version
         if self.push_weights and version != str(step):
             raise RuntimeError(f"server reports weight version {version!r} after pushing {step}")
-        rows = rows_from_groups(resp.groups, n, version, self.stale_tokens)
+        tool_calls: list[int] | None = None
+        if self._tools is None:
+            rows = rows_from_groups(resp.groups, n, version, self.stale_tokens)
+        else:
+            rows, tool_calls = self._tools.rows(resp.groups, n, version, self.stale_tokens)
         self.records.append(
             StepRecord(call, step, "train" if training else "eval", version, sent, returned,
                        rows.stale_tokens, resp.stats.output_tokens, time.perf_counter() - t0)
@@ -141,6 +160,8 @@ class AprilRollout:
             "april_group_id": rows.group_ids,
             "april_status": rows.statuses,
         }
+        if tool_calls is not None:
+            out["april_tool_calls"] = tool_calls
         for col in rows.columns():
             out[col] = [m[col] for m in rows.metadata]
         return out

@@ -6,6 +6,7 @@ april-bench --url http://host:30000 --steps 10 --groups 32 --n 8 --max-tokens 81
 april-bench --simulate                    # project the gain at 8xH200 scale (a model)
 april-bench --simulate --sim-engines 1,2,4,8,16   # the same model at each engine count
 april-bench --sweep                       # sync vs static vs adaptive APRIL on four configs
+april-bench --agent --quick               # multi-turn agent workload: sync vs APRIL with turns
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from . import agent
 from . import simulate as sim
 from .driver import MODES, BenchConfig, ModeSpec
 from .launcher import LaunchedServer
@@ -186,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sim-steps", type=int, default=20)
     g.add_argument("--sim-a-ms", type=float, help="fixed ms per decode iteration")
     g.add_argument("--sim-c-ms", type=float, help="ms per running sequence per iteration")
+    agent.add_arguments(p)
     return p  # fmt: skip
 
 
@@ -210,7 +213,10 @@ def engine_counts(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`--quick` changes the defaults; flags given explicitly still win."""
     p = parser()
-    if p.parse_args(argv).quick:
+    first = p.parse_args(argv)
+    if first.agent:
+        p.set_defaults(**agent.agent_defaults(first.quick))
+    elif first.quick:
         p.set_defaults(**QUICK)
     return p.parse_args(argv)
 
@@ -405,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.help_metrics:
         print(metrics_doc)
         return
+    if args.agent:
+        sys.exit(agent.main(args))
     if args.sweep or args.sweep_point:
         sys.exit(run_sweep(args))
     if args.simulate and args.url is None and not args.launch and not args.quick:

@@ -1,0 +1,205 @@
+"""TRL's GRPOTrainer trains an agent with a tool against a real april-server (#20 item 5).
+
+The toy task: each prompt names a key; its dataset row holds the key's secret digit. The model
+calls the tool by emitting `@` (token CALL, the turn stop); the tool looks the key up in the
+row and answers " key K is D." (appended, env_mask 0); the episode goes on for one more turn.
+Reward: 0 without a tool call, 0.5 with one, 1 when the text after the tool's answer also
+holds the secret digit (it used the answer). One run of STEPS optimizer steps, APRIL
+(over-provisioning 2, stale tokens kept, so env_mask 0 is exactly the tool's tokens); then:
+- the rows TRL received: completion_ids = the server's whole response (generated + the
+  tool's tokens in place), env_mask 0 exactly on the tool's tokens, logprobs 0.0 there and
+  the sampling logprobs elsewhere, the answer appended right after the turn's `@` and equal to
+  the lookup of the row the group was built from;
+- the reward rises: mean of the last 3 steps vs the first 3 (96 samples each), Welch z > 3;
+- nothing of the run stays on the server.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from april_client import AprilClient
+from april_client.trl import AprilRollout
+from april_client.trl_tools import ToolCall
+from april_server.models import ensure_tiny_model
+from april_server.protocol import RolloutResp
+from tests.server_proc import ServerProc
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 16
+PROMPTS, N = 8, 4
+CALL = 34  # "@" in the tiny tokenizer: ~1.6 % of its samples at temperature 1
+TURNS = {"stop_token_ids": [CALL], "max_turns": 2}
+
+
+def dataset(size: int = 256, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        key, secret = rng.randint(0, 99), rng.randint(0, 9)
+        prompt = f"Task {rng.randint(0, 99)}: look up key {key}, then answer its digit. Answer:"
+        rows.append({"prompt": prompt, "key": str(key), "secret": str(secret)})
+    return rows
+
+
+def answer_text(row: dict[str, Any]) -> str:
+    return f" key {row['key']} is {row['secret']}."
+
+
+def lookup(call: ToolCall) -> str:
+    """The tool: a lookup in the row the prompt was built from."""
+    assert call.ids[-1] == CALL and call.turn == 1
+    return answer_text(call.metadata)
+
+
+def tool_reward(
+    completions: list[str], april_tool_calls: list[int], key: list[str], secret: list[str], **_: Any
+) -> list[float | None]:
+    out: list[float | None] = []
+    for text, calls, k, s in zip(completions, april_tool_calls, key, secret, strict=True):
+        marker = answer_text({"key": k, "secret": s})
+        if not calls or marker not in text:
+            out.append(0.0)
+            continue
+        after = text.split(marker, 1)[1]
+        out.append(1.0 if s in after else 0.5)
+    return out
+
+
+def welch_z(before: list[float], after: list[float]) -> float:
+    se = statistics.pvariance(before) / len(before) + statistics.pvariance(after) / len(after)
+    return (statistics.fmean(after) - statistics.fmean(before)) / max(se**0.5, 1e-9)
+
+
+def train(url: str, workdir: str) -> dict[str, Any]:
+    """The training run, in a fresh interpreter (as tests/e2e/test_trl_e2e.py does)."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.trainer.grpo_config import GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    model_path = ensure_tiny_model()
+    client = AprilClient(url, timeout=600)
+    adapter = AprilRollout(
+        client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
+        max_inflight_groups=2 * PROMPTS, run_id="trl-tools", seed=0, tool=lookup, turns=TURNS,
+    )  # fmt: skip
+    assert adapter._tools is not None
+    outputs: list[tuple[int, dict[str, Any]]] = []
+    responses: list[RolloutResp] = []
+    send = adapter._tools.rollout
+
+    def capture(*args: Any, **kw: Any) -> RolloutResp:
+        responses.append(send(*args, **kw))
+        return responses[-1]
+
+    adapter._tools.rollout = capture  # type: ignore[method-assign]
+
+    def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        out = adapter(prompts, trainer)
+        outputs.append((int(trainer.state.global_step), out))
+        return out
+
+    scored: dict[int, list[float]] = {}
+
+    def recorded(completions: list[str], **kw: Any) -> list[float | None]:
+        values = tool_reward(completions, **kw)
+        scored[int(kw["trainer_state"].global_step)] = [float(v or 0.0) for v in values]
+        return values
+
+    args = GRPOConfig(
+        output_dir=str(Path(workdir) / "trainer"), per_device_train_batch_size=PROMPTS * N,
+        num_generations=N, max_completion_length=32, learning_rate=1e-2,
+        lr_scheduler_type="constant", max_steps=STEPS, temperature=1.0, top_p=1.0, beta=0.0,
+        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_path),
+        reward_funcs=[recorded],
+        args=args,
+        train_dataset=Dataset.from_list(dataset(seed=0)),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        rollout_func=rollout,
+        callbacks=[adapter.callback()],
+    )
+    trainer.train()
+    return {"scored": scored, "outputs": outputs, "responses": responses,
+            "records": adapter.records, "ledger": adapter.ledger}  # fmt: skip
+
+
+def test_grpo_trainer_learns_to_use_a_tool_on_april_server(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    server = ServerProc(tmp_path / "state")
+    (tmp_path / "state").mkdir()
+    server.start()
+    try:
+        with mp.get_context("spawn").Pool(1) as pool:
+            run = pool.apply(train, (server.url, str(tmp_path)))
+        scored, outputs, responses = run["scored"], run["outputs"], run["responses"]
+        records, ledger = run["records"], run["ledger"]
+        train_records = [r for r in records if r.mode == "train"]
+        assert [r.step for r in train_records] == list(range(STEPS))
+
+        # The rows TRL received: exactly the tool's tokens masked, aligned with completion_ids.
+        tool_rows = 0
+        for (step, out), rec in zip(outputs, train_records, strict=True):
+            assert step == rec.step
+            samples = [s for g in responses[rec.call].groups
+                       for s in sorted(g.samples, key=lambda s: s.index)]  # fmt: skip
+            assert len(samples) == len(out["completion_ids"]) == PROMPTS * N
+            for i, s in enumerate(samples):
+                ids, mask, lps = out["completion_ids"][i], out["env_mask"][i], out["logprobs"][i]
+                assert len(ids) == len(mask) == len(lps)
+                want_ids: list[int] = []
+                tool_at: list[int] = []
+                pos = 0
+                for ap in s.appended:
+                    want_ids += s.output_ids[pos : ap.at]
+                    tool_at += range(len(want_ids), len(want_ids) + len(ap.ids))
+                    want_ids += ap.ids
+                    pos = ap.at
+                want_ids += s.output_ids[pos:]
+                assert ids == want_ids
+                assert [j for j, m in enumerate(mask) if m == 0] == tool_at
+                assert [lps[j] for j in tool_at] == [0.0] * len(tool_at)
+                gen = [lps[j] for j in range(len(ids)) if mask[j] == 1]
+                assert gen == list(s.output_logprobs)
+                assert out["april_tool_calls"][i] == len(s.appended) <= 1
+                if s.appended:
+                    tool_rows += 1
+                    (ap,) = s.appended
+                    assert s.output_ids[ap.at - 1] == CALL and s.turns[0].end == ap.at
+                    row = {"key": out["key"][i], "secret": out["secret"][i]}
+                    want = tokenizer(answer_text(row), add_special_tokens=False)["input_ids"]
+                    assert ap.ids == want  # the lookup in this row's own metadata
+        assert tool_rows > 0, "no tool call at all: the masking went untested"
+
+        # The reward rises beyond noise.
+        steps = sorted(scored)
+        assert len(steps) == STEPS
+        first = [v for s in steps[:3] for v in scored[s]]
+        last = [v for s in steps[-3:] for v in scored[s]]
+        z = welch_z(first, last)
+        before, after = statistics.fmean(first), statistics.fmean(last)
+        print(f"tool reward {before:.3f} -> {after:.3f}, z={z:.1f}; rows with a call {tool_rows}")
+        assert z > 3, (before, after, z)
+
+        # Nothing of the run left on the server.
+        assert ledger.outstanding() == []
+        client = AprilClient(server.url, timeout=600)
+        assert [g.group_id for g in client.partials() if g.group_id.startswith("trl-tools")] == []
+        assert client.stats()["awaiting_input_samples"] == 0
+    finally:
+        server.stop()
