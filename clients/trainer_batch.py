@@ -39,7 +39,10 @@ def prefetch_groups(target: int, over_provision: float, outstanding: int) -> int
     Exactly the extras the next call would draw under the over-provisioning rule, counted
     against the groups still outstanding after this call (its stragglers, buffered or still
     generating): handed in now, they generate while the trainer trains, and the next call,
-    which sees them outstanding, draws none of its own. The buffer bound is the same.
+    which sees them outstanding, draws none of its own. The buffer bound is the same. Since a
+    call leaves `max(outstanding before, (over_provision - 1) * target)` outstanding, this is 0
+    after any call that drew under the same rule; it is not 0 only when fewer groups are
+    outstanding than the rule wants (fewer were drawn than asked, or the factor was raised).
     """
     return extra_groups(target, over_provision, outstanding)
 

@@ -35,13 +35,14 @@ after it answered, until the next call claims them. Right after each training ca
 the adapter prefetches: it hands in (`POST /april/v1/groups`, `start: "background"`, the same
 `max_staleness`) the extra groups the next call would otherwise draw from the training set
 (`prefetch_groups`: the over-provisioning rule applied to the groups still outstanding after
-this call), drawn exactly as over-provisioning draws them. They generate during the loss,
-the optimizer step and the weight push (which cuts them at the version boundary and continues
-them under the new weights); the next call finds them counted as outstanding, draws no extras
-of its own and returns finished ones first. Each prefetched group is in the ledger as sent (at
-the step whose call prefetched it); `StepRecord.prefetched` lists them. With
-`over_provision=1` nothing is prefetched and only the stragglers continue. Eval calls neither
-continue nor prefetch. Requires `over_provision > 1` to gain anything from prefetch.
+this call), drawn exactly as over-provisioning draws them, in the ledger as sent (at the step
+whose call prefetched them; `StepRecord.prefetched` lists them). They generate during the
+loss, the optimizer step and the weight push (which cuts them at the version boundary and
+continues them under the new weights), and the next call, which sees them outstanding, draws
+no extras of its own. Note: a call leaves `max(outstanding before it, (F - 1) * P)` groups
+outstanding, so once the first call has drawn its extras the rule finds nothing missing and
+hands in nothing; in steady state the work that overlaps training is the `(F - 1) * P`
+stragglers that continue. Eval calls neither continue nor prefetch.
 
 `max_tokens_column`: when set, a dataset row's integer value in that column caps its group's
 `max_new_tokens` (at most the trainer's `max_completion_length`): per-prompt answer budgets,
@@ -88,6 +89,8 @@ class StepRecord:
     output_tokens: int
     wall_s: float
     prefetched: list[str] = field(default_factory=list)  # handed in right after (background)
+    returned_tokens: int = 0  # output tokens of the rows returned (output_tokens: generated
+    # during the call, which leaves out what the background generated between calls)
 
 
 @dataclass
@@ -162,7 +165,8 @@ class AprilRollout:
         prefetched = self._prefetch(firsts, n, params, trainer, step) if training else []
         self.records.append(
             StepRecord(call, step, "train" if training else "eval", version, sent, returned,
-                       rows.stale_tokens, resp.stats.output_tokens, wall_s, prefetched)
+                       rows.stale_tokens, resp.stats.output_tokens, wall_s, prefetched,
+                       sum(len(c) for c in rows.completion_ids))
         )  # fmt: skip
         out: dict[str, list[Any]] = {
             "prompt_ids": rows.prompt_ids,

@@ -129,6 +129,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                     "train_s": round(max(0.0, step_s - rec.wall_s), 3),
                     "prefetched": len(rec.prefetched),
                     "output_tokens": rec.output_tokens,
+                    "returned_tokens": rec.returned_tokens,
                     "stale_tokens": rec.stale_tokens,
                     "weight_version": rec.weight_version,
                 }

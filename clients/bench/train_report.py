@@ -18,7 +18,7 @@ class ModeSummary:
     final_reward: float  # mean over the last WINDOW steps
     final_reward_sd: float  # their standard deviation
     reach_s: float | None  # first wall_s where the trailing mean reaches sync's final reward
-    stale_share: float  # stale tokens / output tokens returned
+    stale_share: float  # stale tokens / output tokens of the rows returned
     rollout_s: float = 0.0  # mean per step: waiting for the rollout call
     train_s: float = 0.0  # mean per step: the rest (loss, optimizer, weight push, prefetch)
 
@@ -47,7 +47,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[ModeSummary]:
                 if m >= target and r["step"] >= WINDOW:
                     reach = float(r["wall_s"])
                     break
-        tokens = sum(r.get("output_tokens", 0) for r in rs)
+        # Tokens of the rows trained on (older rows only have the call's generated tokens).
+        tokens = sum(r.get("returned_tokens", r.get("output_tokens", 0)) for r in rs)
         stale = sum(r.get("stale_tokens", 0) for r in rs)
         out.append(
             ModeSummary(

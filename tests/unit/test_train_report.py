@@ -73,3 +73,12 @@ def test_budgets_have_a_long_tail_and_leave_the_prompts_alone() -> None:
     assert sum(b >= 8 * median for b in budgets) >= len(budgets) // 20  # ...a few very long
     prompts = [(r["prompt"], r["answer"]) for r in rows_]
     assert prompts == [(r["prompt"], r["answer"]) for r in train_task.dataset(512, 0, 64)]
+
+
+def test_stale_share_counts_the_tokens_returned() -> None:
+    """With background generation a call's own `output_tokens` leave out what was generated
+    between calls; the share is over the returned rows' tokens when the rows carry them."""
+    rs = rows("april", [0.1] * 6, 1.0)
+    for r in rs:
+        r["returned_tokens"] = 200
+    assert summarize(rs)[0].stale_share == 0.125

@@ -158,3 +158,13 @@ def test_max_tokens_column_caps_each_group() -> None:
         want = min(64, spec["metadata"]["budget"])
         assert spec["sampling_params"]["max_new_tokens"] == want
     assert {s["sampling_params"]["max_new_tokens"] for s in server.calls[0]["specs"]} != {64}
+
+
+def test_after_a_call_under_the_same_rule_nothing_is_missing() -> None:
+    """Why steady-state prefetch is empty: a call that drew `extra_groups` leaves
+    `max(before, (F - 1) * P)` outstanding, which the rule finds complete."""
+    for target in range(1, 9):
+        for factor in (1.0, 1.5, 2.0, 3.0):
+            for before in range(0, 3 * target):
+                after = before + extra_groups(target, factor, before)  # sent P + extra, got P
+                assert prefetch_groups(target, factor, after) == 0
