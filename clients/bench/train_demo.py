@@ -17,7 +17,7 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
 Separate devices, on one machine: every mode runs the server pinned to core 1 and the trainer
 to core 0 (one torch thread), so generation and training overlap as they would on a rollout
 device beside a training device instead of competing for the same cores (`--no-pin` turns it
-off, and it is off when the machine has fewer than 2 cores). The workload has a long tail of
+off, and it is off where cores 0 and 1 are not both available). The workload has a long tail of
 lengths: each prompt's answer budget is drawn from a Pareto distribution (`train_task`), sent
 as its group's `max_new_tokens`.
 
@@ -83,7 +83,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per weight push
     model_path = ensure_tiny_model()
-    pin = cfg.pin and len(os.sched_getaffinity(0)) >= 2
+    pin = cfg.pin and {TRAINER_CPU, SERVER_CPU} <= os.sched_getaffinity(0)
     server = LaunchedServer(list(server_args), cpus=[SERVER_CPU] if pin else None)
     server.start()
     rows: list[dict[str, Any]] = []
