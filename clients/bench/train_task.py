@@ -16,9 +16,10 @@ tokens to the cap, the straggler pattern APRIL targets), not imposed; and the ti
 reward rises within tens of GRPO steps on 2 CPU cores (the format part first), so a learning
 curve fits in minutes. It is not a reasoning task: the model cannot learn arithmetic here.
 
-The long tail (`budget` column, `BUDGET_COLUMN`). Left to itself the tiny random model rarely
-samples its EOS, so nearly every completion runs to `max_completion_length`: all samples of a
-step are the same length, finish together, and there is no tail for APRIL to cut. Real RL
+The long tail (`budget` column, `BUDGET_COLUMN`). Left to itself the tiny random model often
+does not sample its EOS (in the TRL e2e test, 128-token cap, about two thirds of completions
+run to the cap): most samples of a step are the same length and finish together, and the
+step's 32 samples run at once, so there is little tail for APRIL to cut. Real RL
 tasks answer in widely varying lengths (a short fact vs a long derivation). The model cannot
 learn to vary its own length within a demo, so each row carries its answer budget instead, a
 per-prompt cap on new tokens (the adapter's `max_tokens_column`, sent as the group's
