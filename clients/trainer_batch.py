@@ -33,6 +33,20 @@ def extra_groups(target: int, over_provision: float, buffered: int) -> int:
     return max(0, wanted - target - buffered)
 
 
+def prefetch_groups(target: int, over_provision: float, outstanding: int) -> int:
+    """How many groups to hand in right after a call (background prefetch) for the next one.
+
+    Exactly the extras the next call would draw under the over-provisioning rule, counted
+    against the groups still outstanding after this call (its stragglers, buffered or still
+    generating): handed in now, they generate while the trainer trains, and the next call,
+    which sees them outstanding, draws none of its own. The buffer bound is the same. Since a
+    call leaves `max(outstanding before, (over_provision - 1) * target)` outstanding, this is 0
+    after any call that drew under the same rule; it is not 0 only when fewer groups are
+    outstanding than the rule wants (fewer were drawn than asked, or the factor was raised).
+    """
+    return extra_groups(target, over_provision, outstanding)
+
+
 def unique_prompts(prompts: Sequence[Any], n: int) -> list[Any]:
     """The step's prompts, one per group: the trainer repeats each `n` times, contiguously."""
     if n < 1 or len(prompts) % n:

@@ -27,7 +27,26 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
    importance correction without vLLM; its `off_policy_mask_threshold` can use the returned
    `logprobs` (the sampling policy's) to drop sequences that drifted too far.
 6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it
-   left on the server: nothing of the run stays buffered.
+   left on the server: nothing of the run stays buffered (background ones included).
+
+`background=True` keeps the server generating while TRL trains (issue 19): training calls send
+`on_quota: "continue"`, so the stragglers a call started and did not return keep generating
+after it answered, until the next call claims them. Right after each training call answers,
+the adapter prefetches: it hands in (`POST /april/v1/groups`, `start: "background"`, the same
+`max_staleness`) the extra groups the next call would otherwise draw from the training set
+(`prefetch_groups`: the over-provisioning rule applied to the groups still outstanding after
+this call), drawn exactly as over-provisioning draws them, in the ledger as sent (at the step
+whose call prefetched them; `StepRecord.prefetched` lists them). They generate during the
+loss, the optimizer step and the weight push (which cuts them at the version boundary and
+continues them under the new weights), and the next call, which sees them outstanding, draws
+no extras of its own. Note: a call leaves `max(outstanding before it, (F - 1) * P)` groups
+outstanding, so once the first call has drawn its extras the rule finds nothing missing and
+hands in nothing; in steady state the work that overlaps training is the `(F - 1) * P`
+stragglers that continue. Eval calls neither continue nor prefetch.
+
+`max_tokens_column`: when set, a dataset row's integer value in that column caps its group's
+`max_new_tokens` (at most the trainer's `max_completion_length`): per-prompt answer budgets,
+as in tasks whose answers differ widely in length (`make train-demo` uses it for its long tail).
 """
 
 from __future__ import annotations
@@ -46,7 +65,14 @@ from typing import Any, Literal
 import msgspec
 
 from . import AprilClient, NotFound
-from .trainer_batch import Ledger, StaleTokens, extra_groups, rows_from_groups, unique_prompts
+from .trainer_batch import (
+    Ledger,
+    StaleTokens,
+    extra_groups,
+    prefetch_groups,
+    rows_from_groups,
+    unique_prompts,
+)
 
 
 @dataclass
@@ -62,6 +88,9 @@ class StepRecord:
     stale_tokens: int
     output_tokens: int
     wall_s: float
+    prefetched: list[str] = field(default_factory=list)  # handed in right after (background)
+    returned_tokens: int = 0  # output tokens of the rows returned (output_tokens: generated
+    # during the call, which leaves out what the background generated between calls)
 
 
 @dataclass
@@ -75,6 +104,8 @@ class AprilRollout:
     on_quota: Literal["snapshot", "tokens", "drop"] = "snapshot"
     max_inflight_groups: int | Literal["auto"] = "auto"
     push_weights: bool = True
+    background: bool = False
+    max_tokens_column: str | None = None
     weights_dir: str | None = None
     run_id: str = field(default_factory=lambda: "trl-" + uuid.uuid4().hex[:8])
     seed: int = 0
@@ -114,11 +145,12 @@ class AprilRollout:
         sent = [s["group_id"] for s in specs]
         t0 = time.perf_counter()
         self.ledger.on_sent(sent, step)
+        on_quota = ("continue" if self.background else self.on_quota) if training else "drop"
         resp = self.client.rollout(
             specs,
             len(firsts),
             resume_first=training,
-            on_quota=self.on_quota if training else "drop",
+            on_quota=on_quota,
             max_staleness=self.max_staleness,
             max_inflight_groups=self.max_inflight_groups,
             request_id=f"{self.run_id}.c{call}",
@@ -129,9 +161,12 @@ class AprilRollout:
         if self.push_weights and version != str(step):
             raise RuntimeError(f"server reports weight version {version!r} after pushing {step}")
         rows = rows_from_groups(resp.groups, n, version, self.stale_tokens)
+        wall_s = time.perf_counter() - t0
+        prefetched = self._prefetch(firsts, n, params, trainer, step) if training else []
         self.records.append(
             StepRecord(call, step, "train" if training else "eval", version, sent, returned,
-                       rows.stale_tokens, resp.stats.output_tokens, time.perf_counter() - t0)
+                       rows.stale_tokens, resp.stats.output_tokens, wall_s, prefetched,
+                       sum(len(c) for c in rows.completion_ids))
         )  # fmt: skip
         out: dict[str, list[Any]] = {
             "prompt_ids": rows.prompt_ids,
@@ -144,6 +179,30 @@ class AprilRollout:
         for col in rows.columns():
             out[col] = [m[col] for m in rows.metadata]
         return out
+
+    def _prefetch(
+        self, firsts: list[Any], n: int, params: dict[str, Any], trainer: Any, step: int
+    ) -> list[str]:
+        """Hand in, generating in the background, the extras the next call would draw."""
+        if not self.background:
+            return []
+        count = prefetch_groups(len(firsts), self.over_provision, len(self.ledger.outstanding()))
+        chosen = self._draw(count, firsts, step)
+        if not chosen:
+            return []
+        call = self._calls  # its own call number: ids and seeds unique in the run
+        self._calls += 1
+        specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
+                 for k, p in enumerate(chosen)]  # fmt: skip
+        ids = [s["group_id"] for s in specs]
+        self.ledger.on_sent(ids, step)  # before sending: close() cleans up even a failed send
+        self.client.add_groups(
+            specs,
+            start="background",
+            max_staleness=self.max_staleness,
+            request_id=f"{self.run_id}.c{call}",
+        )
+        return ids
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -229,13 +288,17 @@ class AprilRollout:
     def _spec(
         self, gid: str, prompt: Any, n: int, params: dict[str, Any], trainer: Any, call: int, k: int
     ) -> dict[str, Any]:
+        metadata = (self._metadata or {}).get(_key(prompt), {})
+        budget = metadata.get(self.max_tokens_column) if self.max_tokens_column else None
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            params = {**params, "max_new_tokens": min(budget, int(params["max_new_tokens"]))}
         return {
             "group_id": gid,
             "input_ids": _encode(prompt, trainer.processing_class),
             "n": n,
             "sampling_params": params,
             "seed": (self.seed * 1_000_003 + call * 10_007 + k * n) % 2**31,
-            "metadata": (self._metadata or {}).get(_key(prompt), {}),
+            "metadata": metadata,
         }
 
 

@@ -18,7 +18,9 @@ class ModeSummary:
     final_reward: float  # mean over the last WINDOW steps
     final_reward_sd: float  # their standard deviation
     reach_s: float | None  # first wall_s where the trailing mean reaches sync's final reward
-    stale_share: float  # stale tokens / output tokens returned
+    stale_share: float  # stale tokens / output tokens of the rows returned
+    rollout_s: float = 0.0  # mean per step: waiting for the rollout call
+    train_s: float = 0.0  # mean per step: the rest (loss, optimizer, weight push, prefetch)
 
 
 def trailing_means(rewards: list[float], window: int = WINDOW) -> list[float]:
@@ -45,7 +47,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[ModeSummary]:
                 if m >= target and r["step"] >= WINDOW:
                     reach = float(r["wall_s"])
                     break
-        tokens = sum(r.get("output_tokens", 0) for r in rs)
+        # Tokens of the rows trained on (older rows only have the call's generated tokens).
+        tokens = sum(r.get("returned_tokens", r.get("output_tokens", 0)) for r in rs)
         stale = sum(r.get("stale_tokens", 0) for r in rs)
         out.append(
             ModeSummary(
@@ -56,21 +59,47 @@ def summarize(rows: list[dict[str, Any]]) -> list[ModeSummary]:
                 statistics.pstdev(last),
                 reach,
                 stale / tokens if tokens else 0.0,
+                statistics.fmean(float(r.get("rollout_s", 0.0)) for r in rs),
+                statistics.fmean(float(r.get("train_s", 0.0)) for r in rs),
             )  # fmt: skip
         )
     return out
 
 
 def table(summaries: list[ModeSummary]) -> str:
-    head = (f"{'mode':<6} {'steps':>5} {'wall_s':>8} {'final reward':>14} "
-            f"{'reaches sync final at':>22} {'stale tokens':>12}")  # fmt: skip
+    head = (f"{'mode':<11} {'steps':>5} {'wall_s':>8} {'rollout s/step':>14} "
+            f"{'train s/step':>12} {'final reward':>14} {'reaches sync final at':>22} "
+            f"{'stale tokens':>12}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for s in summaries:
         reach = f"{s.reach_s:.1f} s" if s.reach_s is not None else "not reached"
         final = f"{s.final_reward:.3f}±{s.final_reward_sd:.3f}"
-        lines.append(f"{s.mode:<6} {s.steps:>5} {s.wall_s:>8.1f} {final:>14} {reach:>22} "
+        lines.append(f"{s.mode:<11} {s.steps:>5} {s.wall_s:>8.1f} {s.rollout_s:>14.2f} "
+                     f"{s.train_s:>12.2f} {final:>14} {reach:>22} "
                      f"{s.stale_share:>11.1%}")  # fmt: skip
-    return "\n".join(lines) + f"\n(final reward: mean ± sd of the last {WINDOW} steps)"
+    return "\n".join(lines) + (
+        f"\n(final reward: mean ± sd of the last {WINDOW} steps; a step = rollout s, waiting"
+        " for the call, + train s, the rest: loss, optimizer, weight push, prefetch)"
+    )
+
+
+def split_table(rows: list[dict[str, Any]]) -> str:
+    """Each step's split, rollout s / train s, one column per mode."""
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    cell = {(r["mode"], r["step"]): r for r in rows}
+    steps = sorted({r["step"] for r in rows})
+    head = f"{'step':>4} " + " ".join(f"{m + ' roll/train s':>24}" for m in modes)
+    lines = [head, "-" * len(head)]
+    for step in steps:
+        cells = []
+        for m in modes:
+            r = cell.get((m, step))
+            text = (
+                "" if r is None else f"{r.get('rollout_s', 0.0):.2f} / {r.get('train_s', 0.0):.2f}"
+            )
+            cells.append(f"{text:>24}")
+        lines.append(f"{step:>4} " + " ".join(cells))
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -90,7 +119,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         )
     ax.set_xlabel("wall-clock seconds (training)")
     ax.set_ylabel("mean reward per step")
-    ax.set_title("GRPO (TRL) on april-server: synchronous vs APRIL")
+    ax.set_title("GRPO (TRL) on april-server: sync vs APRIL vs APRIL + background")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
