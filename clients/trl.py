@@ -31,18 +31,21 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
 
 `background=True` keeps the server generating while TRL trains (issue 19): training calls send
 `on_quota: "continue"`, so the stragglers a call started and did not return keep generating
-after it answered, until the next call claims them. Right after each training call answers,
-the adapter prefetches: it hands in (`POST /april/v1/groups`, `start: "background"`, the same
-`max_staleness`) the extra groups the next call would otherwise draw from the training set
-(`prefetch_groups`: the over-provisioning rule applied to the groups still outstanding after
-this call), drawn exactly as over-provisioning draws them, in the ledger as sent (at the step
-whose call prefetched them; `StepRecord.prefetched` lists them). They generate during the
-loss, the optimizer step and the weight push (which cuts them at the version boundary and
-continues them under the new weights), and the next call, which sees them outstanding, draws
-no extras of its own. Note: a call leaves `max(outstanding before it, (F - 1) * P)` groups
-outstanding, so once the first call has drawn its extras the rule finds nothing missing and
-hands in nothing; in steady state the work that overlaps training is the `(F - 1) * P`
-stragglers that continue. Eval calls neither continue nor prefetch.
+after it answered, until a later call claims them. The adapter keeps `background_level` groups
+outstanding while the trainer trains: at least the next call's P (so that generation overlaps
+training even with `over_provision = 1`), at least what over-provisioning leaves, and at most
+`max_staleness * P` (work generated under the current weights must come back within
+`max_staleness` calls of P groups each, or it is delivered staler than that or thrown away;
+`trainer_batch.background_level` says why). Over-provisioning's extras are capped by that
+level too. Right after each training call answers, the adapter prefetches what is missing
+(`prefetch_groups`): it hands in (`POST /april/v1/groups`, `start: "background"`, the same
+`max_staleness`) extra prompts drawn exactly as over-provisioning draws them, in the ledger as
+sent (at the step whose call prefetched them; `StepRecord.prefetched` lists them). They
+generate during the loss, the optimizer step and the weight push (which cuts them at the
+version boundary and continues them under the new weights). Since every call sends its own P
+prompts and returns P groups, the level, once reached, holds by itself: in steady state the
+prefetch hands in nothing, and the groups each call sent but did not return are the next
+training phase's work. Eval calls neither continue nor prefetch.
 
 `max_tokens_column`: when set, a dataset row's integer value in that column caps its group's
 `max_new_tokens` (at most the trainer's `max_completion_length`): per-prompt answer budgets,
@@ -68,6 +71,7 @@ from . import AprilClient, NotFound
 from .trainer_batch import (
     Ledger,
     StaleTokens,
+    background_level,
     extra_groups,
     prefetch_groups,
     rows_from_groups,
@@ -135,7 +139,11 @@ class AprilRollout:
         self._index_dataset(trainer)
         chosen = list(firsts)
         if training:
-            extra = extra_groups(len(firsts), self.over_provision, len(self.ledger.outstanding()))
+            outstanding = len(self.ledger.outstanding())
+            extra = extra_groups(len(firsts), self.over_provision, outstanding)
+            if self.background:  # never more outstanding after the call than the level
+                level = background_level(len(firsts), self.over_provision, self.max_staleness)
+                extra = min(extra, max(0, level - outstanding))
             chosen += self._draw(extra, firsts, step)
         call = self._calls
         self._calls += 1
@@ -186,7 +194,9 @@ class AprilRollout:
         """Hand in, generating in the background, the extras the next call would draw."""
         if not self.background:
             return []
-        count = prefetch_groups(len(firsts), self.over_provision, len(self.ledger.outstanding()))
+        count = prefetch_groups(
+            len(firsts), self.over_provision, len(self.ledger.outstanding()), self.max_staleness
+        )
         chosen = self._draw(count, firsts, step)
         if not chosen:
             return []

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from april_client.trainer_batch import extra_groups, prefetch_groups
+from april_client.trainer_batch import background_level, extra_groups, prefetch_groups
 from april_client.trl import AprilRollout
 from april_server.protocol import Group, RolloutResp, RolloutStats, Sample, Segment
 
@@ -80,34 +80,58 @@ def _dataset() -> list[dict[str, Any]]:
     return [{"prompt": f"p{i}", "answer": str(i % 10), "budget": 8 + i} for i in range(40)]
 
 
-def _run(adapter: AprilRollout, server: FakeServer, steps: int) -> None:
+def _run(adapter: AprilRollout, server: FakeServer, steps: int, level: int | None = None) -> None:
     data = _dataset()
     for step in range(steps):
         prompts = [data[(step * P + g) % len(data)]["prompt"] for g in range(P) for _ in range(N)]
         out = adapter(prompts, _trainer(data, step))
         assert len(out["completion_ids"]) == P * N
         assert set(adapter.ledger.outstanding()) == set(server.buffer)  # exact, every step
+        if level is not None:  # what generates while the trainer trains: the level, exactly
+            assert len(server.buffer) == level, (step, len(server.buffer), level)
 
 
-def test_prefetch_is_what_the_next_call_would_draw() -> None:
-    for target, factor, outstanding in [(4, 2.0, 0), (4, 2.0, 4), (4, 3.0, 2), (3, 1.0, 0)]:
-        assert prefetch_groups(target, factor, outstanding) == extra_groups(
-            target, factor, outstanding
+@pytest.mark.parametrize("target", [1, 3, 8])
+@pytest.mark.parametrize("factor", [1.0, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("staleness", [0, 1, 2, None])
+def test_background_level_is_bounded_by_the_next_call_and_by_staleness(
+    target: int, factor: float, staleness: int | None
+) -> None:
+    level = background_level(target, factor, staleness)
+    if staleness is not None:
+        # What the next `max_staleness` calls can return, P each: no more.
+        assert level <= staleness * target
+    if staleness != 0:
+        # Enough for the next call's P, and what over-provisioning leaves anyway.
+        cap = target * staleness if staleness is not None else 10**9
+        assert level >= min(cap, max(target, extra_groups(target, factor, 0)))
+    else:
+        assert level == 0  # nothing may be generated ahead of the weights it is trained under
+    for outstanding in range(3 * target):
+        assert prefetch_groups(target, factor, outstanding, staleness) == max(
+            0, level - outstanding
         )
 
 
-@pytest.mark.parametrize("factor", [1.0, 2.0])
-def test_background_continues_and_keeps_the_ledger_exact(factor: float) -> None:
+@pytest.mark.parametrize(
+    ("factor", "staleness"), [(1.0, 1), (2.0, 1), (3.0, 1), (3.0, 2), (2.0, None), (1.0, 0)]
+)
+def test_background_keeps_the_level_and_the_ledger_exact(
+    factor: float, staleness: int | None
+) -> None:
     server = FakeServer()
     adapter = AprilRollout(server, over_provision=factor, background=True,  # type: ignore[arg-type]
-                           push_weights=False, run_id="t", max_staleness=1)  # fmt: skip
-    _run(adapter, server, steps=5)
+                           push_weights=False, run_id="t", max_staleness=staleness)  # fmt: skip
+    level = background_level(P, factor, staleness)
+    _run(adapter, server, steps=5, level=level)
     assert all(c["on_quota"] == "continue" for c in server.calls)
-    # The rule keeps (over_provision - 1) * P groups outstanding between calls: no more.
-    assert len(server.buffer) == (factor - 1) * P
     for pf in server.prefetches:
-        assert pf["start"] == "background" and pf["max_staleness"] == 1
+        assert pf["start"] == "background" and pf["max_staleness"] == staleness
         assert pf["request_id"].startswith("t.c")
+    if factor == 1.0 and staleness:
+        # Without over-provisioning the call runs its own P only; P more go in right after it.
+        assert [len(c["specs"]) for c in server.calls] == [P] * 5
+        assert [len(pf["specs"]) for pf in server.prefetches] == [P]
     sent = [s["group_id"] for c in server.calls for s in c["specs"]]
     sent += [s["group_id"] for pf in server.prefetches for s in pf["specs"]]
     assert sorted(sent) == sorted(adapter.ledger.sent)  # every group handed in is in the ledger
@@ -117,16 +141,40 @@ def test_background_continues_and_keeps_the_ledger_exact(factor: float) -> None:
     assert server.buffer == {} and adapter.ledger.outstanding() == []
 
 
+@pytest.mark.parametrize(("factor", "staleness"), [(1.0, 1), (2.0, 1), (3.0, 1), (3.0, 2)])
+def test_background_work_comes_back_within_max_staleness(factor: float, staleness: int) -> None:
+    """The upper bound, on a server whose background finishes every outstanding group while
+    the trainer trains: a group generates under the weights current when it was handed in
+    (at a call or a prefetch) and calls return finished groups oldest first. No group comes
+    back more than `max_staleness` versions old (with over-provisioning 3 and the old rule,
+    2P groups finished under version s and the second P came back at s + 2)."""
+    server = FakeServer()
+    adapter = AprilRollout(server, over_provision=factor, background=True,  # type: ignore[arg-type]
+                           push_weights=False, run_id="t", max_staleness=staleness)  # fmt: skip
+    born: dict[str, int] = {}
+    data = _dataset()
+    for step in range(8):
+        for gid in server.buffer:
+            born.setdefault(gid, step - 1)  # prefetched after the last call, under its weights
+        prompts = [data[(step * P + g) % len(data)]["prompt"] for g in range(P) for _ in range(N)]
+        adapter(prompts, _trainer(data, step))
+        for gid in adapter.records[-1].sent:
+            born.setdefault(gid, step)
+        lags = [step - born[gid] for gid in adapter.records[-1].returned]
+        assert max(lags) <= staleness, (step, lags)
+    adapter.close()
+
+
 def test_prefetched_groups_are_sent_in_the_ledger_and_served_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The prefetch path itself (the rule's count is forced to 3: under the over-provisioning
-    rule it is 0 in steady state, see `prefetch_groups`): handed in with `start: background`,
+    """The prefetch path itself (the rule's count is forced to 3: once the level is reached
+    it is 0, see `prefetch_groups`): handed in with `start: background`,
     in the ledger as sent, outstanding for the next call, which draws no extras; no group is
     served twice; `close()` deletes what is left."""
     import april_client.trl as trl
 
-    monkeypatch.setattr(trl, "prefetch_groups", lambda target, factor, outstanding: 3)
+    monkeypatch.setattr(trl, "prefetch_groups", lambda target, factor, outstanding, staleness: 3)
     server = FakeServer()
     adapter = AprilRollout(server, over_provision=2.0, background=True,  # type: ignore[arg-type]
                            push_weights=False, run_id="t")  # fmt: skip
@@ -158,13 +206,3 @@ def test_max_tokens_column_caps_each_group() -> None:
         want = min(64, spec["metadata"]["budget"])
         assert spec["sampling_params"]["max_new_tokens"] == want
     assert {s["sampling_params"]["max_new_tokens"] for s in server.calls[0]["specs"]} != {64}
-
-
-def test_after_a_call_under_the_same_rule_nothing_is_missing() -> None:
-    """Why steady-state prefetch is empty: a call that drew `extra_groups` leaves
-    `max(before, (F - 1) * P)` outstanding, which the rule finds complete."""
-    for target in range(1, 9):
-        for factor in (1.0, 1.5, 2.0, 3.0):
-            for before in range(0, 3 * target):
-                after = before + extra_groups(target, factor, before)  # sent P + extra, got P
-                assert prefetch_groups(target, factor, after) == 0
