@@ -95,6 +95,7 @@ class StepRecord:
     prefetched: list[str] = field(default_factory=list)  # handed in right after (background)
     returned_tokens: int = 0  # output tokens of the rows returned (output_tokens: generated
     # during the call, which leaves out what the background generated between calls)
+    push_s: float = 0.0  # the weight push before this call (0 when none was due)
 
 
 @dataclass
@@ -133,8 +134,11 @@ class AprilRollout:
         training = bool(trainer.model.training)
         n = trainer.num_generations if training else trainer.num_generations_eval
         step = int(trainer.state.global_step)
+        push_s = 0.0
         if self.push_weights and step != self._pushed_step:
+            t_push = time.perf_counter()
             self.push(trainer, step)
+            push_s = time.perf_counter() - t_push
         firsts = unique_prompts(prompts, n)
         self._index_dataset(trainer)
         chosen = list(firsts)
@@ -174,7 +178,7 @@ class AprilRollout:
         self.records.append(
             StepRecord(call, step, "train" if training else "eval", version, sent, returned,
                        rows.stale_tokens, resp.stats.output_tokens, wall_s, prefetched,
-                       sum(len(c) for c in rows.completion_ids))
+                       sum(len(c) for c in rows.completion_ids), push_s)
         )  # fmt: skip
         out: dict[str, list[Any]] = {
             "prompt_ids": rows.prompt_ids,

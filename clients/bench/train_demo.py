@@ -23,7 +23,8 @@ as its group's `max_new_tokens`.
 
 Writes `out/train.jsonl` (one row per mode and step: `mode`, `step`, `wall_s` cumulative from
 the start of training, `reward_mean`, `rollout_s` (the step's wait for its rollout call),
-`train_s` (the rest of the step: loss, optimizer, weight push, prefetch), plus the rollout's own
+`train_s` (the rest of the step: loss, optimizer, weight push, prefetch), `push_s` (the part of
+`train_s` spent saving the weights and pushing them), plus the rollout's own
 figures) and a plot of reward vs wall-clock seconds. The table gives per mode the mean split
 of a step between rollout and training and the wall time to reach sync's final reward, then
 each step's split. Wall-clock excludes server start and one warm-up rollout, the same for all.
@@ -44,7 +45,7 @@ from typing import Any
 
 from ..trainer_batch import StaleTokens
 from .launcher import LaunchedServer
-from .train_report import plot, split_table, summarize, table
+from .train_report import by_seed, plot, seeds_table, split_table, summarize, table
 
 MODES = ("sync", "april", "april-async")
 TRAINER_CPU, SERVER_CPU = 0, 1
@@ -122,11 +123,13 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 clock["last"] = now
                 row = {
                     "mode": mode,
+                    "seed": cfg.seed,
                     "step": int(state.global_step),
                     "wall_s": round(now - clock["t0"], 3),
                     "reward_mean": float(logs["reward"]),
                     "rollout_s": round(rec.wall_s, 3),
                     "train_s": round(max(0.0, step_s - rec.wall_s), 3),
+                    "push_s": round(rec.push_s, 3),  # part of train_s: save + weight push
                     "prefetched": len(rec.prefetched),
                     "output_tokens": rec.output_tokens,
                     "returned_tokens": rec.returned_tokens,
@@ -193,28 +196,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-completion-length", type=int, default=DemoConfig.max_completion_length)
     p.add_argument("--stale-tokens", choices=["mask", "keep"], default=DemoConfig.stale_tokens)
     p.add_argument("--seed", type=int, default=DemoConfig.seed)
+    p.add_argument("--seeds", default="", help="comma list: every mode once per seed (e.g. 0,1,2)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {','.join(MODES)}")
     p.add_argument("--no-pin", action="store_true", help="do not pin server and trainer cores")
     p.add_argument("--out", type=Path, default=Path("out/train.jsonl"))
     p.add_argument("--plot", type=Path, default=Path("out/train.png"))
     a = p.parse_args(argv)
-    cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
-                     max_completion_length=a.max_completion_length, seed=a.seed,
-                     stale_tokens=a.stale_tokens, pin=not a.no_pin)  # fmt: skip
+    seeds = [int(x) for x in a.seeds.split(",") if x] or [a.seed]
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma list of {MODES}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     with open(a.out, "w") as f:
-        for mode in modes:
-            print(f"== {mode}: {cfg.steps} GRPO steps on april-server", file=sys.stderr, flush=True)
-            for row in run_mode(mode, cfg):
-                f.write(json.dumps(row) + "\n")
-                rows.append(row)
-            f.flush()
-    print(table(summarize(rows)))
-    print(split_table(rows))
+        for seed in seeds:
+            cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
+                             max_completion_length=a.max_completion_length, seed=seed,
+                             stale_tokens=a.stale_tokens, pin=not a.no_pin)  # fmt: skip
+            for mode in modes:
+                print(f"== {mode}, seed {seed}: {cfg.steps} GRPO steps on april-server",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                for row in run_mode(mode, cfg):
+                    f.write(json.dumps(row) + "\n")
+                    rows.append(row)
+                f.flush()
+    for seed, rs in by_seed(rows).items():
+        print(f"\n== seed {seed}")
+        print(table(summarize(rs)))
+        print(split_table(rs))
+    print()
+    print(seeds_table(rows))
     plot(rows, a.plot)
     print(f"rows: {a.out}  plot: {a.plot}")
     return 0

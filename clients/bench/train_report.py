@@ -102,6 +102,58 @@ def split_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def by_seed(rows: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
+    """Rows per seed (rows without one count as one run)."""
+    out: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r.get("seed"), []).append(r)
+    return out
+
+
+def overlap_bound(sync: ModeSummary) -> float:
+    """The most overlapping generation with training can gain on sync's step: (R + T) /
+    max(R, T), from sync's own mean split (R: waiting for rollouts, T: the rest)."""
+    longest = max(sync.rollout_s, sync.train_s)
+    return (sync.rollout_s + sync.train_s) / longest if longest > 0 else 1.0
+
+
+def seeds_table(rows: list[dict[str, Any]]) -> str:
+    """Per seed and mode: wall seconds to reach that seed's sync final reward; the median over
+    seeds; whether april-async got there before both others; sync's overlap bound beside the
+    measured speed of a step (sync's mean step / april-async's)."""
+    runs = {seed: {s.mode: s for s in summarize(rs)} for seed, rs in by_seed(rows).items()}
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    head = f"{'seed':>5} " + " ".join(f"{m:>12}" for m in modes)
+    head += f" {'async first':>11} {'bound':>6} {'step speed-up':>13}"
+    lines = ["time to reach sync's final reward (wall s, training only)", head, "-" * len(head)]
+    reach: dict[str, list[float]] = {m: [] for m in modes}
+    firsts = 0
+    for seed, summ in runs.items():
+        cells = []
+        for m in modes:
+            r = summ[m].reach_s if m in summ else None
+            reach[m].append(float("inf") if r is None else r)
+            cells.append(f"{'not reached' if r is None else f'{r:.1f}':>12}")
+        a = summ.get("april-async")
+        others = [summ[m].reach_s for m in ("sync", "april") if m in summ]
+        first = (a is not None and a.reach_s is not None and len(others) == 2
+                 and all(o is None or a.reach_s < o for o in others))  # fmt: skip
+        firsts += first
+        bound = speed = "-"
+        if "sync" in summ and a is not None:
+            bound = f"{overlap_bound(summ['sync']):.2f}x"
+            step_sync = summ["sync"].wall_s / summ["sync"].steps
+            speed = f"{step_sync / (a.wall_s / a.steps):.2f}x"
+        cells.append(f"{'yes' if first else 'no':>11} {bound:>6} {speed:>13}")
+        lines.append(f"{seed!s:>5} " + " ".join(cells))
+    med = []
+    for m in modes:
+        v = statistics.median(reach[m])
+        med.append(f"{'not reached' if v == float('inf') else f'{v:.1f}':>12}")
+    lines.append(f"{'med':>5} " + " ".join(med) + f" {f'{firsts}/{len(runs)}':>11}")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -109,14 +161,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["step"])
+    colors: dict[str, Any] = {}
+    for mode, seed in dict.fromkeys((r["mode"], r.get("seed")) for r in rows):
+        rs = sorted(
+            (r for r in rows if r["mode"] == mode and r.get("seed") == seed),
+            key=lambda r: r["step"],
+        )
         xs = [r["wall_s"] for r in rs]
         ys = [r["reward_mean"] for r in rs]
-        (line,) = ax.plot(xs, ys, alpha=0.3)
-        ax.plot(
-            xs, trailing_means(ys), color=line.get_color(), label=f"{mode} ({WINDOW}-step mean)"
-        )
+        label = None if mode in colors else f"{mode} ({WINDOW}-step mean)"
+        (line,) = ax.plot(xs, ys, alpha=0.2, color=colors.get(mode))
+        colors.setdefault(mode, line.get_color())
+        ax.plot(xs, trailing_means(ys), color=colors[mode], label=label)
     ax.set_xlabel("wall-clock seconds (training)")
     ax.set_ylabel("mean reward per step")
     ax.set_title("GRPO (TRL) on april-server: sync vs APRIL vs APRIL + background")

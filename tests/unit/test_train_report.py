@@ -7,7 +7,9 @@ from pathlib import Path
 from april_client.bench import train_task
 from april_client.bench.train_report import (
     WINDOW,
+    overlap_bound,
     plot,
+    seeds_table,
     split_table,
     summarize,
     table,
@@ -82,3 +84,26 @@ def test_stale_share_counts_the_tokens_returned() -> None:
     for r in rs:
         r["returned_tokens"] = 200
     assert summarize(rs)[0].stale_share == 0.125
+
+
+def test_seeds_table_gives_each_seeds_reach_the_median_and_the_overlap_bound() -> None:
+    """Three seeds x three modes: the time to each seed's own sync final reward, the median,
+    how many seeds april-async got there before both others, sync's (R + T) / max(R, T)."""
+    rise = [0.1 * i for i in range(10)]  # trailing mean reaches sync's final at step 10
+    all_rows: list[dict[str, object]] = []
+    for seed, async_step_s in [(0, 1.0), (1, 1.5), (2, 3.0)]:
+        for mode, step_s in [("sync", 2.0), ("april", 1.8), ("april-async", async_step_s)]:
+            for r in rows(mode, rise, step_s):
+                r["seed"] = seed
+                all_rows.append(r)
+    text = seeds_table(all_rows)
+    lines = text.splitlines()
+    seed0 = next(ln for ln in lines if ln.split()[0] == "0")
+    assert seed0.split()[1:4] == ["20.0", "18.0", "10.0"]  # sync, april, april-async
+    assert seed0.split()[4] == "yes" and seed0.split()[5] == "1.33x"  # (1.5 + 0.5) / 1.5
+    assert seed0.split()[6] == "2.00x"  # sync's 2.0 s steps vs april-async's 1.0 s
+    seed2 = next(ln for ln in lines if ln.split()[0] == "2")
+    assert seed2.split()[4] == "no"  # 30.0 s: after both
+    med = next(ln for ln in lines if ln.split()[0] == "med")
+    assert med.split()[1:5] == ["20.0", "18.0", "15.0", "2/3"]
+    assert overlap_bound(summarize(rows("sync", rise, 2.0))[0]) == 2.0 / 1.5
