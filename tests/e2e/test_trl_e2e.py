@@ -7,7 +7,7 @@ mostly in masked stale segments, and 16 steps do not move it beyond noise); then
   (96 samples each), Welch z-score > 3. How far it has risen by the last steps varies from run
   to run: sampling is not seeded (SGLang ignores seeds outside its deterministic mode, which
   on this CPU took 140-150 s per generating step instead of about 15). After 16 steps the last
-  3 steps' mean was 0.16-0.28 over six runs from a start near 0.08 (z 6.4-10.3), and a run below
+  3 steps' mean was 0.16-0.28 over five runs from a start near 0.08 (z 6.4-10.3), and a run below
   about 0.14 fails: roughly 1 in 15 by that spread (1 run in 8 failed here before, its cause
   not recorded). 24 steps leave the rise more room (it grows by about 0.01 a step);
 - every step's weights reached the server: the version the server reports for each call is
