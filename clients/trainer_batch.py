@@ -33,6 +33,50 @@ def extra_groups(target: int, over_provision: float, buffered: int) -> int:
     return max(0, wanted - target - buffered)
 
 
+def background_level(target: int, over_provision: float, max_staleness: int | None) -> int:
+    """How many groups to keep outstanding while the trainer trains (`background=True`).
+
+    Outstanding groups generate in the background between calls; the next call returns the
+    finished ones first, so what the engine runs while the trainer trains is what the next call
+    finds ready. The level is bounded on both sides:
+
+    - at least `target` (the next call's P groups): fewer and the next call must wait for
+      generation it could have had during training (with `over_provision = 1`, nothing at all
+      would run between calls);
+    - at least `(over_provision - 1) * target`: what over-provisioning leaves anyway;
+    - at most `max_staleness * target`: work done under the current weights must be returned
+      by the next `max_staleness` calls, which return `target` groups each (finished ones
+      first, oldest first). Beyond that a group finished in the background waits for a later
+      call and is delivered older than `max_staleness` (a finished group is not restarted),
+      or, unfinished, restarts from its prompt and its work is lost. With `max_staleness = 0`
+      nothing may be generated ahead, so the level is 0; `None` sets no upper bound.
+    """
+    if target < 1:
+        raise ValueError(f"target must be >= 1, got {target}")
+    if over_provision < 1.0:
+        raise ValueError(f"over_provision must be >= 1.0, got {over_provision}")
+    level = max(target, math.ceil((over_provision - 1.0) * target - 1e-9))
+    if max_staleness is not None:
+        level = min(level, max_staleness * target)
+    return level
+
+
+def prefetch_groups(
+    target: int, over_provision: float, outstanding: int, max_staleness: int | None
+) -> int:
+    """How many groups to hand in right after a training call, generating in the background.
+
+    Tops the outstanding set (the call's stragglers, buffered or still generating) up to
+    `background_level`. In steady state this is 0: each call sends its own `target` prompts
+    and returns `target` groups, so the outstanding set keeps its size, and a bounded rule
+    cannot hand in more than the calls take out. What the rule sets is that size: the first
+    calls bring it to the level (with `over_provision = 1`, the call runs its own groups only
+    and the prefetch hands in `target` more right after it: one step ahead), and after that
+    the groups each call sends, but does not return, are the next training phase's work.
+    """
+    return max(0, background_level(target, over_provision, max_staleness) - outstanding)
+
+
 def unique_prompts(prompts: Sequence[Any], n: int) -> list[Any]:
     """The step's prompts, one per group: the trainer repeats each `n` times, contiguously."""
     if n < 1 or len(prompts) % n:

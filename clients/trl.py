@@ -27,12 +27,34 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
    importance correction without vLLM; its `off_policy_mask_threshold` can use the returned
    `logprobs` (the sampling policy's) to drop sequences that drifted too far.
 6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it
-   left on the server: nothing of the run stays buffered.
+   left on the server: nothing of the run stays buffered (background ones included).
 7. Tools (agent rollouts): with `tool=` (a callable from a `ToolCall`: the turn's text and ids,
    the group's dataset row, to the answer as text or ids) and `turns=` (what ends a turn), a
    member whose turn ends there gets the tool's answer appended and goes on; rows hold the
    whole response with the answers in place and `env_mask` 0 on them, plus `april_tool_calls`
    (answers in the row). See `trl_tools.py`.
+
+`background=True` keeps the server generating while TRL trains (issue 19): training calls send
+`on_quota: "continue"`, so the stragglers a call started and did not return keep generating
+after it answered, until a later call claims them. The adapter keeps `background_level` groups
+outstanding while the trainer trains: at least the next call's P (so that generation overlaps
+training even with `over_provision = 1`), at least what over-provisioning leaves, and at most
+`max_staleness * P` (work generated under the current weights must come back within
+`max_staleness` calls of P groups each, or it is delivered staler than that or thrown away;
+`trainer_batch.background_level` says why). Over-provisioning's extras are capped by that
+level too. Right after each training call answers, the adapter prefetches what is missing
+(`prefetch_groups`): it hands in (`POST /april/v1/groups`, `start: "background"`, the same
+`max_staleness`) extra prompts drawn exactly as over-provisioning draws them, in the ledger as
+sent (at the step whose call prefetched them; `StepRecord.prefetched` lists them). They
+generate during the loss, the optimizer step and the weight push (which cuts them at the
+version boundary and continues them under the new weights). Since every call sends its own P
+prompts and returns P groups, the level, once reached, holds by itself: in steady state the
+prefetch hands in nothing, and the groups each call sent but did not return are the next
+training phase's work. Eval calls neither continue nor prefetch.
+
+`max_tokens_column`: when set, a dataset row's integer value in that column caps its group's
+`max_new_tokens` (at most the trainer's `max_completion_length`): per-prompt answer budgets,
+as in tasks whose answers differ widely in length (`make train-demo` uses it for its long tail).
 """
 
 from __future__ import annotations
@@ -52,7 +74,15 @@ import msgspec
 
 from . import AprilClient, NotFound
 from ._routes import TurnsArg
-from .trainer_batch import Ledger, StaleTokens, extra_groups, rows_from_groups, unique_prompts
+from .trainer_batch import (
+    Ledger,
+    StaleTokens,
+    background_level,
+    extra_groups,
+    prefetch_groups,
+    rows_from_groups,
+    unique_prompts,
+)
 from .trl_tools import Tool, ToolLoop
 
 
@@ -69,6 +99,10 @@ class StepRecord:
     stale_tokens: int
     output_tokens: int
     wall_s: float
+    prefetched: list[str] = field(default_factory=list)  # handed in right after (background)
+    returned_tokens: int = 0  # output tokens of the rows returned (output_tokens: generated
+    # during the call, which leaves out what the background generated between calls)
+    push_s: float = 0.0  # the weight push before this call (0 when none was due)
 
 
 @dataclass
@@ -82,6 +116,8 @@ class AprilRollout:
     on_quota: Literal["snapshot", "tokens", "drop"] = "snapshot"
     max_inflight_groups: int | Literal["auto"] = "auto"
     push_weights: bool = True
+    background: bool = False
+    max_tokens_column: str | None = None
     weights_dir: str | None = None
     run_id: str = field(default_factory=lambda: "trl-" + uuid.uuid4().hex[:8])
     seed: int = 0
@@ -110,13 +146,20 @@ class AprilRollout:
         training = bool(trainer.model.training)
         n = trainer.num_generations if training else trainer.num_generations_eval
         step = int(trainer.state.global_step)
+        push_s = 0.0
         if self.push_weights and step != self._pushed_step:
+            t_push = time.perf_counter()
             self.push(trainer, step)
+            push_s = time.perf_counter() - t_push
         firsts = unique_prompts(prompts, n)
         self._index_dataset(trainer)
         chosen = list(firsts)
         if training:
-            extra = extra_groups(len(firsts), self.over_provision, len(self.ledger.outstanding()))
+            outstanding = len(self.ledger.outstanding())
+            extra = extra_groups(len(firsts), self.over_provision, outstanding)
+            if self.background:  # never more outstanding after the call than the level
+                level = background_level(len(firsts), self.over_provision, self.max_staleness)
+                extra = min(extra, max(0, level - outstanding))
             chosen += self._draw(extra, firsts, step)
         call = self._calls
         self._calls += 1
@@ -126,9 +169,10 @@ class AprilRollout:
         sent = [s["group_id"] for s in specs]
         t0 = time.perf_counter()
         self.ledger.on_sent(sent, step)
+        on_quota = ("continue" if self.background else self.on_quota) if training else "drop"
         kw: dict[str, Any] = dict(
             resume_first=training,
-            on_quota=self.on_quota if training else "drop",
+            on_quota=on_quota,
             max_staleness=self.max_staleness,
             max_inflight_groups=self.max_inflight_groups,
             request_id=f"{self.run_id}.c{call}",
@@ -148,9 +192,12 @@ class AprilRollout:
             rows = rows_from_groups(resp.groups, n, version, self.stale_tokens)
         else:
             rows, tool_calls = self._tools.rows(resp.groups, n, version, self.stale_tokens)
+        wall_s = time.perf_counter() - t0
+        prefetched = self._prefetch(firsts, n, params, trainer, step) if training else []
         self.records.append(
             StepRecord(call, step, "train" if training else "eval", version, sent, returned,
-                       rows.stale_tokens, resp.stats.output_tokens, time.perf_counter() - t0)
+                       rows.stale_tokens, resp.stats.output_tokens, wall_s, prefetched,
+                       sum(len(c) for c in rows.completion_ids), push_s)
         )  # fmt: skip
         out: dict[str, list[Any]] = {
             "prompt_ids": rows.prompt_ids,
@@ -165,6 +212,32 @@ class AprilRollout:
         for col in rows.columns():
             out[col] = [m[col] for m in rows.metadata]
         return out
+
+    def _prefetch(
+        self, firsts: list[Any], n: int, params: dict[str, Any], trainer: Any, step: int
+    ) -> list[str]:
+        """Hand in, generating in the background, the extras the next call would draw."""
+        if not self.background:
+            return []
+        count = prefetch_groups(
+            len(firsts), self.over_provision, len(self.ledger.outstanding()), self.max_staleness
+        )
+        chosen = self._draw(count, firsts, step)
+        if not chosen:
+            return []
+        call = self._calls  # its own call number: ids and seeds unique in the run
+        self._calls += 1
+        specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
+                 for k, p in enumerate(chosen)]  # fmt: skip
+        ids = [s["group_id"] for s in specs]
+        self.ledger.on_sent(ids, step)  # before sending: close() cleans up even a failed send
+        self.client.add_groups(
+            specs,
+            start="background",
+            max_staleness=self.max_staleness,
+            request_id=f"{self.run_id}.c{call}",
+        )
+        return ids
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -250,13 +323,17 @@ class AprilRollout:
     def _spec(
         self, gid: str, prompt: Any, n: int, params: dict[str, Any], trainer: Any, call: int, k: int
     ) -> dict[str, Any]:
+        metadata = (self._metadata or {}).get(_key(prompt), {})
+        budget = metadata.get(self.max_tokens_column) if self.max_tokens_column else None
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            params = {**params, "max_new_tokens": min(budget, int(params["max_new_tokens"]))}
         return {
             "group_id": gid,
             "input_ids": _encode(prompt, trainer.processing_class),
             "n": n,
             "sampling_params": params,
             "seed": (self.seed * 1_000_003 + call * 10_007 + k * n) % 2**31,
-            "metadata": (self._metadata or {}).get(_key(prompt), {}),
+            "metadata": metadata,
         }
 
 

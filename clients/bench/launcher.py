@@ -2,6 +2,8 @@
 
 The server runs as `python -m april_server` (the interpreter running april-bench) on a free
 port with a temporary state dir, in its own session so stopping it reaches SGLang's children.
+`cpus` pins it (and the SGLang processes it starts, which inherit the affinity) to those cores,
+e.g. to keep it off the cores a trainer in the same machine uses; by default it is not pinned.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -34,7 +37,9 @@ class LaunchedServer:
         extra_args: list[str] | None = None,
         keep_dir: bool = False,
         env: dict[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
     ) -> None:
+        self.cpus = None if cpus is None else set(cpus)
         self.extra_args = list(extra_args or [])
         self.env = env  # added to this process's environment for the server
         self.keep_dir = keep_dir
@@ -62,6 +67,7 @@ class LaunchedServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=None if self.env is None else {**os.environ, **self.env},
+                preexec_fn=None if self.cpus is None else self._pin,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -75,6 +81,11 @@ class LaunchedServer:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"april-server not healthy after {timeout_s:.0f}s:\n{self.tail()}")
+
+    def _pin(self) -> None:
+        """In the child before exec: its cores (inherited by everything it starts)."""
+        assert self.cpus is not None
+        os.sched_setaffinity(0, self.cpus)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -9,11 +9,25 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
   groups has finished, the rest continues in a later step. Tokens from the previous step's
   weights are trained on (`stale_tokens="keep"`, bounded by `max_staleness=1`: one-step-stale,
   APRIL's own setting); `--stale-tokens mask` gives them no loss instead (the adapter's
-  default), at the cost of most of APRIL's tokens (the README has both figures).
+  default), at the cost of most of APRIL's tokens (the README has both figures);
+- `april-async`: `april` plus `background=True` (issue 19): each call's stragglers keep
+  generating while the trainer computes the loss, steps and pushes weights (`on_quota:
+  continue`), and the adapter prefetches the groups the next call would draw.
+
+Separate devices, on one machine: every mode runs the server pinned to core 1 and the trainer
+to core 0 (one torch thread), so generation and training overlap as they would on a rollout
+device beside a training device instead of competing for the same cores (`--no-pin` turns it
+off, and it is off where cores 0 and 1 are not both available). The workload has a long tail of
+lengths: each prompt's answer budget is drawn from a Pareto distribution (`train_task`), sent
+as its group's `max_new_tokens`.
 
 Writes `out/train.jsonl` (one row per mode and step: `mode`, `step`, `wall_s` cumulative from
-the start of training, `reward_mean`, plus the rollout's own figures) and a plot of reward vs
-wall-clock seconds. Wall-clock excludes server start and one warm-up rollout, the same for both.
+the start of training, `reward_mean`, `rollout_s` (the step's wait for its rollout call),
+`train_s` (the rest of the step: loss, optimizer, weight push, prefetch), `push_s` (the part of
+`train_s` spent saving the weights and pushing them), plus the rollout's own
+figures) and a plot of reward vs wall-clock seconds. The table gives per mode the mean split
+of a step between rollout and training and the wall time to reach sync's final reward, then
+each step's split. Wall-clock excludes server start and one warm-up rollout, the same for all.
 """
 
 from __future__ import annotations
@@ -31,9 +45,10 @@ from typing import Any
 
 from ..trainer_batch import StaleTokens
 from .launcher import LaunchedServer
-from .train_report import plot, summarize, table
+from .train_report import by_seed, plot, seeds_table, split_table, summarize, table
 
-MODES = ("sync", "april")
+MODES = ("sync", "april", "april-async")
+TRAINER_CPU, SERVER_CPU = 0, 1
 
 
 @dataclass(frozen=True)
@@ -47,11 +62,13 @@ class DemoConfig:
     max_staleness: int = 1
     stale_tokens: StaleTokens = "keep"  # see the module docstring
     seed: int = 0
+    pin: bool = True  # server and trainer on separate cores (see the module docstring)
 
 
 def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Train `cfg.steps` optimizer steps in `mode` against a private server; one row per step."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
@@ -67,16 +84,24 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per weight push
     model_path = ensure_tiny_model()
-    server = LaunchedServer(list(server_args))
+    pin = cfg.pin and {TRAINER_CPU, SERVER_CPU} <= os.sched_getaffinity(0)
+    server = LaunchedServer(list(server_args), cpus=[SERVER_CPU] if pin else None)
     server.start()
     rows: list[dict[str, Any]] = []
+    own_cpus = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    if pin:
+        os.sched_setaffinity(0, {TRAINER_CPU})
+        torch.set_num_threads(1)
     try:
         client = AprilClient(server.url, timeout=900)
         adapter = AprilRollout(
             client,
-            over_provision=cfg.over_provision if mode == "april" else 1.0,
+            over_provision=cfg.over_provision if mode != "sync" else 1.0,
             max_staleness=cfg.max_staleness,
             stale_tokens=cfg.stale_tokens,
+            background=mode == "april-async",
+            max_tokens_column=train_task.BUDGET_COLUMN,
             run_id=f"demo-{mode}",
             seed=cfg.seed,
         )
@@ -93,13 +118,21 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 if not logs or "reward" not in logs:
                     return
                 rec = adapter.records[-1]
+                now = time.perf_counter()
+                step_s = now - clock.get("last", clock["t0"])
+                clock["last"] = now
                 row = {
                     "mode": mode,
+                    "seed": cfg.seed,
                     "step": int(state.global_step),
-                    "wall_s": round(time.perf_counter() - clock["t0"], 3),
+                    "wall_s": round(now - clock["t0"], 3),
                     "reward_mean": float(logs["reward"]),
                     "rollout_s": round(rec.wall_s, 3),
+                    "train_s": round(max(0.0, step_s - rec.wall_s), 3),
+                    "push_s": round(rec.push_s, 3),  # part of train_s: save + weight push
+                    "prefetched": len(rec.prefetched),
                     "output_tokens": rec.output_tokens,
+                    "returned_tokens": rec.returned_tokens,
                     "stale_tokens": rec.stale_tokens,
                     "weight_version": rec.weight_version,
                 }
@@ -130,7 +163,9 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 model=AutoModelForCausalLM.from_pretrained(model_path),
                 reward_funcs=list(train_task.REWARDS),
                 args=args,
-                train_dataset=Dataset.from_list(train_task.dataset(seed=cfg.seed)),
+                train_dataset=Dataset.from_list(
+                    train_task.dataset(seed=cfg.seed, max_budget=cfg.max_completion_length)
+                ),
                 processing_class=AutoTokenizer.from_pretrained(model_path),
                 rollout_func=adapter,
                 callbacks=[Record(), adapter.callback()],
@@ -141,6 +176,9 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
             raise RuntimeError(f"groups left on the server: {adapter.ledger.outstanding()}")
     finally:
         server.stop()
+        if pin:
+            os.sched_setaffinity(0, own_cpus)
+            torch.set_num_threads(threads)
     return rows
 
 
@@ -158,26 +196,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-completion-length", type=int, default=DemoConfig.max_completion_length)
     p.add_argument("--stale-tokens", choices=["mask", "keep"], default=DemoConfig.stale_tokens)
     p.add_argument("--seed", type=int, default=DemoConfig.seed)
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of sync,april")
+    p.add_argument("--seeds", default="", help="comma list: every mode once per seed (e.g. 0,1,2)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {','.join(MODES)}")
+    p.add_argument("--no-pin", action="store_true", help="do not pin server and trainer cores")
     p.add_argument("--out", type=Path, default=Path("out/train.jsonl"))
     p.add_argument("--plot", type=Path, default=Path("out/train.png"))
     a = p.parse_args(argv)
-    cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
-                     max_completion_length=a.max_completion_length, seed=a.seed,
-                     stale_tokens=a.stale_tokens)  # fmt: skip
+    seeds = [int(x) for x in a.seeds.split(",") if x] or [a.seed]
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma list of {MODES}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     with open(a.out, "w") as f:
-        for mode in modes:
-            print(f"== {mode}: {cfg.steps} GRPO steps on april-server", file=sys.stderr, flush=True)
-            for row in run_mode(mode, cfg):
-                f.write(json.dumps(row) + "\n")
-                rows.append(row)
-            f.flush()
-    print(table(summarize(rows)))
+        for seed in seeds:
+            cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
+                             max_completion_length=a.max_completion_length, seed=seed,
+                             stale_tokens=a.stale_tokens, pin=not a.no_pin)  # fmt: skip
+            for mode in modes:
+                print(f"== {mode}, seed {seed}: {cfg.steps} GRPO steps on april-server",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                for row in run_mode(mode, cfg):
+                    f.write(json.dumps(row) + "\n")
+                    rows.append(row)
+                f.flush()
+    for seed, rs in by_seed(rows).items():
+        print(f"\n== seed {seed}")
+        print(table(summarize(rs)))
+        print(split_table(rs))
+    print()
+    print(seeds_table(rows))
     plot(rows, a.plot)
     print(f"rows: {a.out}  plot: {a.plot}")
     return 0

@@ -4,13 +4,19 @@ One run of STEPS optimizer steps with over-provisioning 2, `max_staleness=1` and
 kept (the demo's APRIL setting; with `mask`, the first characters a format reward looks at are
 mostly in masked stale segments, and 16 steps do not move it beyond noise); then:
 - reward rises beyond noise: per-sample format reward of the last 3 steps vs the first 3
-  (96 samples each), Welch z-score > 3;
+  (96 samples each), Welch z-score > 3. How far it has risen by the last steps varies from run
+  to run: sampling is not seeded (SGLang ignores seeds outside its deterministic mode, which
+  on this CPU took 140-150 s per generating step instead of about 15). After 16 steps the last
+  3 steps' mean was 0.16-0.28 over five runs from a start near 0.08 (z 6.4-10.3), and a run below
+  about 0.14 fails: roughly 1 in 15 by that spread (1 run in 8 failed here before, its cause
+  not recorded). 24 steps leave the rise more room (it grows by about 0.01 a step);
 - every step's weights reached the server: the version the server reports for each call is
   the step, and every unmasked token was generated under it;
 - each returned row is scored against its own group's dataset row (its prompt names its answer);
 - no group is lost or returned twice, and nothing of the run stays on the server at the end;
-- stale tokens are treated as documented: kept (env_mask all ones), never older than
-  `max_staleness` steps, and there were some; `mask` would zero exactly them (checked on
+- stale tokens are treated as documented: kept (env_mask all ones), within the contract's
+  `max_staleness` (a sample continues only while its newest segment is at most that old), and
+  there were some; `mask` would zero exactly them (checked on
   the same responses).
 """
 
@@ -34,7 +40,7 @@ from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 16
+STEPS = 24  # see the module docstring
 PROMPTS, N = 8, 4
 
 
@@ -114,6 +120,7 @@ def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
             run = pool.apply(train, (server.url, str(tmp_path)))
         scored, outputs, responses = run["scored"], run["outputs"], run["responses"]
         records, ledger = run["records"], run["ledger"]
+        means = [round(statistics.fmean(scored[k]), 3) for k in sorted(scored)]
         client = AprilClient(server.url, timeout=600)
 
         # Reward rises beyond noise.
@@ -123,8 +130,8 @@ def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
         last = [v for s in steps[-3:] for v in scored[s]]
         z = welch_z(first, last)
         before, after = statistics.fmean(first), statistics.fmean(last)
-        print(f"format reward {before:.3f} -> {after:.3f}, z={z:.1f}")
-        assert z > 3, (before, after, z)
+        print(f"format reward {before:.3f} -> {after:.3f}, z={z:.1f}, per step {means}")
+        assert z > 3, (before, after, z, means)
 
         # Every step's weights reached the server before its rollout.
         train_records = [r for r in records if r.mode == "train"]
@@ -144,9 +151,19 @@ def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
             # Stale tokens: kept, at most max_staleness old; `mask` would zero exactly them.
             assert all(m.count(0) == 0 for m in out["env_mask"])
             resp = responses[rec.call]
-            oldest = min(int(seg.weight_version) for g in resp.groups for s in g.samples
-                         for seg in s.segments)  # fmt: skip
-            assert oldest >= rec.step - 1
+            for g in resp.groups:
+                for smp in g.samples:
+                    versions = [int(seg.weight_version) for seg in smp.segments] or [rec.step]
+                    # The contract's bound (docs/api.md, `max_staleness`): a sample continues
+                    # only while its newest segment is at most max_staleness versions old, so
+                    # each segment is within 1 of the one before and the newest within 1 of
+                    # the step. (Its oldest token may be older: a straggler continued twice.)
+                    lags = [b - a for a, b in zip(versions, versions[1:], strict=False)]
+                    assert rec.step - versions[-1] <= 1 and all(0 <= x <= 1 for x in lags), (
+                        rec.step,
+                        smp.sample_id,
+                        versions,
+                    )
             masked = rows_from_groups(resp.groups, N, rec.weight_version, "mask")
             assert sum(m.count(0) for m in masked.env_mask) == rec.stale_tokens
             assert masked.completion_ids == out["completion_ids"]
