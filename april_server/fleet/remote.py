@@ -194,16 +194,26 @@ class RemoteEngine(SnapshotEngine):
             if not post.done():
                 post.cancel()
         if not post.done() or post.cancelled():
+            self._forget_segment(call)
             raise EngineUnavailable(call.slot, self.why)
         try:
             resp = post.result()
         except httpx.TransportError as exc:
             self.set_state("down", f"lost mid-segment: {type(exc).__name__}: {exc}")
+            self._forget_segment(call)
             raise EngineUnavailable(call.slot, self.why) from exc
         if resp.status_code != 200:
             raise RuntimeError(f"engine {self.name}: HTTP {resp.status_code}: {resp.text[:300]}")
         out = segment_outcome.decode(resp.content)
         return replace(out, slot=Slot(self.name, out.slot.dp_rank))
+
+    def _forget_segment(self, call: SegmentCall) -> None:
+        """A segment whose answer never came back runs again elsewhere: whatever snapshot of
+        its sample the engine may still hold (one its abort left, or the one it restored) is
+        known to nobody. If the engine is alive after all (a connection lost under load), drop
+        it there before it serves again (`resend_drops`)."""
+        if self.snapshots_enabled:
+            self.unsent_drops[(call.key, call.slot.dp_rank)] = None
 
     async def generate(
         self, rid: str, input_ids: list[int], sampling_params: dict[str, Any]

@@ -8,10 +8,11 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from april_server.auth import AuthPolicy
 from april_server.config import AprilConfig
-from april_server.engine_base import SegmentCall
+from april_server.engine_base import EngineUnavailable, SegmentCall
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.gateway import create_owner_app
 from april_server.fleet.wire import KvResp, encoder
@@ -275,6 +276,33 @@ def test_a_drop_an_engine_missed_while_out_of_reach_is_sent_when_it_answers_agai
         assert b.state == "healthy" and not b.unsent_drops
         await fleet.probe_all()
         assert len(servers.drops) == 2  # sent once
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+def test_a_segment_lost_mid_flight_has_its_snapshot_dropped_once_the_engine_answers() -> None:
+    """The owner lost a segment's answer (its connection broke) while the engine, alive, kept
+    whatever snapshot of the sample the segment left: the segment ran again elsewhere, and that
+    snapshot was known to nobody (a 10-minute owner chaos run held 61,952 bytes after its
+    drain, with engine 0 briefly cut off this way)."""
+
+    async def go() -> None:
+        servers = DropServers(["a:1", "b:1"])
+        fleet = fleet_over(servers, ["a:1", "b:1"])
+        await fleet.probe_all()
+        b = fleet.members["b:1"]
+        call = SegmentCall("r-1", "s-9/0", [1, 2], {"max_new_tokens": 4}, Slot("b:1", 0))
+        segment = asyncio.ensure_future(b.run_segment(call))
+        await asyncio.sleep(0.05)
+        servers.gone.add("b:1")  # the connection breaks mid-segment
+        servers.hold_segments.set()
+        with pytest.raises(EngineUnavailable):
+            await segment
+        assert b.state == "down" and servers.drops == []
+        servers.gone.discard("b:1")  # it was alive all along
+        await fleet.probe_all()
+        assert servers.drops == [("b:1", "s-9/0")] and b.state == "healthy"
         await fleet.close()
 
     asyncio.run(go())
