@@ -23,4 +23,6 @@ def test_a_minute_of_chaos_hangs_nothing_and_loses_nothing(tiny_server: ServerPr
     ops = sum(led.ops.values())
     print(f"chaos: {ops} ops, statuses {dict(led.statuses)}, {len(led.acknowledged)} acked")
     assert led.final == [], led.final[:10]
-    assert ops > 100 and len(led.acknowledged) > 20  # it did stir things up
+    # It did stir things up. Not a speed check: a busy 2-core CI machine managed 93 ops in the
+    # minute (beside an owner chaos run), a quiet one ~250; every check above holds either way.
+    assert ops >= 40 and len(led.acknowledged) >= 20
