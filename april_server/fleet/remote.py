@@ -275,17 +275,23 @@ class RemoteEngine(SnapshotEngine):
         """Best effort: an engine that does not answer holds nothing we can reach."""
         if self.state == "down":
             return KvResp()
+        return await self._post_kv(op, key, slot.dp_rank, namespace) or KvResp()
+
+    async def _post_kv(
+        self, op: Any, key: str, dp_rank: int, namespace: str | None = None
+    ) -> KvResp | None:
+        """One `/kv` op; None (logged) when the engine did not take it."""
         try:
             resp = await self.http.post(
                 self.url + ENGINE_PREFIX + "/kv",
-                content=encoder.encode(KvReq(op, key, slot.dp_rank, namespace)),
+                content=encoder.encode(KvReq(op, key, dp_rank, namespace)),
                 headers={**self.headers, "content-type": "application/json"},
                 timeout=PROBE_TIMEOUT_S * 6,
             )
             resp.raise_for_status()
         except httpx.HTTPError as exc:
             logger.warning("april: engine %s: kv %s %s failed: %s", self.name, op, key, exc)
-            return KvResp()
+            return None
         return kv_resp.decode(resp.content)
 
     async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
@@ -299,19 +305,7 @@ class RemoteEngine(SnapshotEngine):
             self.unsent_drops[(key, slot.dp_rank)] = None
 
     async def _send_drop(self, key: str, dp_rank: int) -> bool:
-        try:
-            resp = await self.http.post(
-                self.url + ENGINE_PREFIX + "/kv",
-                content=encoder.encode(KvReq("drop", key, dp_rank, None)),
-                headers={**self.headers, "content-type": "application/json"},
-                timeout=PROBE_TIMEOUT_S * 6,
-            )
-            resp.raise_for_status()
-        except httpx.HTTPError as exc:
-            logger.warning("april: engine %s: kv drop %s failed (sent again later): %s",
-                           self.name, key, exc)  # fmt: skip
-            return False
-        return True
+        return await self._post_kv("drop", key, dp_rank) is not None
 
     async def resend_drops(self) -> None:
         """Send the drops it missed; called after a probe answered, before it serves again (a
