@@ -37,7 +37,7 @@ import httpx
 
 from .agent_workload import AgentGroup, AgentSettings, AgentWorkload
 from .launcher import LaunchedServer
-from .server_api import BenchError, R, check, engine_clock, probe
+from .server_api import BenchError, R, check, engine_clock, probe, rollout_events
 
 # `--agent` defaults, and `--agent --quick` (a few minutes on a 2-core CPU with the tiny model).
 DEFAULTS: dict[str, Any] = {"steps": 8, "groups": 4, "n": 4, "max_tokens": 256}
@@ -232,19 +232,13 @@ class AprilAgent:
         }  # fmt: skip
         t0 = time.perf_counter()
         done: dict[str, Any] | None = None
-        async with run.http.stream("POST", R + "/rollouts", json=body) as resp:
-            if resp.status_code >= 400:
-                raise BenchError(f"POST rollouts: HTTP {resp.status_code}: {await resp.aread()!r}")
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                ev = json.loads(line)
-                if ev["event"] == "sample_awaiting":
-                    self.answer_later(ev["sample"], int(ev["turn"]))
-                elif ev["event"] == "group_finished":
-                    self.consume(ev["group"])
-                elif ev["event"] == "done":
-                    done = ev
+        async for ev in rollout_events(run.http, body):
+            if ev["event"] == "sample_awaiting":
+                self.answer_later(ev["sample"], int(ev["turn"]))
+            elif ev["event"] == "group_finished":
+                self.consume(ev["group"])
+            elif ev["event"] == "done":
+                done = ev
         self.fig.steps.append(time.perf_counter() - t0)
         if done is None:
             raise BenchError("the rollout stream ended without its done event")

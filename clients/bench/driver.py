@@ -38,6 +38,7 @@ from .server_api import (
     check,
     delete_groups,
     engine_clock,
+    rollout_events,
 )
 from .staleness import add, offpolicy_tokens, sample_histogram, version_lag
 from .workload import WorkGroup, Workload
@@ -365,21 +366,15 @@ class ModeRunner:
         ttq: float | None = None
         stats: dict[str, Any] = {}
         buffered: list[str] = []
-        async with self.http.stream("POST", R + "/rollouts", json=body) as resp:
-            if resp.status_code >= 400:
-                raise BenchError(f"POST rollouts: HTTP {resp.status_code}: {await resp.aread()!r}")
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                ev = json.loads(line)
-                if ev["event"] == "group_finished":
-                    finished.append(ev["group"])
-                    self.result.group_latencies.append(time.perf_counter() - t0)
-                    if len(finished) == cfg.groups:
-                        ttq = time.perf_counter() - t0
-                    self.tick(step)
-                elif ev["event"] == "done":
-                    stats, buffered = ev["stats"], ev["buffered_group_ids"]
+        async for ev in rollout_events(self.http, body):
+            if ev["event"] == "group_finished":
+                finished.append(ev["group"])
+                self.result.group_latencies.append(time.perf_counter() - t0)
+                if len(finished) == cfg.groups:
+                    ttq = time.perf_counter() - t0
+                self.tick(step)
+            elif ev["event"] == "done":
+                stats, buffered = ev["stats"], ev["buffered_group_ids"]
         wall = time.perf_counter() - t0
         self.buffered = buffered
         if self.mode == "april-kv" and stats.get("on_quota_effective") != "snapshot":

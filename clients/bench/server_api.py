@@ -4,7 +4,9 @@ version bumps and partial-buffer housekeeping. Plain httpx, so the bench has no 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,16 @@ def check(resp: httpx.Response, what: str) -> Any:
     if resp.status_code >= 400:
         raise BenchError(f"{what}: HTTP {resp.status_code}: {resp.text[:500]}")
     return resp.json()
+
+
+async def rollout_events(http: httpx.AsyncClient, body: dict[str, Any]) -> AsyncIterator[Any]:
+    """The events of a streamed `/rollouts` call, in order (BenchError on an error status)."""
+    async with http.stream("POST", R + "/rollouts", json=body) as resp:
+        if resp.status_code >= 400:
+            raise BenchError(f"POST rollouts: HTTP {resp.status_code}: {await resp.aread()!r}")
+        async for line in resp.aiter_lines():
+            if line.strip():
+                yield json.loads(line)
 
 
 @dataclass
