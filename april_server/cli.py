@@ -42,6 +42,13 @@ def april_parser() -> argparse.ArgumentParser:
     p.add_argument("--april-kv-host-bytes", type=int, default=env.DEFAULT_KV_HOST_BYTES)
     p.add_argument("--april-allow-stale-kv", action="store_true")
     p.add_argument(
+        "--april-snapshot-sweep-s",
+        type=float,
+        default=None,
+        help="seconds between sweeps freeing KV snapshots nobody refers to (0: never; "
+        "default: 10 on an owner, never on one server)",
+    )
+    p.add_argument(
         "--april-model",
         choices=["tiny", "smollm2"],
         default="tiny",
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         state_dir=april.april_state_dir,
         kv_host_bytes=april.april_kv_host_bytes,
         allow_stale_kv=april.april_allow_stale_kv,
+        snapshot_sweep_s=april.april_snapshot_sweep_s,
     )
     if april.april_engines or april.april_smg:
         owner_main(april, rest, config)

@@ -16,6 +16,9 @@ class AprilConfig:
     kv_host_bytes: int = DEFAULT_KV_HOST_BYTES
     # Reuse a KV snapshot from an older weight version when the sample's max_staleness allows.
     allow_stale_kv: bool = False
+    # Seconds between sweeps that free snapshots nobody refers to (`snapshot_sweep.py`); 0:
+    # never; None: the mode's default (an owner sweeps every 10 s, one server never).
+    snapshot_sweep_s: float | None = None
 
     # Request limits: each violation is a clear 4xx, never work started.
     max_groups_per_call: int = 4096
@@ -26,6 +29,8 @@ class AprilConfig:
             raise ValueError("kv_host_bytes must be >= 0")
         if self.max_groups_per_call < 1:
             raise ValueError("max_groups_per_call must be >= 1")
+        if self.snapshot_sweep_s is not None and self.snapshot_sweep_s < 0:
+            raise ValueError("snapshot_sweep_s must be >= 0")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
 

@@ -205,6 +205,11 @@ class SnapshotEngine(BaseEngine):
     async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
         """{"tokens", "bytes"} of a live snapshot, None if absent (never taken or evicted)."""
 
+    async def snapshot_keys(self) -> dict[Slot, dict[str, float]]:
+        """Every snapshot held, by slot: key -> age in seconds (`snapshot_sweep.py` frees
+        the ones nobody refers to). Empty: this engine cannot list them (nothing is swept)."""
+        return {}
+
     @abstractmethod
     async def snapshot_stats(self) -> dict[str, Any]:
         """Store and pool figures: bytes used/budget, evictions, GB/s, free pool tokens

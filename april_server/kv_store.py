@@ -321,6 +321,11 @@ class HostKvStore:
             return None
         return {"tokens": len(snap.tokens), "bytes": snap.nbytes}
 
+    def ages(self) -> dict[str, float]:
+        """Every key held, with its snapshot's age in seconds (for the owner's sweep)."""
+        now = time.time()
+        return {k: round(now - s.created_at, 3) for k, s in self._snaps.items()}
+
     def stats(self) -> dict[str, Any]:
         live = sum(s.nbytes for s in self._snaps.values())
         assert live == self.bytes_used, (live, self.bytes_used)

@@ -45,6 +45,7 @@ from april_server.protocol import (
     Sample,
 )
 from april_server.segments import CallTally, Counters, Running, SegmentRunner
+from april_server.snapshot_sweep import SnapshotSweep
 from april_server.store import BufferStore
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class RolloutManager:
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
         ) = None
         self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
+        self.sweep: SnapshotSweep | None = None  # the server may start one (server.py)
         self.background = Background(self)  # groups generating between calls
         self._capacity_key: object = ()  # what the admission bound was sized for
         # POST /samples/{id}/input: one answer per group at a time (inputs.py).
@@ -446,6 +448,7 @@ class RolloutManager:
         snap_engine = self.segments.snap
         if snap_engine is not None:
             kv = {"kv_snapshots": "enabled", **await snap_engine.snapshot_stats()}
+            kv.update({} if self.sweep is None else self.sweep.stats())
         return {
             "weight_version": self.current_version(),
             "buffered_groups": len(idle),

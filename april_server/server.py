@@ -11,6 +11,7 @@ from april_server.config import AprilConfig
 from april_server.engine_base import BaseEngine
 from april_server.loop_lag import LoopLagMonitor
 from april_server.manager import RolloutManager
+from april_server.snapshot_sweep import SnapshotSweep
 from april_server.store import BufferStore
 
 logger = logging.getLogger(__name__)
@@ -20,8 +21,16 @@ class ManagerHolder:
     """Loads the buffer at once (start-up, before the server answers anything) and builds the
     manager on first use: SGLang's engine exists only once its server runs."""
 
-    def __init__(self, config: AprilConfig, make_engine: Callable[[], BaseEngine]) -> None:
+    def __init__(
+        self,
+        config: AprilConfig,
+        make_engine: Callable[[], BaseEngine],
+        sweep_default_s: float = 0.0,
+    ) -> None:
+        """`sweep_default_s`: the mode's snapshot sweep interval, unless the config gives one."""
         self.config = config
+        sweep = config.snapshot_sweep_s
+        self.sweep_s = sweep_default_s if sweep is None else sweep
         self.make_engine = make_engine
         self._manager: RolloutManager | None = None
         path = config.buffer_path
@@ -52,4 +61,7 @@ class ManagerHolder:
             )
             self._manager.loop_lag = LoopLagMonitor()
             self._manager.loop_lag.start()  # first use is a request: on the server's loop
+            if self.sweep_s > 0 and self._manager.segments.snap is not None:
+                self._manager.sweep = SnapshotSweep(self._manager, self.sweep_s)
+                self._manager.sweep.start()
         return self._manager

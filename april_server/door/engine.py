@@ -172,6 +172,11 @@ class SGLangEngine(SnapshotEngine):
         ok, payload = await self._kv("info", key, slot)
         return payload if ok else None
 
+    async def snapshot_keys(self) -> dict[Slot, dict[str, float]]:
+        return {
+            Slot(LOCAL, r): p.get("keys", {}) for r, p in (await self._per_rank("keys")).items()
+        }
+
     async def snapshot_stats(self) -> dict[str, Any]:
         ranks = await self._per_rank("stats")
         merged = merge_rank_stats(list(ranks.values()))

@@ -13,7 +13,7 @@ from sglang.srt.managers.io_struct import BaseReq
 class AprilKvReq(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
     """`op`: mark (snapshot `key` when request `target` ends by abort) | restore (into the
     prefix-cache namespace `target`, SGLang's `extra_key`; "" = shared) | unlock | drop |
-    info | stats | curve | clock. `call_id` pairs the answers with their caller.
+    info | keys | stats | curve | clock. `call_id` pairs the answers with their caller.
 
     With data parallelism SGLang's DP controller broadcasts every message that is not a
     generate request to all ranks: `dp_rank` says which one acts and answers (-1: all of

@@ -153,6 +153,9 @@ class SchedulerKv:
         info = self.store.info(req.key)
         return info is not None, info or {}
 
+    def op_keys(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+        return True, {"keys": self.store.ages()}
+
     def op_stats(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         tree = self.sched.tree_cache
         return True, {

@@ -134,6 +134,9 @@ def create_engine_router(get_engine: Callable[[], BaseEngine], auth: AuthPolicy)
         if req.op == "drop":
             await engine.drop_snapshot(req.key, slot)
             return _ok(KvResp())
+        if req.op == "keys":  # {dp_rank: {key: age_s}}, every rank
+            held = await engine.snapshot_keys()
+            return _ok(KvResp(info={str(s.dp_rank): ages for s, ages in held.items()}))
         if req.op == "info":
             return _ok(KvResp(info=await engine.snapshot_info(req.key, slot)))
         if req.op == "restore":

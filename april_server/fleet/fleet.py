@@ -322,6 +322,12 @@ class FleetEngine(SnapshotEngine):
         m = self.member(slot)
         return None if m is None else await m.snapshot_info(key, slot)
 
+    async def snapshot_keys(self) -> dict[Slot, dict[str, float]]:
+        out: dict[Slot, dict[str, float]] = {}
+        for held in await asyncio.gather(*(m.snapshot_keys() for m in self.pool())):
+            out.update(held)
+        return out
+
     # ---- figures ------------------------------------------------------------------------
 
     async def _figures(self) -> list[tuple[RemoteEngine, dict[str, Any]]]:

@@ -34,6 +34,7 @@ from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
 from april_server.manager import RolloutManager
 from april_server.server import ManagerHolder
+from april_server.snapshot_sweep import SWEEP_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 READY_WAIT_S = 600.0  # how long start-up waits for a first engine before serving 503s
@@ -53,7 +54,7 @@ ADMIN_ROUTES = frozenset(
 
 
 def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) -> FastAPI:
-    holder = ManagerHolder(config, lambda: fleet)
+    holder = ManagerHolder(config, lambda: fleet, sweep_default_s=SWEEP_INTERVAL_S)
     proxied: Counter[str] = Counter()  # /generate requests in flight, by engine
 
     @asynccontextmanager
@@ -68,6 +69,9 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         except TimeoutError:
             logger.error("april: no engine answered in %.0f s; serving 503s", READY_WAIT_S)
         yield
+        mgr = holder.peek()
+        if mgr is not None and mgr.sweep is not None:
+            await mgr.sweep.stop()
         await fleet.close()
 
     def get_manager() -> RolloutManager:

@@ -60,9 +60,20 @@ LANE_SIZE = 16
 MakeClient = Callable[[], httpx.AsyncClient]
 
 
+# An engine server (SGLang's uvicorn) closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE,
+# 5 s by default, and httpx keeps one for 5 s too: a segment sent down a connection the engine
+# is closing at that moment fails with a ReadError, and the engine was marked down for it (owner
+# chaos: 65-400 ms outages under load, each re-running its segments elsewhere). Ours expire first.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 def new_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits=httpx.Limits(
+            max_connections=None,
+            max_keepalive_connections=64,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
     )
 
 
@@ -332,6 +343,13 @@ class RemoteEngine(SnapshotEngine):
             logger.warning("april: engine %s: figures: %s", self.name, exc)
             return {}
         return out
+
+    async def snapshot_keys(self) -> dict[Slot, dict[str, float]]:
+        if self.state != "healthy" or not self.snapshots_enabled:
+            return {}
+        got = await self._post_kv("keys", "", -1)
+        ranks = {} if got is None or got.info is None else got.info
+        return {Slot(self.name, int(r)): dict(ages) for r, ages in ranks.items()}
 
     async def snapshot_stats(self) -> dict[str, Any]:
         return dict((await self.figures()).get("snapshots") or {})

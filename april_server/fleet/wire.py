@@ -42,7 +42,7 @@ class ControlReq(msgspec.Struct, frozen=True):
 
 
 class KvReq(msgspec.Struct, frozen=True):
-    op: Literal["drop", "info", "restore", "release"]
+    op: Literal["drop", "info", "restore", "release", "keys"]  # keys: every rank's
     key: str
     dp_rank: int = 0
     namespace: str | None = None  # restore: the prefix-cache namespace (`snapshots.py`)

@@ -167,6 +167,15 @@ def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
     st = ok(http.get(R + "/stats"))
     per_engine = {e["engine"]: e["snapshots"] for e in st["engines"]}
     assert per_engine == {n: list(where.values()).count(n) for n in set(where.values())}
+    # What the owner's snapshot sweep sees (`snapshot_sweep.py`): each engine lists exactly
+    # the snapshots the buffer records there, young, so none is a candidate.
+    for i, e in enumerate(fleet.engines):
+        with e.client() as c:
+            keys = ok(c.post("/april/v1/engine/kv", json={"op": "keys", "key": ""}))["info"]
+        mine = sorted(sid for sid, n in where.items() if n == fleet.name(i))
+        assert sorted(keys["0"]) == mine, (keys, mine)
+        assert all(0 <= age < 300 for age in keys["0"].values())
+    assert st["snapshots_swept"] == 0 and "snapshot_sweeps" in st  # the owner sweeps
     # The owner flushes both engines' prefix caches: only a snapshot can avoid re-prefill.
     assert ok(http.post("/flush_cache"))["success"]
     out = ok(http.post(R + "/resume", json={"sample_ids": sorted(held), "kv": "restore"}))
