@@ -37,6 +37,7 @@ from .launcher import LaunchedServer
 R = "/april/v1"
 CALL_TIMEOUT_S = 180.0  # a call on the tiny model takes seconds; past this it is a hang
 READ_TIMEOUT_S = 30.0
+SWEEP_WAIT_S = 90.0  # an owner frees a leaked snapshot 30-50 s after it was made
 OPS = {  # operation -> weight
     "call": 20, "stream": 12, "abandon": 12, "retry": 8, "duplicate": 4, "abort": 5,
     "delete": 5, "resume": 6, "push": 3, "read": 15, "prefetch": 6,
@@ -320,7 +321,20 @@ async def drain(c: Client, led: ChaosLedger) -> tuple[int, int]:
     for gid in sorted(led.acknowledged - set(led.delivered) - led.gone)[:5]:
         r = await c.http.get(f"{R}/partials/{gid}")  # what the server says of a lost one
         led.story.setdefault(gid, []).append(f"now: GET /partials -> {r.status_code}")
-    return left, int(stats.get("snapshot_bytes_used", 0) or 0)
+    return left, await snapshots_after_sweep(c, led, stats)
+
+
+async def snapshots_after_sweep(c: Client, led: ChaosLedger, stats: dict[str, Any]) -> int:
+    """Snapshot bytes still held once the server's sweep (an owner's, `snapshot_sweep.py`)
+    had the time to free what nobody refers to; the bytes held at the drain are recorded."""
+    held = led.held_at_drain = int(stats.get("snapshot_bytes_used", 0) or 0)
+    end = time.monotonic() + SWEEP_WAIT_S
+    while held and "snapshot_sweeps" in stats and time.monotonic() < end:
+        await asyncio.sleep(2.0)
+        stats = (await c.http.get(R + "/stats")).json()
+        held = int(stats.get("snapshot_bytes_used", 0) or 0)
+    led.swept = int(stats.get("snapshots_swept", 0) or 0)
+    return held
 
 
 async def run(target: Target, duration_s: float, clients: int, seed: int) -> ChaosLedger:
@@ -371,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "ops": sum(led.ops.values()), "by_op": dict(led.ops), "statuses": dict(led.statuses),
         "acknowledged": len(led.acknowledged), "delivered": len(led.delivered),
         "gone": len(led.gone), "no_engine_503": led.no_engine, "failures": failed,
+        "snapshot_bytes_at_drain": led.held_at_drain, "snapshots_swept": led.swept,
     }  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -383,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.duration_s:.0f} s, statuses {dict(sorted(led.statuses.items()))}, "
         f"{len(led.acknowledged)} groups acknowledged, {len(led.delivered)} delivered, "
         f"{len(led.gone)} deleted or dropped, {len(led.hangs)} hangs, "
+        f"{led.held_at_drain} snapshot bytes held at the drain ({led.swept} swept), "
         f"{len(failed)} failed checks: {verdict}"
     )
     return 1 if failed else 0

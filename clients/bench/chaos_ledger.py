@@ -35,6 +35,10 @@ class ChaosLedger:
     reused: set[str] = field(default_factory=set)  # ids sent again after their delivery
     final: list[str] = field(default_factory=list)  # the failed checks, once run
     story: dict[str, list[str]] = field(default_factory=dict)  # group id -> what happened
+    # Snapshot bytes held once drained, before the server's sweep (if any) freed leaks, and
+    # what the sweep freed during the whole run: non-zero means a leak happened and was caught.
+    held_at_drain: int = 0
+    swept: int = 0
 
     def status(self, what: str, code: int, body: str = "") -> None:
         self.statuses[code] += 1
