@@ -25,7 +25,7 @@ from april_server.background import Background
 from april_server.buffer import PartialBuffer
 from april_server.engine_base import BaseEngine
 from april_server.engine_clock import idle_shares
-from april_server.errors import bad_request, conflict, not_found
+from april_server.errors import not_found
 from april_server.inflight import (
     Admission,
     InflightDecision,
@@ -290,93 +290,10 @@ class RolloutManager:
         return AbortResp(samples=[now[sid] for sid in known])
 
     async def resume(self, req: ResumeReq) -> list[Sample]:
-        self.counters.resume_calls += 1
-        if not req.sample_ids:
-            raise bad_request("invalid_request", "sample_ids is empty")
-        if len(set(req.sample_ids)) != len(req.sample_ids):
-            raise bad_request("duplicate_sample_id", "sample_ids contains duplicates")
-        appends = req.append_ids or {}
-        stray = set(appends) - set(req.sample_ids)
-        if stray:
-            raise bad_request("invalid_request", f"append_ids for unlisted samples: {stray}")
-        if req.sampling_params:
-            if "max_new_tokens" in req.sampling_params:
-                raise bad_request(
-                    "invalid_request", "the budget is the sample's own; omit max_new_tokens"
-                )
-            self.engine.check_sampling_params(req.sampling_params)
-        gids = sorted({sid.rpartition("/")[0] for sid in req.sample_ids})
-        for sid in req.sample_ids:
-            if not self.buffer.known(sid.rpartition("/")[0]):
-                raise not_found(f"unknown sample_id {sid!r}")
-        owner = f"resume-{uuid.uuid4().hex[:12]}"
-        # Claimed, run and persisted to the end even if the caller goes away meanwhile: a
-        # release before the segments ended would drop what they record (tokens, snapshots).
-        async with self.background.paused():
-            return await run_to_end(self._resume_claimed(req, gids, owner, appends))
+        """`POST /april/v1/resume` (`resume.py`, imported here: it imports this module)."""
+        from april_server.resume import resume
 
-    async def _resume_claimed(
-        self, req: ResumeReq, gids: list[str], owner: str, appends: dict[str, list[int]]
-    ) -> list[Sample]:
-        try:
-            await self.buffer.claim(gids, owner, busy_code="sample_busy")
-            chosen = [self.sample(sid) for sid in req.sample_ids]
-            self._check_resumable(req, chosen, appends)
-            for sid, ids in appends.items():
-                sample = self.sample(sid)
-                if turn_rules.awaiting(sample):  # the tool's answer: recorded like POST .../input
-                    turn_rules.apply_answer(sample, ids)
-                else:
-                    S.append_context(sample, ids, self.engine.context_len)
-            tally = CallTally()
-            tasks = [
-                self.start_sample(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
-                for s in chosen
-                if S.remaining_budget(s) > 0 and not S.is_finished(s)
-            ]
-            for s in chosen:
-                if S.remaining_budget(s) <= 0:
-                    s.status, s.finish_reason = "truncated", "length"
-            if tasks:
-                await asyncio.gather(*tasks)
-            await self.persist([self.groups[g] for g in gids], [])
-        finally:
-            self.release(owner)
-        return chosen
-
-    def _check_resumable(
-        self, req: ResumeReq, chosen: list[Sample], appends: dict[str, list[int]]
-    ) -> None:
-        """Raise before anything changes: finished samples, missing snapshots, bad appends."""
-        for s in chosen:
-            if S.is_finished(s) and s.sample_id not in appends:
-                raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
-            if turn_rules.awaiting(s) and s.sample_id not in appends:
-                raise conflict(
-                    "awaiting_input",
-                    f"sample {s.sample_id!r} awaits input: give its answer in append_ids",
-                )
-            if req.kv == "restore" and not self.segments.usable(
-                s, self.current_version(), self.version_history, req.max_staleness
-            ):
-                raise conflict(
-                    "no_snapshot",
-                    f"sample {s.sample_id!r} has no KV snapshot usable under weight version "
-                    f"{self.current_version()!r} (kv: auto re-prefills instead)",
-                )
-        for sid, ids in appends.items():
-            if self.engine.vocab_size is not None and any(
-                t < 0 or t >= self.engine.vocab_size for t in ids
-            ):
-                raise bad_request("invalid_token", f"append_ids[{sid!r}] has bad token ids")
-            s = self.sample(sid)
-            S.check_budget(
-                len(s.prompt_ids),
-                S.num_appended(s) + len(ids),
-                s.max_new_tokens,
-                self.engine.context_len,
-                f"sample {sid!r}",
-            )
+        return await resume(self, req)
 
     async def delete(self, group_id: str) -> DeleteResp:
         async with self.background.paused():
