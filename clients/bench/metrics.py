@@ -20,6 +20,8 @@ Definitions (printed by `april-bench --help-metrics`):
   prefetch (april-async: handing in the next step's groups), the training wait (`--train-s`)
   and the weight push. `wall_throughput` = consumed tokens / run wall (the end-to-end figure:
   generation that overlaps training shows here, not in output_throughput).
+  `steady_wall_throughput`: the same over every step but the first, which has nothing
+  generated ahead of it (april-async's cold start): what a run of many steps approaches.
 - run_idle_frac: share of the run wall with no request running in SGLang (`/v1/loads`, which
   counts background generation too), training periods included; sync idles while it trains.
 - weight push latency (`push_p50_s`, `push_max_s`): `/update_weights_from_disk` round trips
@@ -242,6 +244,10 @@ class ModeResult:
         stale = merge(r.staleness for r in s)
         pushes = [r.push_s for r in s if r.push_s is not None]
         run_tp = wall_throughput(consumed, [r.span_s for r in s])
+        later = s[1:]
+        steady_tp = wall_throughput(
+            sum(r.consumed_tokens for r in later), [r.span_s for r in later]
+        )
         samples = sum(r.consumed_samples for r in s)
 
         def weighted(attr: str) -> float:
@@ -268,6 +274,7 @@ class ModeResult:
             "run_wall_s": round(sum(r.span_s for r in s), 4),
             "train_s": round(sum(r.train_s for r in s), 4),
             "wall_throughput": None if run_tp is None else round(run_tp, 3),
+            "steady_wall_throughput": None if steady_tp is None else round(steady_tp, 3),
             "run_idle_frac": None if self.run_idle_frac is None else round(self.run_idle_frac, 4),
             "staleness_hist": {str(k): v for k, v in stale.items()},
             "max_staleness_seen": max(stale, default=0),

@@ -30,6 +30,7 @@ def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str
             "samples_per_s",
             "generated_throughput",
             "wall_throughput",
+            "steady_wall_throughput",
         ):
             b = base.get(key)
             rec[f"{key}_vs_sync"] = round(tot[key] / b, 4) if b and tot[key] else None

@@ -79,7 +79,8 @@ def sweep_table(
 
     `wall`: consumed tokens per wall second *including* the simulated training (`--train-s`),
     the end-to-end figure, instead of per rollout second. There `april-async` also gets its
-    ratio to `april`, taken within each repeat (same server, same load) before the median."""
+    ratio to `april`, taken within each repeat (same server, same load) before the median,
+    and every mode its ratio to sync over the steps after the first (`steady x sync`)."""
     key, unit = ("wall_throughput", "wall tok/s") if wall else ("output_throughput", "tok/s")
     labels: list[str] = []
     for _, recs in results:
@@ -89,7 +90,7 @@ def sweep_table(
     vs_april = wall and "april-async" in labels and "april" in labels
     head = ["configuration", f"sync {unit}"]
     for label in labels:
-        head += [f"{label} {unit}", "x sync"]
+        head += [f"{label} {unit}", "x sync"] + (["steady x sync"] if wall else [])
         if "auto" in label:
             head.append("running target")
         if vs_april and label == "april-async":
@@ -104,6 +105,8 @@ def sweep_table(
         for label in labels:
             runs = by_mode.get(label, [])
             row += [_cell(runs, key, "{:.1f}"), _cell(runs, f"{key}_vs_sync", "x{:.2f}")]
+            if wall:
+                row.append(_cell(runs, "steady_wall_throughput_vs_sync", "x{:.2f}"))
             if "auto" in label:
                 row.append(_targets(runs))
             if vs_april and label == "april-async":

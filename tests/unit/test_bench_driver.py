@@ -277,6 +277,9 @@ def test_april_async_prefetches_the_next_step_and_keeps_an_exact_ledger(tmp_path
         assert r["idle_push_s"] is not None and r["push_max_s"] >= r["push_p50_s"]
         assert r["run_wall_s"] >= r["rollout_wall_s"] + r["train_s"]
         assert 0 < r["wall_throughput"] < r["output_throughput"]
+        later = r["per_step"][1:]  # past the first step: its own tokens over its own spans
+        steady = sum(s["consumed_tokens"] for s in later) / sum(s["span_s"] for s in later)
+        assert r["steady_wall_throughput"] == pytest.approx(steady, rel=1e-3)
         assert sum(r["staleness_hist"].values()) == r["consumed_tokens"]
         assert r["run_idle_frac"] is not None and r["wall_throughput_vs_sync"] is not None
 

@@ -98,7 +98,8 @@ def test_sweep_table_with_training_compares_wall_throughput_and_async_to_april()
     def rec(mode: str, rep: int, wall: float, sync_wall: float) -> dict:
         return {"mode": mode, "available": True, "repeat": rep, "checks_ok": True,
                 "output_throughput": 999.0, "output_throughput_vs_sync": 9.0,
-                "wall_throughput": wall, "wall_throughput_vs_sync": wall / sync_wall}  # fmt: skip
+                "wall_throughput": wall, "wall_throughput_vs_sync": wall / sync_wall,
+                "steady_wall_throughput_vs_sync": 2 * wall / sync_wall}  # fmt: skip
 
     runs = [rec("sync", 0, 100.0, 100.0), rec("april", 0, 120.0, 100.0),
             rec("april-async", 0, 180.0, 100.0), rec("sync", 1, 50.0, 50.0),
@@ -106,6 +107,8 @@ def test_sweep_table_with_training_compares_wall_throughput_and_async_to_april()
     lines = sweep_table([(SweepPoint("tiny", 512, 8, 4), runs)], wall=True).splitlines()
     assert "sync wall tok/s" in lines[0] and lines[0].split()[-2:] == ["april", "checks"]
     # x april is the median of the per-repeat ratios (1.5 and 1.0), not a ratio of medians
+    assert lines[0].split().count("steady") == 2  # april and april-async: past the first step
     assert lines[2].split() == ["tiny:512:8x4", "75.0", "(50.0-100.0)", "100.0", "(80.0-120.0)",
-                                "x1.40", "(x1.20-x1.60)", "130.0", "(80.0-180.0)", "x1.70",
-                                "(x1.60-x1.80)", "x1.25", "(x1.00-x1.50)", "ok"]  # fmt: skip
+                                "x1.40", "(x1.20-x1.60)", "x2.80", "(x2.40-x3.20)", "130.0",
+                                "(80.0-180.0)", "x1.70", "(x1.60-x1.80)", "x3.40", "(x3.20-x3.60)",
+                                "x1.25", "(x1.00-x1.50)", "ok"]  # fmt: skip
