@@ -91,7 +91,9 @@ class SnapshotSweep:
             freed += 1
         if freed:
             self.freed += freed
-            logger.warning("april: freed %d snapshots nobody referred to", freed)
+            logger.warning(
+                "april: freed %d snapshots nobody referred to: %s", freed, sorted(due)[:8]
+            )
         return freed
 
     async def _unreferenced(self, held: list[tuple[Slot, str]]) -> set[tuple[Slot, str]]:
