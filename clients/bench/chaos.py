@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", help="an already running server (server mode only)")
     p.add_argument("--json-out", help="write the counts and failures here")
+    p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs of a pass too")
     args = p.parse_args(argv)
     if args.url:
         from april_server.models import ensure_tiny_model
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         target = launch(args.mode)
     try:
         led = asyncio.run(run(target, args.duration_s, args.clients, args.seed))
-        if led.final:  # keep the servers' logs of a failed run
+        if led.final or args.keep_logs:  # keep the servers' logs of a failed run
             for proc in target.procs:
                 proc.keep_dir = True
                 print(f"chaos: server log kept: {proc.log_path}", file=sys.stderr)
