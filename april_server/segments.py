@@ -299,12 +299,25 @@ class SegmentRunner:
                 # had and, unless it is being stopped, its segment runs again elsewhere.
                 self.counters.engine_failovers += 1
                 tally.notes.append(f"{sample.sample_id}: {exc}; its segment runs again")
+                await self._drop_unexecuted(call)
                 call = None
             except Exception as exc:  # an engine failure must not lose the sample
                 logger.exception("engine error on %s", call.rid)
+                await self._drop_unexecuted(call)
                 return self._failed(sample, call.slot, f"engine error: {exc}", tally)
             finally:
                 self._add_load(run.slot, -1, -need)
+
+    async def _drop_unexecuted(self, call: SegmentCall) -> None:
+        """The plan gave up the sample's old snapshot (`_plan` cleared its figures) and left
+        freeing it to the engine at the segment's start, but the segment failed, maybe before
+        it got there: free it now (a no-op where it was freed). Otherwise nobody knows of it."""
+        if call.drop is None or self.snap is None:
+            return
+        try:
+            await self.snap.drop_snapshot(call.key, call.drop)
+        except Exception as exc:  # its engine is gone, and the snapshot with it
+            logger.warning("april: could not free %s's snapshot: %s", call.key, exc)
 
     def _record(
         self, sample: Sample, out: SegmentOutcome, cont: S.Continuation, tally: CallTally

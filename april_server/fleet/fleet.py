@@ -252,7 +252,10 @@ class FleetEngine(SnapshotEngine):
 
     async def run_segment(self, call: SegmentCall) -> SegmentOutcome:
         if not self._open.is_set() and await self._held_until_updated(call.rid):
-            # Stopped while a weight update held it back: it never reached an engine.
+            # Stopped while a weight update held it back: it never reached an engine, so
+            # the old snapshot its plan gave up must be freed here (nobody else knows of it).
+            if call.drop is not None:
+                await self.drop_snapshot(call.key, call.drop)
             result = SegmentResult([], [], "abort", self.weight_version())
             return SegmentOutcome(result, call.slot)
         m = self.member(call.slot)
