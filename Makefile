@@ -13,8 +13,8 @@ train-demo:  ## TRL's GRPOTrainer on april-server, sync vs APRIL vs APRIL + back
 sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations, 3 runs each (~60 min on a 2-core CPU)
 	@V=$(VENV) && $$V/bin/april-bench --quick --sweep --repeat 3 --json-out out/sweep.jsonl --plot-dir out/sweep
 
-bench-async:  ## never idle: sync vs april vs april-async, a trainer of TRAIN_S s (default 2.7, sync's rollout time per step here) between calls, max_staleness 1, 3 interleaved repeats (~5 min)
-	@V=$(VENV) && $$V/bin/april-bench --quick --sweep-point tiny:512:8x4 --repeat 3 --modes sync,april,april-async --train-s $${TRAIN_S:-2.7} --max-staleness 1 --json-out out/async.jsonl
+bench-async:  ## never idle: sync vs april vs april-async, a trainer of TRAIN_S s between calls (default auto: as long as sync's rollout in the same run), max_staleness 1, 3 interleaved repeats (~5 min)
+	@V=$(VENV) && $$V/bin/april-bench --quick --sweep-point tiny:512:8x4 --repeat 3 --modes sync,april,april-async --train-s $${TRAIN_S:-auto} --max-staleness 1 --json-out out/async.jsonl
 
 test:  ## the whole suite: unit, kernels (Triton interpreter), end to end on a real SGLang
 	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider

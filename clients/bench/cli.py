@@ -84,12 +84,13 @@ def parser() -> argparse.ArgumentParser:
     a("--temperature", type=float, default=1.0)
     a(
         "--train-s",
-        type=float,
+        type=train_seconds,
         default=None,
         metavar="S",
         help="stand in for the trainer between calls: wait S seconds, then push the same weights "
         "(/update_weights_from_disk) with weight_version = the step number; april-async "
-        "generates meanwhile. Sets --train-time S and --bump-version",
+        "generates meanwhile. Sets --train-time S and --bump-version. 'auto': as long as sync's "
+        "rollout (each sync step its own, the other modes sync's mean; sync must run first)",
     )
     a("--train-time", type=float, default=0.0, help="simulated training seconds per step "
       "(older spelling; --train-s also names versions by step)")  # fmt: skip
@@ -221,19 +222,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def train_seconds(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds or 'auto', not {text!r}") from None
+
+
 def config(args: argparse.Namespace) -> BenchConfig:
     if args.max_inflight not in ("all", "auto") and not args.max_inflight.isdigit():
         raise SystemExit("--max-inflight must be all, auto or a positive integer")
     train_time, bump, step_versions = args.train_time, args.bump_version, False
+    auto = args.train_s == "auto"
     if args.train_s is not None:
-        if args.train_s < 0:
+        if not auto and args.train_s < 0:
             raise SystemExit("--train-s must be >= 0")
-        if args.train_time and args.train_time != args.train_s:
+        if args.train_time and (auto or args.train_time != args.train_s):
             raise SystemExit("--train-s sets the training time: drop --train-time")
-        train_time, bump, step_versions = args.train_s, True, True
+        train_time, bump, step_versions = (0.0 if auto else args.train_s), True, True
     return BenchConfig(
         steps=args.steps, groups=args.groups, n=args.n, over_sampling=args.over_sampling,
         max_tokens=args.max_tokens, temperature=args.temperature, train_time=train_time,
+        train_auto=auto,
         bump_version=bump, step_versions=step_versions, max_inflight=args.max_inflight,
         max_staleness=args.max_staleness, stream_sync=args.stream_sync, poll_hz=args.poll_hz,
         run_tag=f"bench{uuid.uuid4().hex[:6]}", keep_buffer=args.keep_buffer,
@@ -292,6 +304,10 @@ def mode_specs(args: argparse.Namespace, sweep: bool = False) -> list[ModeSpec]:
         raise SystemExit(
             "--interleave cannot take april-async: it generates between its calls, so it would "
             "load the other mode's steps"
+        )
+    if args.train_s == "auto" and specs[0].kind != "sync":
+        raise SystemExit(
+            "--train-s auto trains as long as sync's rollout: put sync first in --modes"
         )
     return specs
 
@@ -394,9 +410,10 @@ def run_sweep(args: argparse.Namespace) -> int:
         done.append((point, point_recs))
     labels = ", ".join(s.label for s in specs)
     reps = f"; median (min-max) of {args.repeat} runs" if args.repeat > 1 else ""
-    train_s = config(args).train_time
-    wall = bool(train_s)
-    what = (f"consumed tokens per wall second, {train_s:g} s training per step included"
+    cfg = config(args)
+    wall = bool(cfg.train_time) or cfg.train_auto
+    trains = "sync's rollout time in" if cfg.train_auto else f"{cfg.train_time:g} s"
+    what = (f"consumed tokens per wall second, {trains} training per step included"
             if wall else "consumed-token throughput")  # fmt: skip
     print(f"\n== sweep: {what} vs sync ({labels}; {args.steps} steps, "
           f"over-sampling {args.over_sampling}, seed {args.seed}{reps}) ==")  # fmt: skip

@@ -90,6 +90,9 @@ class BenchConfig:
     max_tokens: int = 512
     temperature: float = 1.0
     train_time: float = 0.0
+    # --train-s auto: train as long as sync's rollout took (each sync step its own; the other
+    # modes sync's mean), the issue #19 condition T = R measured in the same run.
+    train_auto: bool = False
     bump_version: bool = False
     step_versions: bool = False  # name pushed versions by step number ("0", "1", ...): --train-s
     max_inflight: str = "all"  # "all" (static APRIL), "auto" or an integer

@@ -85,10 +85,23 @@ async def drive(
             r.result.idle_push_s = seconds
             r.set_version(v)
 
+    sync_mean: list[float] = []  # --train-s auto: sync's mean rollout seconds, once known
+
+    def training_s(group: list[ModeRunner]) -> float:
+        if not cfg.train_auto:
+            return cfg.train_time
+        if sync_mean:
+            return sync_mean[0]
+        sync = [r for r in group if r.spec.kind == "sync" and r.result.steps]
+        if not sync:
+            raise BenchError("--train-s auto needs the sync mode, run first")
+        return sync[0].result.steps[-1].wall_s  # sync itself: its step's own rollout time
+
     async def between(step: int, group: list[ModeRunner], tag: str) -> None:
         t0 = time.perf_counter()
-        if cfg.train_time > 0:
-            await asyncio.sleep(cfg.train_time)
+        wait = training_s(group)
+        if wait > 0:
+            await asyncio.sleep(wait)
         t1 = time.perf_counter()
         push: float | None = None
         if cfg.bump_version and step + 1 < cfg.steps:
@@ -122,6 +135,8 @@ async def drive(
                 break
             await between(step, [r], tag)
         await r.finish(poller)  # its leftover must leave the buffer before the next mode
+        if cfg.train_auto and r.spec.kind == "sync" and not sync_mean and r.result.steps:
+            sync_mean.append(sum(s.wall_s for s in r.result.steps) / len(r.result.steps))
 
 
 async def run_modes(
@@ -177,8 +192,9 @@ async def run_modes(
         f"seed {args.seed}"
     )
     if cfg.train_time > 0 or cfg.bump_version:
+        trains = "sync's rollout time in" if cfg.train_auto else f"{cfg.train_time:g} s"
         title += (
-            f"; trainer: {cfg.train_time:g} s training"
+            f"; trainer: {trains} training"
             + (" + weight push" if cfg.bump_version else "")
             + " per step"
         )
@@ -196,7 +212,7 @@ async def run_modes(
         "n": cfg.n,
         "over_sampling": cfg.over_sampling,
         "max_tokens": cfg.max_tokens,
-        "train_time": cfg.train_time,
+        "train_time": "auto" if cfg.train_auto else cfg.train_time,
         "bump_version": cfg.bump_version,
         "step_versions": cfg.step_versions,
         "max_inflight": cfg.max_inflight,

@@ -308,3 +308,21 @@ def test_april_async_is_refused_by_a_server_without_background_generation(
     rc, recs = bench(server, tmp_path, "--modes", "april-async")
     assert rc == 0 and recs[0]["available"] is False
     assert "no background generation" in recs[0]["reason"]
+
+
+def test_train_s_auto_trains_as_long_as_syncs_rollout(tmp_path: Path) -> None:
+    """Issue #19's condition T = R, measured in the same run: sync trains as long as each of
+    its steps' rollout took, the modes after it as long as sync's mean."""
+    rc, recs = bench(FakeServer(), tmp_path, "--modes", "sync,april-async", "--train-s", "auto")
+    assert rc == 0
+    by_mode = {r["mode"]: r for r in recs}
+    sync_steps = by_mode["sync"]["per_step"]
+    for s in sync_steps:  # a sleep never ends early: at least the step's rollout wall
+        assert s["wall_s"] > 0 and s["train_s"] >= s["wall_s"] * 0.99
+    mean = sum(s["wall_s"] for s in sync_steps) / len(sync_steps)
+    assert all(s["train_s"] >= mean * 0.99 for s in by_mode["april-async"]["per_step"])
+    assert by_mode["april-async"]["wall_throughput_vs_sync"] is not None
+    with pytest.raises(SystemExit, match="put sync first"):
+        cli.mode_specs(cli.parse_args(["--modes", "april,sync", "--train-s", "auto"]))
+    with pytest.raises(SystemExit, match="drop --train-time"):
+        cli.config(cli.parse_args(["--train-s", "auto", "--train-time", "2"]))
