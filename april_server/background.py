@@ -18,6 +18,10 @@ call ends and the background begins:
 4. A weight push cuts background segments at the version boundary like any (`segments.py`);
    a continuation past the `max_staleness` of the call that started it restarts from its
    prompt. An abort, a delete or a restart forget the group here: it stays buffered, idle.
+5. That bound holds until the group is delivered: when a call claims a group put here, each
+   member whose oldest kept token is then more than the bound behind restarts from its prompt,
+   finished or not (`restart_stale`). Otherwise a group that finished here, or that a call
+   claimed before the background ran it again after a push, would be delivered staler.
 What is durable is what was persisted: at a hand-back (pause, finish) and at every call's
 answer; tokens generated since then are not yet acknowledged.
 """
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING
 from april_server import samples as S
 from april_server.buffer_index import open_footprint
 from april_server.inflight import kv_need
+from april_server.protocol import Group
 from april_server.segments import BACKGROUND, CallTally
 
 if TYPE_CHECKING:
@@ -47,6 +52,8 @@ class Background:
         self.mgr = mgr
         self.wanted: dict[str, int | None] = {}  # group id -> the max_staleness it runs under
         self.handed_by: dict[str, str] = {}  # group id -> the call that handed it in
+        # group id -> the max_staleness it was put here with, until a call claims it (5.)
+        self.bounds: dict[str, int | None] = {}
         self.tally = CallTally()
         self._holds = 0  # calls and other operations that have paused the background
         self._task: asyncio.Task[None] | None = None
@@ -58,6 +65,7 @@ class Background:
         for gid in group_ids:
             self.wanted[gid] = max_staleness
             self.handed_by[gid] = handed_by
+            self.bounds[gid] = max_staleness
         self.kick()
 
     def forget(self, group_ids: Iterable[str] | None = None) -> None:
@@ -68,6 +76,26 @@ class Background:
         for gid in group_ids or ():
             self.wanted.pop(gid, None)
             self.handed_by.pop(gid, None)
+
+    def restart_stale(self, groups: Iterable[Group], tally: CallTally) -> None:
+        """A call claims these buffered groups (see the module docstring, 5)."""
+        mgr = self.mgr
+        for g in groups:
+            if g.group_id not in self.bounds:
+                continue
+            bound = self.bounds.pop(g.group_id)
+            if bound is None:
+                continue
+            current = mgr.current_version()
+            for s in g.samples:
+                if (
+                    s.segments
+                    and S.version_lag(s.segments[0].weight_version, current, mgr.version_history)
+                    > bound
+                ):
+                    S.reset_output(s)
+                    mgr.counters.staleness_restarts += 1
+                    tally.notes.append(f"{s.sample_id}: restarted from its prompt (max_staleness)")
 
     def handed_in_by(self, batch_id: str) -> set[str]:
         """The groups a call (its batch id) left generating here."""
@@ -119,6 +147,7 @@ class Background:
             await mgr.admission_ready()
             for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
                 self.forget([gid])  # delivered, deleted or dropped meanwhile
+                self.bounds.pop(gid, None)
             groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
             ends: dict[asyncio.Task[None], str] = {}
             left: dict[str, int] = {}
