@@ -68,25 +68,28 @@ class Background:
             self.bounds[gid] = max_staleness
         self.kick()
 
-    def forget(self, group_ids: Iterable[str] | None = None) -> None:
-        """Stop wanting these groups (all: None) in the background; they stay buffered."""
+    def forget(self, group_ids: Iterable[str] | None = None, gone: bool = False) -> None:
+        """Stop wanting these groups (all: None) in the background; they stay buffered.
+        `gone`: they left the buffer, so their staleness bound (5.) goes too."""
         if group_ids is None:
             self.wanted.clear()
             self.handed_by.clear()
         for gid in group_ids or ():
             self.wanted.pop(gid, None)
             self.handed_by.pop(gid, None)
+            if gone:
+                self.bounds.pop(gid, None)
 
     def restart_stale(self, groups: Iterable[Group], tally: CallTally) -> None:
         """A call claims these buffered groups (see the module docstring, 5)."""
+        if not self.bounds:
+            return
         mgr = self.mgr
+        current = mgr.current_version()
         for g in groups:
-            if g.group_id not in self.bounds:
+            bound = self.bounds.pop(g.group_id, None)
+            if bound is None:  # not put here, or put here without a bound
                 continue
-            bound = self.bounds.pop(g.group_id)
-            if bound is None:
-                continue
-            current = mgr.current_version()
             for s in g.samples:
                 if (
                     s.segments
@@ -146,8 +149,7 @@ class Background:
         try:
             await mgr.admission_ready()
             for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
-                self.forget([gid])  # delivered, deleted or dropped meanwhile
-                self.bounds.pop(gid, None)
+                self.forget([gid], gone=True)  # delivered, deleted or dropped meanwhile
             groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
             ends: dict[asyncio.Task[None], str] = {}
             left: dict[str, int] = {}

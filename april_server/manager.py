@@ -297,8 +297,7 @@ class RolloutManager:
 
     async def delete(self, group_id: str) -> DeleteResp:
         async with self.background.paused():
-            self.background.forget([group_id])
-            self.background.bounds.pop(group_id, None)
+            self.background.forget([group_id], gone=True)
             return await run_to_end(self._delete(group_id))
 
     async def _delete(self, group_id: str) -> DeleteResp:
