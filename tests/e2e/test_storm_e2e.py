@@ -15,6 +15,7 @@ import os
 import random
 import threading
 from collections import Counter
+from typing import Any
 
 import httpx
 import pytest
@@ -79,12 +80,8 @@ def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -
         gids = [f"c{who}-{k}-{i}" for i in range(rng.randint(0, 3))]
         groups = [group(g, [rng.randint(1, 300)], [rng.randint(1, 40) for _ in range(2)])
                   for g in gids]  # fmt: skip
-        with led.lock:
-            led.created += gids
-            idle = len(c.get(R + "/partials").json()["groups"])
         body = {
-            "groups": groups,
-            "target_groups": max(1, min(len(gids) + idle, rng.randint(1, 3))),
+            **new_call(c, rng, led, gids, groups),
             "on_quota": {
                 "rollout": "tokens",
                 "rollout_snap": "snapshot",
@@ -130,6 +127,17 @@ def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -
     return True
 
 
+def new_call(
+    c: httpx.Client, rng: random.Random, led: Ledger, gids: list[str], groups: list[Any]
+) -> dict[str, Any]:
+    """A call's groups, counted as created, and a target within what it can reach (its own
+    groups and the idle buffered ones now)."""
+    with led.lock:
+        led.created += gids
+        idle = len(c.get(R + "/partials").json()["groups"])
+    return {"groups": groups, "target_groups": max(1, min(len(gids) + idle, rng.randint(1, 3)))}
+
+
 def agent_call(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -> bool:
     """A streamed call of agent episodes: each awaiting member is answered at once, answered
     twice (the second must be refused), or its group is aborted (it stays awaiting)."""
@@ -143,12 +151,8 @@ def agent_call(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledge
         }
         for g in gids
     ]
-    with led.lock:
-        led.created += gids
-        idle = len(c.get(R + "/partials").json()["groups"])
     body = {
-        "groups": groups,
-        "target_groups": max(1, min(len(gids) + idle, rng.randint(1, 3))),
+        **new_call(c, rng, led, gids, groups),
         "on_quota": rng.choice(["tokens", "snapshot", "continue"]),
         "stream": True,
         "turns": {"stop_token_ids": TURN_STOPS, "max_turns": rng.randint(2, 3)},
