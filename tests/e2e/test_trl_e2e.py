@@ -22,8 +22,6 @@ mostly in masked stale segments, and 16 steps do not move it beyond noise); then
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -35,89 +33,31 @@ from april_client.bench import train_task
 from april_client.trainer_batch import rows_from_groups
 from april_client.trl import AprilRollout
 from april_server.models import ensure_tiny_model
-from april_server.protocol import RolloutResp
-from tests.server_proc import ServerProc
+from tests.e2e.grpo_run import PROMPTS, N, grpo_run, trained, welch_z
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 24  # see the module docstring
-PROMPTS, N = 8, 4
-
-
-def welch_z(before: list[float], after: list[float]) -> float:
-    se = statistics.pvariance(before) / len(before) + statistics.pvariance(after) / len(after)
-    return (statistics.fmean(after) - statistics.fmean(before)) / max(se**0.5, 1e-9)
 
 
 def train(url: str, workdir: str) -> dict[str, Any]:
-    """The training run, in a fresh interpreter (see the test): what the checks need."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl.trainer.grpo_config import GRPOConfig
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    model_path = ensure_tiny_model()
+    """The training run, in a fresh interpreter (`grpo_run.trained`): what the checks need."""
     client = AprilClient(url, timeout=600)
     adapter = AprilRollout(
         client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
         max_inflight_groups=2 * PROMPTS, run_id="trl-e2e", seed=0,
     )  # fmt: skip
-    outputs: list[tuple[int, dict[str, Any]]] = []
-    responses: list[RolloutResp] = []
-    send = client.rollout
-
-    def capture(*args: Any, **kw: Any) -> RolloutResp:
-        responses.append(send(*args, **kw))
-        return responses[-1]
-
-    client.rollout = capture  # type: ignore[method-assign]
-
-    def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        out = adapter(prompts, trainer)
-        outputs.append((int(trainer.state.global_step), out))
-        return out
-
-    scored: dict[int, list[float]] = {}
-
-    def recorded_format(completions: list[str], **kw: Any) -> list[float | None]:
-        values = train_task.digit_format(completions)
-        scored[int(kw["trainer_state"].global_step)] = [float(v or 0.0) for v in values]
-        return values
-
-    args = GRPOConfig(
-        output_dir=str(Path(workdir) / "trainer"), per_device_train_batch_size=PROMPTS * N,
-        num_generations=N, max_completion_length=128, learning_rate=1e-2,
-        lr_scheduler_type="constant", max_steps=STEPS, temperature=1.0, top_p=1.0, beta=0.0,
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0,
+    return grpo_run(
+        adapter, client, train_task.digit_format, train_task.dataset(seed=0), workdir, STEPS,
+        max_completion_length=128, more_rewards=(train_task.digit_match,),
     )  # fmt: skip
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_path),
-        reward_funcs=[recorded_format, train_task.digit_match],
-        args=args,
-        train_dataset=Dataset.from_list(train_task.dataset(seed=0)),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
-        rollout_func=rollout,
-        callbacks=[adapter.callback()],
-    )
-    trainer.train()
-    return {"scored": scored, "outputs": outputs, "responses": responses,
-            "records": adapter.records, "ledger": adapter.ledger}  # fmt: skip
 
 
 def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    server = ServerProc(tmp_path / "state")
-    (tmp_path / "state").mkdir()
-    server.start()
-    try:
-        # A fresh interpreter: the run must not depend on what earlier tests left in this
-        # process (in the full suite this training learned measurably less in-process).
-        with mp.get_context("spawn").Pool(1) as pool:
-            run = pool.apply(train, (server.url, str(tmp_path)))
+    with trained(tmp_path, train) as (server, run):
         scored, outputs, responses = run["scored"], run["outputs"], run["responses"]
         records, ledger = run["records"], run["ledger"]
         means = [round(statistics.fmean(scored[k]), 3) for k in sorted(scored)]
@@ -176,5 +116,3 @@ def test_grpo_trainer_learns_on_april_server(tmp_path: Path) -> None:
         left = [g.group_id for g in client.partials() if g.group_id.startswith("trl-e2e")]
         assert left == []
         assert client.stats()["buffered_groups"] == 0
-    finally:
-        server.stop()

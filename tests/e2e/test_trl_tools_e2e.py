@@ -16,8 +16,6 @@ holds the secret digit (it used the answer). One run of STEPS optimizer steps, A
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import random
 import statistics
 from pathlib import Path
@@ -29,13 +27,11 @@ from april_client import AprilClient
 from april_client.trl import AprilRollout
 from april_client.trl_tools import ToolCall
 from april_server.models import ensure_tiny_model
-from april_server.protocol import RolloutResp
-from tests.server_proc import ServerProc
+from tests.e2e.grpo_run import PROMPTS, N, grpo_run, trained, welch_z
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 16
-PROMPTS, N = 8, 4
 CALL = 34  # "@" in the tiny tokenizer: ~1.6 % of its samples at temperature 1
 TURNS = {"stop_token_ids": [CALL], "max_turns": 2}
 
@@ -74,79 +70,25 @@ def tool_reward(
     return out
 
 
-def welch_z(before: list[float], after: list[float]) -> float:
-    se = statistics.pvariance(before) / len(before) + statistics.pvariance(after) / len(after)
-    return (statistics.fmean(after) - statistics.fmean(before)) / max(se**0.5, 1e-9)
-
-
 def train(url: str, workdir: str) -> dict[str, Any]:
-    """The training run, in a fresh interpreter (as tests/e2e/test_trl_e2e.py does)."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl.trainer.grpo_config import GRPOConfig
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    model_path = ensure_tiny_model()
+    """The training run, in a fresh interpreter (`grpo_run.trained`)."""
     client = AprilClient(url, timeout=600)
     adapter = AprilRollout(
         client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
         max_inflight_groups=2 * PROMPTS, run_id="trl-tools", seed=0, tool=lookup, turns=TURNS,
     )  # fmt: skip
     assert adapter._tools is not None
-    outputs: list[tuple[int, dict[str, Any]]] = []
-    responses: list[RolloutResp] = []
-    send = adapter._tools.rollout
-
-    def capture(*args: Any, **kw: Any) -> RolloutResp:
-        responses.append(send(*args, **kw))
-        return responses[-1]
-
-    adapter._tools.rollout = capture  # type: ignore[method-assign]
-
-    def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        out = adapter(prompts, trainer)
-        outputs.append((int(trainer.state.global_step), out))
-        return out
-
-    scored: dict[int, list[float]] = {}
-
-    def recorded(completions: list[str], **kw: Any) -> list[float | None]:
-        values = tool_reward(completions, **kw)
-        scored[int(kw["trainer_state"].global_step)] = [float(v or 0.0) for v in values]
-        return values
-
-    args = GRPOConfig(
-        output_dir=str(Path(workdir) / "trainer"), per_device_train_batch_size=PROMPTS * N,
-        num_generations=N, max_completion_length=32, learning_rate=1e-2,
-        lr_scheduler_type="constant", max_steps=STEPS, temperature=1.0, top_p=1.0, beta=0.0,
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0,
+    return grpo_run(
+        adapter, adapter._tools, tool_reward, dataset(seed=0), workdir, STEPS,
+        max_completion_length=32,
     )  # fmt: skip
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_path),
-        reward_funcs=[recorded],
-        args=args,
-        train_dataset=Dataset.from_list(dataset(seed=0)),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
-        rollout_func=rollout,
-        callbacks=[adapter.callback()],
-    )
-    trainer.train()
-    return {"scored": scored, "outputs": outputs, "responses": responses,
-            "records": adapter.records, "ledger": adapter.ledger}  # fmt: skip
 
 
 def test_grpo_trainer_learns_to_use_a_tool_on_april_server(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    server = ServerProc(tmp_path / "state")
-    (tmp_path / "state").mkdir()
-    server.start()
-    try:
-        with mp.get_context("spawn").Pool(1) as pool:
-            run = pool.apply(train, (server.url, str(tmp_path)))
+    with trained(tmp_path, train) as (server, run):
         scored, outputs, responses = run["scored"], run["outputs"], run["responses"]
         records, ledger = run["records"], run["ledger"]
         train_records = [r for r in records if r.mode == "train"]
@@ -201,5 +143,3 @@ def test_grpo_trainer_learns_to_use_a_tool_on_april_server(tmp_path: Path) -> No
         client = AprilClient(server.url, timeout=600)
         assert [g.group_id for g in client.partials() if g.group_id.startswith("trl-tools")] == []
         assert client.stats()["awaiting_input_samples"] == 0
-    finally:
-        server.stop()
