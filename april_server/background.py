@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -56,6 +57,8 @@ class Background:
         self.bounds: dict[str, int | None] = {}
         self.tally = CallTally()
         self._holds = 0  # calls and other operations that have paused the background
+        self.pauses = 0  # pauses that found background segments running, and their time
+        self.pause_s = 0.0
         self._task: asyncio.Task[None] | None = None
 
     # ---- what the rest of the server calls -------------------------------------------------
@@ -139,9 +142,12 @@ class Background:
         task = self._task
         if task is None:
             return
+        t0 = time.perf_counter()
         runs = [r for r in self.mgr.running.values() if r.owner == OWNER]
         await self.mgr.stop_running(runs, "snapshot")
         await asyncio.wait([task])
+        self.pauses += 1
+        self.pause_s += time.perf_counter() - t0
 
     async def _round(self) -> None:
         mgr = self.mgr

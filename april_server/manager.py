@@ -394,6 +394,8 @@ class RolloutManager:
                 1 for r in self.running.values() if r.owner == BACKGROUND
             ),
             "background_output_tokens": self.background.tally.output_tokens,
+            "background_pauses": self.background.pauses,
+            "background_pause_s": round(self.background.pause_s, 6),
             **kv,
             **{k: getattr(c, k) for k in c.__dataclass_fields__},
             "engine": self.engine.engine_stats(),

@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 
 BACKGROUND = "background"  # the owner of background segments (background.py)
 ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
+# SGLang drops an abort for a request it has not registered yet (`abort_request` ignores an
+# unknown rid), and a segment started a moment ago (e.g. one a weight update just continued)
+# is often not registered yet when a call pauses the background: the first re-sends come
+# soon, so a stop waits a few milliseconds for such a request rather than a whole poll.
+ABORT_RESEND_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 ENGINE_WAIT_S = 30.0  # how long a segment whose engine went away waits for a healthy one
 HEALTH_POLL_S = 0.5
 
@@ -436,11 +441,12 @@ class SegmentRunner:
                 self.snap.mark_snapshot(r.rid, r.sample.sample_id, r.slot)
                 r.marked = True
         pending = {r.task for r in runs if not r.task.done()}
+        waits = iter(ABORT_RESEND_S)
         while pending:
             for r in runs:
                 if not r.task.done():
-                    self.engine.abort(r.rid)
-            _, pending = await asyncio.wait(pending, timeout=ABORT_POLL_S)
+                    self.engine.abort(r.rid)  # idempotent: SGLang sends one abort per request
+            _, pending = await asyncio.wait(pending, timeout=next(waits, ABORT_POLL_S))
 
     async def forget(self, sample: Sample) -> None:
         """Free the sample's snapshot, wherever it lives."""

@@ -253,3 +253,63 @@ def test_a_group_put_in_the_background_is_delivered_within_its_max_staleness(
         assert mgr.counters.staleness_restarts == 1 and not mgr.background.bounds
 
     asyncio.run(go())
+
+
+class LateRegistration(FakeEngine):
+    """Like SGLang's TokenizerManager: a request is known only a moment after its segment
+    starts (`register_s`), and an abort for an unknown request is dropped, not kept."""
+
+    def __init__(self, register_s: float) -> None:
+        super().__init__(delay_s=0.002)
+        self.register_s = register_s
+        self.known: set[str] = set()
+
+    async def generate(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> Any:
+        await asyncio.sleep(self.register_s)
+        self.known.add(rid)
+        return await super().generate(rid, input_ids, params)
+
+    def abort(self, rid: str) -> None:
+        if rid in self.known:
+            super().abort(rid)
+
+
+def test_a_call_pausing_the_background_resends_aborts_soon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background segment a weight update just continued is often unknown to SGLang when
+    the next call pauses the background: the stop re-sends its abort within milliseconds, not
+    after a whole poll (the 0.2 s a call waited for each pause before)."""
+    from april_server import segments
+
+    waits: list[float] = []
+    real_wait = asyncio.wait
+
+    async def recording_wait(fs: Any, *, timeout: float | None = None, **kw: Any) -> Any:
+        if timeout is not None:
+            waits.append(timeout)
+        return await real_wait(fs, timeout=timeout, **kw)
+
+    async def go() -> None:
+        mgr = RolloutManager(LateRegistration(register_s=0.03), BufferStore(tmp_path / "b"))
+        await add_groups(mgr, GroupsReq(groups=[spec("bg", 500)]))
+        await until(lambda: "bg" in mgr.background.running_groups())
+        monkeypatch.setattr(segments.asyncio, "wait", recording_wait)
+        run = mgr.running["bg/0"]
+        mgr.engine.known.discard(run.rid)  # type: ignore[attr-defined]  # not registered yet
+
+        async def register_later() -> None:
+            await asyncio.sleep(0.03)
+            mgr.engine.known.add(run.rid)  # type: ignore[attr-defined]
+
+        late = asyncio.ensure_future(register_later())
+        async with mgr.background.paused():  # what a call does first
+            (s,) = (await mgr.read_group("bg")).samples
+        await late
+        assert s.status == "partial" and len(s.output_ids) < 500  # stopped, not run out
+        assert waits[0] < segments.ABORT_POLL_S / 10  # the first re-send comes soon
+        assert mgr.background.pauses == 1
+        monkeypatch.undo()
+        mgr.check_integrity()
+
+    asyncio.run(go())
