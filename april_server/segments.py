@@ -113,6 +113,7 @@ class SegmentRunner:
         self.history: Sequence[str] = ()
         self.updated = asyncio.Event()  # clear while a weight update holds cut segments
         self.updated.set()
+        self._resend_cuts: asyncio.Future[None] | None = None
 
     @property
     def snapshots_enabled(self) -> bool:
@@ -380,13 +381,28 @@ class SegmentRunner:
         under the new weights. The weight push then waits for one decode step, not for the
         longest straggler."""
         self.updated.clear()
-        for r in self.running.values():
-            if not r.stopping and not r.task.done():
-                r.cut = True
+        cut = [r for r in self.running.values() if not r.stopping and not r.task.done()]
+        for r in cut:
+            r.cut = True
+            self.engine.abort(r.rid)
+        # A segment started a moment ago may not be registered yet, so SGLang dropped its
+        # abort and the update would wait for all of it: re-send until each cut has landed.
+        self._resend_cuts = asyncio.ensure_future(self._resend_cut_aborts(cut))
+
+    async def _resend_cut_aborts(self, cut: list[Running]) -> None:
+        for wait_s in (*ABORT_RESEND_S, *[ABORT_POLL_S] * int(ENGINE_WAIT_S / ABORT_POLL_S)):
+            await asyncio.sleep(wait_s)
+            cut = [r for r in cut if r.cut and not r.task.done()]  # `_run` clears it on landing
+            if not cut or self.updated.is_set():
+                return
+            for r in cut:
                 self.engine.abort(r.rid)
 
     def after_update(self) -> None:
         self.updated.set()
+        if self._resend_cuts is not None:
+            self._resend_cuts.cancel()
+            self._resend_cuts = None
 
     async def _until_updated(self, run: Running) -> None:
         if self.updated.is_set():

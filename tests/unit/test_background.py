@@ -313,3 +313,29 @@ def test_a_call_pausing_the_background_resends_aborts_soon(
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_a_weight_update_resends_its_cut_to_a_segment_not_registered_yet(tmp_path: Path) -> None:
+    """Else SGLang drops the cut (the request is unknown to it a moment after it started) and
+    the update waits for the whole segment: a push stalled by a straggler."""
+
+    async def go() -> None:
+        eng = LateRegistration(register_s=0.0)
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
+        await add_groups(mgr, GroupsReq(groups=[spec("w", 500)]))
+        await until(lambda: bool(mgr.running))
+        run = mgr.running["w/0"]
+        eng.known.discard(run.rid)  # not registered yet: the first cut is dropped
+        await mgr.segments.before_update()
+        await asyncio.sleep(0.03)
+        eng.known.add(run.rid)
+        await until(lambda: not eng.active)  # the segment left: the update may run
+        eng.version = "1"
+        mgr.segments.after_update()
+        await until(lambda: not mgr.running and not mgr.buffer.owner)
+        (s,) = (await mgr.read_group("w")).samples
+        assert [x.weight_version for x in s.segments] == ["0", "1"]  # cut, not run to its end
+        assert s.output_ids == reference(500)
+        mgr.check_integrity()
+
+    asyncio.run(go())
