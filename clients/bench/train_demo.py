@@ -136,6 +136,12 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                     "stale_tokens": rec.stale_tokens,
                     "weight_version": rec.weight_version,
                 }
+                # The server's running totals (each mode has its own server): samples restarted
+                # from their prompt for max_staleness, and what calls waited for the
+                # background to give way. A few ms per step, in every mode alike.
+                stats = client.stats()
+                row["staleness_restarts"] = int(stats.get("staleness_restarts", 0))
+                row["background_pause_s"] = float(stats.get("background_pause_s", 0.0))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 

@@ -21,6 +21,7 @@ class ModeSummary:
     stale_share: float  # stale tokens / output tokens of the rows returned
     rollout_s: float = 0.0  # mean per step: waiting for the rollout call
     train_s: float = 0.0  # mean per step: the rest (loss, optimizer, weight push, prefetch)
+    restarts: int = 0  # samples the server restarted from their prompt for max_staleness
 
 
 def trailing_means(rewards: list[float], window: int = WINDOW) -> list[float]:
@@ -61,6 +62,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[ModeSummary]:
                 stale / tokens if tokens else 0.0,
                 statistics.fmean(float(r.get("rollout_s", 0.0)) for r in rs),
                 statistics.fmean(float(r.get("train_s", 0.0)) for r in rs),
+                int(rs[-1].get("staleness_restarts", 0)),  # the server's total (older rows: 0)
             )  # fmt: skip
         )
     return out
@@ -69,17 +71,18 @@ def summarize(rows: list[dict[str, Any]]) -> list[ModeSummary]:
 def table(summaries: list[ModeSummary]) -> str:
     head = (f"{'mode':<11} {'steps':>5} {'wall_s':>8} {'rollout s/step':>14} "
             f"{'train s/step':>12} {'final reward':>14} {'reaches sync final at':>22} "
-            f"{'stale tokens':>12}")  # fmt: skip
+            f"{'stale tokens':>12} {'restarts':>8}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for s in summaries:
         reach = f"{s.reach_s:.1f} s" if s.reach_s is not None else "not reached"
         final = f"{s.final_reward:.3f}±{s.final_reward_sd:.3f}"
         lines.append(f"{s.mode:<11} {s.steps:>5} {s.wall_s:>8.1f} {s.rollout_s:>14.2f} "
                      f"{s.train_s:>12.2f} {final:>14} {reach:>22} "
-                     f"{s.stale_share:>11.1%}")  # fmt: skip
+                     f"{s.stale_share:>11.1%} {s.restarts:>8}")  # fmt: skip
     return "\n".join(lines) + (
         f"\n(final reward: mean ± sd of the last {WINDOW} steps; a step = rollout s, waiting"
-        " for the call, + train s, the rest: loss, optimizer, weight push, prefetch)"
+        " for the call, + train s, the rest: loss, optimizer, weight push, prefetch; restarts:"
+        " samples the server restarted from their prompt to stay within max_staleness)"
     )
 
 

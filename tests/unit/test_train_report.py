@@ -107,3 +107,13 @@ def test_seeds_table_gives_each_seeds_reach_the_median_and_the_overlap_bound() -
     med = next(ln for ln in lines if ln.split()[0] == "med")
     assert med.split()[1:5] == ["20.0", "18.0", "15.0", "2/3"]
     assert overlap_bound(summarize(rows("sync", rise, 2.0))[0]) == 2.0 / 1.5
+
+
+def test_restarts_are_the_servers_running_total_at_the_last_step() -> None:
+    rs = rows("april-async", [0.1] * 6, 1.0)
+    for i, r in enumerate(rs):
+        r["staleness_restarts"] = 3 * i
+    (s,) = summarize(rs)
+    assert s.restarts == 15
+    assert table([s]).splitlines()[2].split()[-1] == "15"
+    assert summarize(rows("sync", [0.1] * 6, 1.0))[0].restarts == 0  # rows from before: 0
