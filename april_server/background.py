@@ -83,8 +83,9 @@ class Background:
             if gone:
                 self.bounds.pop(gid, None)
 
-    def restart_stale(self, groups: Iterable[Group], tally: CallTally) -> None:
-        """A call claims these buffered groups (see the module docstring, 5)."""
+    async def restart_stale(self, groups: Iterable[Group], tally: CallTally) -> None:
+        """A call claims these buffered groups (see the module docstring, 5). A restarted
+        member's snapshot is of no use any more: freed, or it would stay held on its engine."""
         if not self.bounds:
             return
         mgr = self.mgr
@@ -99,6 +100,7 @@ class Background:
                     and S.version_lag(s.segments[0].weight_version, current, mgr.version_history)
                     > bound
                 ):
+                    await mgr.segments.forget(s)
                     S.reset_output(s)
                     mgr.counters.staleness_restarts += 1
                     tally.notes.append(f"{s.sample_id}: restarted from its prompt (max_staleness)")

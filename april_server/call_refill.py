@@ -92,9 +92,9 @@ class Refill(TurnsInCall):
         picked = mgr.buffer.pick_oldest(fits)
         if picked:
             groups = await mgr.buffer.claim_entries(picked, self.batch_id)
-            mgr.background.restart_stale(groups, self.tally)
             self.ready.extend(g.group_id for g in groups)
             self.group_ids.extend(g.group_id for g in groups)
+            await mgr.background.restart_stale(groups, self.tally)
 
     async def _inflight_limits(self) -> tuple[int, int]:
         """(max groups, max running samples) for this call. An integer pins the groups;

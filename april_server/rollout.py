@@ -142,9 +142,9 @@ class RolloutCall(Refill, WindDown):
         mgr.calls[self.batch_id] = self
         if again:  # claimed whole now, started before anything else
             taken = await mgr.buffer.claim(again, self.batch_id, busy_code="group_busy")
-            mgr.background.restart_stale(taken, self.tally)
             self.ready.extend(g.group_id for g in taken)
             self.group_ids.extend(g.group_id for g in taken)
+            await mgr.background.restart_stale(taken, self.tally)
         # Sent groups are this call's from now on; buffered ones are claimed as it needs them
         # (`_next_group`), so the rest stay available to other calls.
         mgr.buffer.adopt(fresh, self.batch_id)

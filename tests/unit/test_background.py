@@ -16,7 +16,7 @@ from april_server.prefetch import add_groups
 from april_server.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
 from april_server.rollout import rollout
 from april_server.store import BufferStore
-from tests.unit.fake_engine import FakeEngine, next_token
+from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token
 
 PROMPT = [1, 2, 3]
 
@@ -251,6 +251,33 @@ def test_a_group_put_in_the_background_is_delivered_within_its_max_staleness(
         assert [x.weight_version for x in by_id["new"].segments] == ["1"]
         assert by_id["old"].output_ids == by_id["new"].output_ids == reference(20)
         assert mgr.counters.staleness_restarts == 1 and not mgr.background.bounds
+
+    asyncio.run(go())
+
+
+def test_a_stale_restart_at_a_claim_frees_the_members_snapshot(tmp_path: Path) -> None:
+    """A background group paused by a call keeps a KV snapshot; when a later call claims it
+    past its bound, the restart made that snapshot useless. Before the fix it stayed held on
+    the engine (nothing referred to it; on one server no sweep frees it)."""
+
+    async def go() -> None:
+        eng = SnapshotFakeEngine(delay_s=0.003)
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
+        await add_groups(mgr, GroupsReq(groups=[spec("bg", 300)], max_staleness=1))
+        await until(lambda: bool(mgr.running) and bool(eng.calls))
+        await asyncio.sleep(0.05)
+        async with mgr.background.paused():  # stops it with a snapshot, as a call does
+            (s,) = (await mgr.read_group("bg")).samples
+            assert s.snapshot_bytes > 0 and eng.snaps == {"bg/0"}
+            eng.version = "1"
+            eng.version = "2"  # two pushes: its tokens of version 0 are past its bound
+            r = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+        (got,) = r.groups[0].samples
+        assert [x.weight_version for x in got.segments] == ["2"]
+        assert got.output_ids == reference(300)
+        assert mgr.counters.staleness_restarts == 1
+        assert eng.snaps == set()  # before the fix: {"bg/0"}, held for good
+        mgr.check_integrity()
 
     asyncio.run(go())
 
