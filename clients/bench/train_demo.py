@@ -12,7 +12,12 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
   default), at the cost of most of APRIL's tokens (the README has both figures);
 - `april-async`: `april` plus `background=True` (issue 19): each call's stragglers keep
   generating while the trainer computes the loss, steps and pushes weights (`on_quota:
-  continue`), and the adapter prefetches the groups the next call would draw.
+  continue`), and the adapter prefetches the groups the next call would draw. It runs with
+  `max_inflight_groups` = the step's P groups: the buffered (older) groups start first and new
+  ones fill in as groups finish. With `"auto"` all 2P ran at once, the step's new groups
+  finished first and filled the quota, and older ones left unfinished went past
+  `max_staleness` at the next push and restarted from their prompt (measured, seed 0, 20
+  steps: 196 restarts and 0.61 s rollout wait per step with auto, 116 and 0.47 s with P).
 
 Separate devices, on one machine: every mode runs the server pinned to core 1 and the trainer
 to core 0 (one torch thread), so generation and training overlap as they would on a rollout
@@ -101,6 +106,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
             max_staleness=cfg.max_staleness,
             stale_tokens=cfg.stale_tokens,
             background=mode == "april-async",
+            max_inflight_groups=cfg.prompts_per_step if mode == "april-async" else "auto",
             max_tokens_column=train_task.BUDGET_COLUMN,
             run_id=f"demo-{mode}",
             seed=cfg.seed,
@@ -201,6 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--over-provision", type=float, default=DemoConfig.over_provision)
     p.add_argument("--max-completion-length", type=int, default=DemoConfig.max_completion_length)
     p.add_argument("--stale-tokens", choices=["mask", "keep"], default=DemoConfig.stale_tokens)
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=DemoConfig.max_staleness,
+        help="versions a kept token may lag (APRIL modes; sent with every call and prefetch)",
+    )
     p.add_argument("--seed", type=int, default=DemoConfig.seed)
     p.add_argument("--seeds", default="", help="comma list: every mode once per seed (e.g. 0,1,2)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {','.join(MODES)}")
@@ -218,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in seeds:
             cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
                              max_completion_length=a.max_completion_length, seed=seed,
-                             stale_tokens=a.stale_tokens, pin=not a.no_pin)  # fmt: skip
+                             stale_tokens=a.stale_tokens, pin=not a.no_pin,
+                             max_staleness=a.max_staleness)  # fmt: skip
             for mode in modes:
                 print(f"== {mode}, seed {seed}: {cfg.steps} GRPO steps on april-server",
                       file=sys.stderr, flush=True)  # fmt: skip
