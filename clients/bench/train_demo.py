@@ -7,17 +7,28 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
   nothing buffered): what a trainer does on a stock server;
 - `april`: `over_provision` times more groups in play, the step returns as soon as its quota of
   groups has finished, the rest continues in a later step. Tokens from the previous step's
-  weights are trained on (`stale_tokens="keep"`, bounded by `max_staleness=1`: one-step-stale,
-  APRIL's own setting); `--stale-tokens mask` gives them no loss instead (the adapter's
-  default), at the cost of most of APRIL's tokens (the README has both figures);
+  weights are trained on (`stale_tokens="keep"`, `max_staleness`, below);
+  `--stale-tokens mask` gives them no loss instead (the adapter's default), at the cost of
+  most of APRIL's tokens (the README has both figures);
 - `april-async`: `april` plus `background=True` (issue 19): each call's stragglers keep
   generating while the trainer computes the loss, steps and pushes weights (`on_quota:
   continue`), and the adapter prefetches the groups the next call would draw. It runs with
   `max_inflight_groups` = the step's P groups: the buffered (older) groups start first and new
   ones fill in as groups finish. With `"auto"` all 2P ran at once, the step's new groups
   finished first and filled the quota, and older ones left unfinished went past
-  `max_staleness` at the next push and restarted from their prompt (measured, seed 0, 20
-  steps: 196 restarts and 0.61 s rollout wait per step with auto, 116 and 0.47 s with P).
+  `max_staleness` at the next push and restarted from their prompt (measured, seed 0: 196 vs
+  116 restarts over 20 steps, 376 vs 252 over 40; the rollout wait per step moved within
+  run-to-run noise, 0.61 vs 0.47 s and 0.59 vs 0.62 s).
+
+`max_staleness` is 2 for every mode (`--max-staleness`). April's calls judge a buffered sample
+by its newest segment, so for `april` the bound changes little (with 1, `make bench-async`
+saw april deliver tokens 3 versions old). A background sample is judged by its oldest
+token: it must be generated within max_staleness + 1 rollout calls and the training phases
+between them, and one longer than that restarts at every push, for good. With 1 (APRIL's
+own setting) this long-tail task's longest groups did exactly that: 232-252 restarts per 40
+steps, and april-async's steps were slower than april's (0.55-0.62 vs 0.37-0.44 s rollout
+wait); with 2, 68-88 restarts and the fastest steps of the three modes (docs/trainers.md has
+both runs).
 
 Separate devices, on one machine: every mode runs the server pinned to core 1 and the trainer
 to core 0 (one torch thread), so generation and training overlap as they would on a rollout
@@ -64,7 +75,7 @@ class DemoConfig:
     max_completion_length: int = 256
     learning_rate: float = 1e-2
     over_provision: float = 2.0
-    max_staleness: int = 1
+    max_staleness: int = 2  # see the module docstring
     stale_tokens: StaleTokens = "keep"  # see the module docstring
     seed: int = 0
     pin: bool = True  # server and trainer on separate cores (see the module docstring)
