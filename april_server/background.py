@@ -4,11 +4,14 @@ A call with `on_quota: continue` hands the unfinished groups it started to the b
 when it answers; `POST /groups` with `start: background` hands in new ones. Here is where a
 call ends and the background begins:
 
-1. The background runs only while no call is active (it never slows a call down). A call,
-   a resume, a delete or an abort first pauses it (`paused()`): every background segment
-   stops with a KV snapshot, the groups are persisted and handed back to the idle buffer, so
-   the call claims them like any buffered group (finished ones first, the rest resuming from
-   their snapshots) and counts them toward its quota.
+1. The background runs only while no call is active (it never slows a call down). A call
+   first takes over the groups still generating, oldest first, as many as its running
+   target holds (`yielding`, `hand_over`): they pass to it in place, their segments keep
+   generating, and they count toward its quota. The rest give way (`give_way`): their
+   segments stop with a KV snapshot, the groups are persisted and handed back to the idle
+   buffer, and the call claims them like any buffered group (finished ones first, the rest
+   resuming from their snapshots). A resume, a delete or an abort pauses it all
+   (`paused()`).
 2. When the last of those ends, the background takes its groups again (`kick`): held in
    place (`PartialBuffer.hold_in_place`), so they stay listed and counted as buffered, with
    `state: running`, and starts their unfinished samples under the admission bound shared
@@ -20,8 +23,10 @@ call ends and the background begins:
    prompt. An abort, a delete or a restart forget the group here: it stays buffered, idle.
 5. That bound holds until the group is delivered: when a call claims a group put here, each
    member whose oldest kept token is then more than the bound behind restarts from its prompt,
-   finished or not (`restart_stale`). Otherwise a group that finished here, or that a call
-   claimed before the background ran it again after a push, would be delivered staler.
+   finished or not (`restart_stale`; a member taken over generating was judged at its last
+   cut, and is judged by the call's rule from then on). Otherwise a group that finished here,
+   or that a call claimed before the background ran it again after a push, would be
+   delivered staler.
 What is durable is what was persisted: at a hand-back (pause, finish) and at every call's
 answer; tokens generated since then are not yet acknowledged.
 """
@@ -31,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -60,6 +65,11 @@ class Background:
         self.pauses = 0  # pauses that found background segments running, and their time
         self.pause_s = 0.0
         self._task: asyncio.Task[None] | None = None
+        # The running round's segment tasks (task -> group id), how many each group still
+        # runs, and a wake-up for when a call took some of them over (`hand_over`).
+        self._ends: dict[asyncio.Task[None], str] = {}
+        self._left: dict[str, int] = {}
+        self._changed = asyncio.Event()
 
     # ---- what the rest of the server calls -------------------------------------------------
 
@@ -95,6 +105,8 @@ class Background:
             if bound is None:  # not put here, or put here without a bound
                 continue
             for s in g.samples:
+                if s.sample_id in mgr.running:  # taken over generating: judged at every cut
+                    continue
                 if (
                     s.segments
                     and S.version_lag(s.segments[0].weight_version, current, mgr.version_history)
@@ -104,6 +116,55 @@ class Background:
                     S.reset_output(s)
                     mgr.counters.staleness_restarts += 1
                     tally.notes.append(f"{s.sample_id}: restarted from its prompt (max_staleness)")
+
+    @asynccontextmanager
+    async def yielding(self) -> AsyncIterator[None]:
+        """A call's hold: like `paused()`, but what runs keeps running until the call has
+        taken over the groups it wants (`hand_over`) and stopped the rest (`give_way`)."""
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            self.kick()
+
+    def hand_over(self, owner: str, take: Callable[[Group, int], bool]) -> list[Group]:
+        """Running groups pass to the call `owner`, oldest first, while `take(group, running
+        members)` accepts them; their segments keep generating, now the call's."""
+        mgr = self.mgr
+        if not mgr.segments.updated.is_set():
+            # A weight update holds cut segments: they continue after it under the rule of
+            # whoever owns them; stopped and claimed instead, they are judged by their bound.
+            return []
+        index = mgr.buffer.idle
+        running = sorted(
+            (e.seq, gid)
+            for gid in self.running_groups()
+            if gid in self._left and (e := index.get(gid)) is not None
+        )
+        taken = []
+        for _, gid in running:
+            group = mgr.groups[gid]
+            runs = [r for r in mgr.running.values() if r.sample.group_id == gid]
+            if any(r.stopping for r in runs):  # an abort is stopping it: not the call's
+                continue
+            if not take(group, len(runs)):
+                break
+            mgr.buffer.pass_held(gid, owner)
+            for r in runs:
+                r.owner = owner
+            for t in [t for t, g in self._ends.items() if g == gid]:
+                del self._ends[t]
+            del self._left[gid]
+            self.forget([gid])
+            taken.append(group)
+        if taken:
+            self._changed.set()
+        return taken
+
+    async def give_way(self) -> None:
+        """Stop what the call did not take over (see the module docstring, 1)."""
+        await self._stop()
 
     def handed_in_by(self, batch_id: str) -> set[str]:
         """The groups a call (its batch id) left generating here."""
@@ -148,8 +209,9 @@ class Background:
         runs = [r for r in self.mgr.running.values() if r.owner == OWNER]
         await self.mgr.stop_running(runs, "snapshot")
         await asyncio.wait([task])
-        self.pauses += 1
-        self.pause_s += time.perf_counter() - t0
+        if runs:
+            self.pauses += 1
+            self.pause_s += time.perf_counter() - t0
 
     async def _round(self) -> None:
         mgr = self.mgr
@@ -159,8 +221,7 @@ class Background:
             for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
                 self.forget([gid], gone=True)  # delivered, deleted or dropped meanwhile
             groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
-            ends: dict[asyncio.Task[None], str] = {}
-            left: dict[str, int] = {}
+            ends, left = self._ends, self._left
             for g in groups if not self._holds else ():  # paused while holding: start nothing
                 n = self._start(g.group_id, ends, bool(ends))
                 if n is None:
@@ -170,9 +231,14 @@ class Background:
             for gid in [g.group_id for g in groups if g.group_id not in left]:
                 await self._hand_back([gid])  # finished, or waiting for room
             while ends:
-                done, _ = await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+                self._changed.clear()
+                changed = asyncio.ensure_future(self._changed.wait())
+                done, _ = await asyncio.wait([*ends, changed], return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
                 for t in done:
-                    gid = ends.pop(t)
+                    if t not in ends:  # the wake-up, or a segment a call took over meanwhile
+                        continue
+                    gid = ends.pop(t)  # type: ignore[arg-type]
                     left[gid] -= 1
                     if left[gid] == 0:
                         del left[gid]
@@ -184,6 +250,8 @@ class Background:
             await self._hand_back(list(self.running_groups()))
         finally:
             self._task = None
+            self._ends.clear()
+            self._left.clear()
         if waiting and not self._holds:
             self.kick()  # groups that found no room get their turn
 

@@ -134,6 +134,14 @@ class PartialBuffer:
             if entry is not None:
                 self.idle.add(entry)
 
+    def pass_held(self, gid: str, owner: str) -> None:
+        """A group held in place (the background's, generating) becomes `owner`'s like a
+        claimed one: out of the index, its body staying in memory, where its running samples
+        record their segments."""
+        self._let_go(gid)
+        self.idle.remove(gid)
+        self._hold(gid, owner)
+
     def _hold(self, gid: str, owner: str) -> None:
         self.owner[gid] = owner
         self._owned.setdefault(owner, set()).add(gid)

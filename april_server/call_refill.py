@@ -10,7 +10,7 @@ from april_server import samples as S
 from april_server.buffer_index import BufferEntry, open_footprint
 from april_server.call_turns import TurnsInCall
 from april_server.inflight import kv_need
-from april_server.protocol import GroupFinishedEvent
+from april_server.protocol import Group, GroupFinishedEvent
 
 
 class Refill(TurnsInCall):
@@ -36,6 +36,46 @@ class Refill(TurnsInCall):
                 self._emit_finished(gid)
             else:  # nothing runnable: its members await input
                 self._announce_awaiting(gid)
+
+    async def _take_over_background(
+        self,
+        tasks: dict[asyncio.Task[None], str],
+        active: dict[str, int],
+        limit: int,
+        sample_target: int,
+    ) -> None:
+        """Before step 2: the background groups still generating pass to this call, oldest
+        first, as many as its running target takes; they keep generating and count toward its
+        quota. The rest of the background stops (`background.py`, 1)."""
+        mgr = self.mgr
+        if self.req.resume_first:
+            room = [0, 0]  # groups, unfinished samples taken
+
+            def take(group: Group, running: int) -> bool:
+                unfinished = sum(1 for s in group.samples if not S.is_finished(s))
+                if room[0] and (room[0] >= limit or room[1] + unfinished > sample_target):
+                    return False
+                room[0] += 1
+                room[1] += unfinished
+                return True
+
+            groups = mgr.background.hand_over(self.batch_id, take)
+            self.group_ids.extend(g.group_id for g in groups)
+            await mgr.background.restart_stale(groups, self.tally)
+            for g in groups:
+                gid = g.group_id
+                self.started.add(gid)
+                runs = [r for r in mgr.running.values() if r.sample.group_id == gid]
+                for r in runs:
+                    r.max_staleness = self.req.max_staleness
+                    tasks[r.task] = gid
+                n = len(runs) + self._start_group(gid, tasks)
+                if n:
+                    active[gid] = active.get(gid, 0) + n
+                    self.peak_running = max(self.peak_running, len(tasks))
+                elif S.group_finished(g):
+                    self._emit_finished(gid)
+        await mgr.background.give_way()
 
     async def _next_group(
         self, running: int, active: int, limit: int, sample_target: int

@@ -46,6 +46,7 @@ from april_server.protocol import (
     StreamEvent,
     TurnsSpec,
 )
+from april_server.segments import BACKGROUND
 from april_server.turns import check_spec
 
 if TYPE_CHECKING:
@@ -140,6 +141,8 @@ class RolloutCall(Refill, WindDown):
                 f"({len(fresh)} sent, {buffered} buffered and idle)",
             )
         mgr.calls[self.batch_id] = self
+        if any(mgr.buffer.owner.get(gid) == BACKGROUND for gid in again):
+            await mgr.background.give_way()  # a retry's own groups: buffered again first
         if again:  # claimed whole now, started before anything else
             taken = await mgr.buffer.claim(again, self.batch_id, busy_code="group_busy")
             self.ready.extend(g.group_id for g in taken)
@@ -171,6 +174,7 @@ class RolloutCall(Refill, WindDown):
             # Inside the try: the caller may already hold a started stream (its groups are
             # acknowledged), so a cancellation even here must wind down and keep them.
             limit, sample_target = await self._inflight_limits()
+            await self._take_over_background(tasks, active, limit, sample_target)
             await self.mgr.admission_ready()
             while True:
                 if self.quota.met:
@@ -266,8 +270,9 @@ async def rollout(
         mgr.inflight_requests[rid] = fut
     outcome: bytes | None = None
     try:
-        # The background gives way to every call: its groups are buffered again, claimable.
-        async with mgr.background.paused():
+        # The background gives way to every call: the groups still generating that the call
+        # takes over keep generating, the rest are buffered again, claimable.
+        async with mgr.background.yielding():
             try:
                 await call.prepare()
                 _set(ready)

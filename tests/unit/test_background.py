@@ -81,15 +81,42 @@ def test_a_call_takes_over_a_group_still_generating(tmp_path: Path) -> None:
         await rollout(mgr, req)
         await until(lambda: "long" in mgr.background.running_groups())
         await asyncio.sleep(0.2)
-        # A call claims it mid-generation: the background gives way, the call finishes it.
+        # A call claims it mid-generation: its background segment keeps generating, now the
+        # call's, and counts toward its quota (nothing stops, nothing restores).
         r = await rollout(mgr, RolloutReq(groups=[spec("new", 500)], target_groups=1))
         assert [g.group_id for g in r.groups] == ["long"]
         (s,) = r.groups[0].samples
         assert s.output_ids == reference(400)  # nothing lost or generated twice
-        assert len(s.segments) >= 3  # call, background, call
+        assert len(s.segments) == 2  # the first call's, then the background's to the end
         assert sum(x.end - x.start for x in s.segments) == 400
+        assert mgr.background.pauses == 0
         # ... and "new", which that call started, went back to the buffer idle (snapshot).
         assert not mgr.background.wanted
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_call_takes_over_what_its_running_target_holds_and_the_rest_gives_way(
+    tmp_path: Path,
+) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.003)
+        await add_groups(mgr, GroupsReq(groups=[spec(f"g{i}", 300) for i in range(3)]))
+        await until(lambda: len(mgr.background.running_groups()) == 3)
+        await asyncio.sleep(0.05)
+        req = RolloutReq(groups=[], target_groups=1, max_inflight_groups=1)
+        r = await rollout(mgr, req)
+        # The oldest passed to the call generating: one segment, never stopped.
+        assert [g.group_id for g in r.groups] == ["g0"]
+        (s,) = r.groups[0].samples
+        assert len(s.segments) == 1 and s.output_ids == reference(300)
+        # The two it had no room for stopped (one pause) and went on after the call.
+        assert mgr.background.pauses == 1
+        await until(lambda: not mgr.background.wanted and not mgr.buffer.owner)
+        for gid in ("g1", "g2"):
+            (x,) = (await mgr.read_group(gid)).samples
+            assert x.output_ids == reference(300) and len(x.segments) == 2
         mgr.check_integrity()
 
     asyncio.run(go())
