@@ -38,6 +38,8 @@ class Ledger:
         self.created: list[str] = []
         self.returned: Counter[str] = Counter()
         self.gone: set[str] = set()  # deleted, dropped or rejected
+        # Groups whose member got 404 on a repeated answer: they must have left the server.
+        self.answered_after_leaving: set[str] = set()
         self.statuses: Counter[int] = Counter()
         self.errors: list[str] = []
 
@@ -185,8 +187,12 @@ def agent_call(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledge
                 for attempt in range(2 if how == "twice" else 1):
                     a = c.post(f"{R}/samples/{sid}/input", json=answer)
                     led.statuses[a.status_code] += 1
-                    # The first may race an abort-all (409: not awaiting); a second always 409s.
-                    if a.status_code not in (200, 409) or (attempt and a.status_code != 409):
+                    # The first may race an abort-all (409: not awaiting); a second 409s, or
+                    # 404s when the first let its group finish and a call deliver it meanwhile.
+                    if attempt and a.status_code == 404:
+                        with led.lock:
+                            led.answered_after_leaving.add(sid.rpartition("/")[0])
+                    elif a.status_code not in (200, 409) or (attempt and a.status_code != 409):
                         led.errors.append(f"input {attempt} {a.status_code} {a.text[:200]}")
     return True
 
@@ -232,6 +238,7 @@ def test_storm(tiny_server: ServerProc) -> None:
         print(f"storm: {len(waiting)} members left awaiting input")
         # Every group in exactly one place.
         assert all(n == 1 for n in led.returned.values()), led.returned.most_common(3)
+        assert not led.answered_after_leaving - set(led.returned) - led.gone
         for gid in led.created:
             places = (gid in led.returned) + (gid in led.gone) + (gid in buffered)
             assert places == 1, (gid, gid in led.returned, gid in led.gone, gid in buffered)
