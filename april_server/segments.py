@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,15 +43,6 @@ ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still g
 # is often not registered yet when a call pauses the background: the first re-sends come
 # soon, so a stop waits a few milliseconds for such a request rather than a whole poll.
 ABORT_RESEND_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
-
-
-def abort_waits() -> Iterator[float]:
-    """How long to wait before each re-send of an abort: soon at first, then every poll."""
-    yield from ABORT_RESEND_S
-    while True:
-        yield ABORT_POLL_S
-
-
 ENGINE_WAIT_S = 30.0  # how long a segment whose engine went away waits for a healthy one
 HEALTH_POLL_S = 0.5
 
@@ -399,10 +390,7 @@ class SegmentRunner:
         self._resend_cuts = asyncio.ensure_future(self._resend_cut_aborts(cut))
 
     async def _resend_cut_aborts(self, cut: list[Running]) -> None:
-        deadline = time.monotonic() + ENGINE_WAIT_S
-        for wait_s in abort_waits():
-            if time.monotonic() > deadline:
-                return
+        for wait_s in (*ABORT_RESEND_S, *[ABORT_POLL_S] * int(ENGINE_WAIT_S / ABORT_POLL_S)):
             await asyncio.sleep(wait_s)
             cut = [r for r in cut if r.cut and not r.task.done()]  # `_run` clears it on landing
             if not cut or self.updated.is_set():
@@ -469,12 +457,12 @@ class SegmentRunner:
                 self.snap.mark_snapshot(r.rid, r.sample.sample_id, r.slot)
                 r.marked = True
         pending = {r.task for r in runs if not r.task.done()}
-        waits = abort_waits()
+        waits = iter(ABORT_RESEND_S)
         while pending:
             for r in runs:
                 if not r.task.done():
                     self.engine.abort(r.rid)  # idempotent: SGLang sends one abort per request
-            _, pending = await asyncio.wait(pending, timeout=next(waits))
+            _, pending = await asyncio.wait(pending, timeout=next(waits, ABORT_POLL_S))
 
     async def forget(self, sample: Sample) -> None:
         """Free the sample's snapshot, wherever it lives."""
