@@ -91,10 +91,12 @@ def engines(http: httpx.Client) -> dict[str, Any]:
     return {e["engine"]: e for e in ok(http.get(R + "/stats"))["engine"]["engines"]}
 
 
-def wait_for(what: str, check: Any, timeout_s: float = 120.0) -> None:
+def wait_for(what: str, check: Any, timeout_s: float = 120.0, detail: Any = None) -> None:
+    """`detail`: what to show on a timeout (the last state seen)."""
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        seen = f"; last seen: {detail()}" if detail is not None else ""
+        assert time.monotonic() < deadline, f"timed out waiting for {what}{seen}"
         time.sleep(0.2)
 
 
@@ -363,15 +365,25 @@ def test_kill9_of_an_engine_during_background_generation_loses_nothing(
     added = ok(http.post(R + "/groups", json={"groups": groups, "start": "background"}))
     assert added["group_ids"] == ["bk0", "bk1", "bk2"]
 
-    def running_on(name: str) -> int:
-        slots = ok(http.get(R + "/stats"))["running_by_slot"]
-        return sum(x["running_samples"] for x in slots if x["engine"] == name)
+    seen: list[Any] = []
 
-    victim = fleet.name(1)
-    wait_for("background samples on both engines",
-             lambda: running_on(victim) >= 1 and running_on(fleet.name(0)) >= 1)  # fmt: skip
+    def generating() -> dict[str, int]:
+        """Background samples running per engine (kept with the engines' states for a report)."""
+        st = ok(http.get(R + "/stats"))
+        seen[:] = [st["running_by_slot"], {k: e["state"] for k, e in engines(http).items()}]
+        out = {fleet.name(i): 0 for i in range(2)}
+        for x in st["running_by_slot"]:
+            out[x["engine"]] += x["running_samples"]
+        return out
+
+    # The victim: an engine holding background samples, engine 1 where placement put some there
+    # (least loaded first: the usual case), else engine 0. Seen once in the full suite: no poll
+    # found both engines generating at once, so the test no longer requires it.
+    wait_for("background samples", lambda: sum(generating().values()) >= 1, detail=lambda: seen)
+    v = 1 if generating()[fleet.name(1)] >= 1 else 0
+    victim = fleet.name(v)
     assert ok(http.get(R + "/stats"))["active_calls"] == 0  # only the background generates
-    fleet.engines[1].kill9()
+    fleet.engines[v].kill9()
     wait_for("the engine down", lambda: engines(http)[victim]["state"] == "down")
     # Every group is still listed once; then all finish on the surviving engine.
     listed = ok(http.get(R + "/partials"))["groups"]
@@ -385,7 +397,7 @@ def test_kill9_of_an_engine_during_background_generation_loses_nothing(
             assert s["output_ids"] == want[g["group_id"]][: len(s["output_ids"])]
             assert len(s["output_ids"]) == sum(x["end"] - x["start"] for x in s["segments"])
     assert ok(http.get(R + "/stats"))["running_samples"] == 0
-    fleet.restart(1)
+    fleet.restart(v)
     wait_for("the engine back", lambda: engines(http)[victim]["state"] == "healthy", 180)
 
 
