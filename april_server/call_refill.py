@@ -66,8 +66,8 @@ class Refill(TurnsInCall):
                 gid = g.group_id
                 self.started.add(gid)
                 runs = [r for r in mgr.running.values() if r.sample.group_id == gid]
-                for r in runs:
-                    r.max_staleness = self.req.max_staleness
+                for r in runs:  # from now on planned, and counted, as this call's
+                    r.max_staleness, r.tally = self.req.max_staleness, self.tally
                     tasks[r.task] = gid
                 n = len(runs) + self._start_group(gid, tasks)
                 if n:

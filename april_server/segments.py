@@ -66,6 +66,9 @@ class Running:
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     max_staleness: int | None = None  # what its continuations are planned with
     override_params: dict[str, Any] | None = None
+    # Whose figures its tokens count in: the call that started it, or the one that took it
+    # over from the background (`call_refill.py`).
+    tally: CallTally = field(default_factory=lambda: CallTally())
 
 
 @dataclass
@@ -171,10 +174,10 @@ class SegmentRunner:
         call = self._plan(sample, owner, cont, restore, held)  # None: nothing healthy now
         # The task starts at the next loop turn, once its `Running` entry is in place.
         task = asyncio.get_running_loop().create_task(
-            self._run(sample.sample_id, cont, restore, call, need, tally)
+            self._run(sample.sample_id, cont, restore, call, need)
         )
         run = Running(sample, owner, "", task, unplanned_drop=held if call is None else None)
-        run.max_staleness, run.override_params = max_staleness, override_params
+        run.max_staleness, run.override_params, run.tally = max_staleness, override_params, tally
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
             self._add_load(call.slot, 1, need)
@@ -230,13 +233,12 @@ class SegmentRunner:
         restore: bool,
         call: SegmentCall | None,
         need: float,
-        tally: CallTally,
     ) -> None:
         run = self.running[sample_id]
         sample = run.sample
         ended: SegmentOutcome | None = None  # None: ended by a cut, recorded already
         while True:
-            out = await self._one_segment(run, cont, restore, call, need, tally)
+            out = await self._one_segment(run, cont, restore, call, need)
             ended = out
             cut = run.cut and out.result.finish_reason == "abort" and out.result.error is None
             run.cut = False
@@ -248,12 +250,12 @@ class SegmentRunner:
             await self._until_updated(run)
             if run.stopping:
                 break
-            self._record(sample, out, cont, tally)
+            self._record(sample, out, cont, run.tally)
             await self._settle(sample, out, True, False, False, run.restore_planned)
             if S.is_finished(sample):  # the abort landed on its last budgeted token
                 ended = None
                 break
-            cont, call, restore = self._continue_after_cut(run, tally, need)
+            cont, call, restore = self._continue_after_cut(run, need)
         if run.unplanned_drop is not None and self.snap is not None:
             # Never planned (stopped, or nothing healthy): free the restart's useless snapshot.
             try:
@@ -270,7 +272,7 @@ class SegmentRunner:
             S.reset_output(sample)
             await self._settle(sample, out, False, False, marked, run.restore_planned)
             return
-        self._record(sample, out, cont, tally)
+        self._record(sample, out, cont, run.tally)
         # "Interrupted" means still unfinished: an abort that lands on the last budgeted
         # token ends a finished sample, whose snapshot would never be used.
         if out.result.error is None:  # after an engine error, what was held stays as it was
@@ -285,7 +287,6 @@ class SegmentRunner:
         restore: bool,
         call: SegmentCall | None,
         need: float,
-        tally: CallTally,
     ) -> SegmentOutcome:
         """Run one planned segment to its end; a segment whose engine went away runs again
         on a healthy one. Engine failures come back as an outcome that keeps nothing."""
@@ -295,7 +296,7 @@ class SegmentRunner:
                 call = await self._replan(run, cont, restore)
                 if call is None:
                     why = "stopped" if run.stopping else f"no healthy engine in {ENGINE_WAIT_S} s"
-                    return self._failed(sample, run.slot, f"engine unavailable ({why})", tally)
+                    return self._failed(sample, run.slot, f"engine unavailable ({why})", run.tally)
                 run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
                 self._add_load(call.slot, 1, need)
             try:
@@ -304,13 +305,13 @@ class SegmentRunner:
                 # What it generated there is lost with the engine; the sample keeps what it
                 # had and, unless it is being stopped, its segment runs again elsewhere.
                 self.counters.engine_failovers += 1
-                tally.notes.append(f"{sample.sample_id}: {exc}; its segment runs again")
+                run.tally.notes.append(f"{sample.sample_id}: {exc}; its segment runs again")
                 await self._drop_unexecuted(call)
                 call = None
             except Exception as exc:  # an engine failure must not lose the sample
                 logger.exception("engine error on %s", call.rid)
                 await self._drop_unexecuted(call)
-                return self._failed(sample, call.slot, f"engine error: {exc}", tally)
+                return self._failed(sample, call.slot, f"engine error: {exc}", run.tally)
             finally:
                 self._add_load(run.slot, -1, -need)
 
@@ -415,7 +416,7 @@ class SegmentRunner:
                 w.cancel()
 
     def _continue_after_cut(
-        self, run: Running, tally: CallTally, need: float
+        self, run: Running, need: float
     ) -> tuple[S.Continuation, SegmentCall | None, bool]:
         """The next segment of a sample cut by a weight update, under the version now."""
         sample = run.sample
@@ -430,7 +431,7 @@ class SegmentRunner:
         )
         if cont.restarted:
             self.counters.staleness_restarts += 1
-            tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
+            run.tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
         call = self._plan(sample, run.owner, cont, False, None)
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore

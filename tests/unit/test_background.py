@@ -92,6 +92,11 @@ def test_a_call_takes_over_a_group_still_generating(tmp_path: Path) -> None:
         assert mgr.background.pauses == 0
         # ... and "new", which that call started, went back to the buffer idle (snapshot).
         assert not mgr.background.wanted
+        # The taken-over segment counts in the call's figures, whole, and not the background's.
+        (new,) = (await mgr.read_group("new")).samples
+        taken = s.segments[1].end - s.segments[1].start
+        assert r.stats.output_tokens == taken + len(new.output_ids)
+        assert mgr.background.tally.output_tokens == 0
         mgr.check_integrity()
 
     asyncio.run(go())
