@@ -15,7 +15,9 @@ call ends and the background begins:
 2. When the last of those ends, the background takes its groups again (`kick`): held in
    place (`PartialBuffer.hold_in_place`), so they stay listed and counted as buffered, with
    `state: running`, and starts their unfinished samples under the admission bound shared
-   with calls; groups that do not fit wait for a later round.
+   with calls; groups that do not fit wait for a later round. A `continue` call that ends
+   while nothing else holds the background hands its groups still generating over in place
+   (`adopt`): their segments never stop, and they are held in place at once.
 3. A group whose members have all finished is persisted and handed back at once: `state:
    finished`, delivered without waiting by the next call that asks for buffered groups.
 4. A weight push cuts background segments at the version boundary like any (`segments.py`);
@@ -44,7 +46,7 @@ from april_server import samples as S
 from april_server.buffer_index import open_footprint
 from april_server.inflight import kv_need
 from april_server.protocol import Group
-from april_server.segments import BACKGROUND, CallTally
+from april_server.segments import BACKGROUND, CallTally, Running
 
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager
@@ -70,6 +72,7 @@ class Background:
         self._ends: dict[asyncio.Task[None], str] = {}
         self._left: dict[str, int] = {}
         self._changed = asyncio.Event()
+        self._fill_due = False  # a round is to take and start the wanted groups (`kick`)
 
     # ---- what the rest of the server calls -------------------------------------------------
 
@@ -127,6 +130,38 @@ class Background:
         finally:
             self._holds -= 1
             self.kick()
+
+    def may_adopt(self, owner: str) -> bool:
+        """Whether the ending call `owner` may hand its groups still generating over in place:
+        no other call or operation holds the background, and no weight update holds cut
+        segments (those continue under their owner's rule after it)."""
+        mgr = self.mgr
+        return self._holds == 1 and list(mgr.calls) == [owner] and mgr.segments.updated.is_set()
+
+    def adopt(self, owner: str, going: dict[str, list[Running]]) -> list[str]:
+        """The ending call `owner`'s groups (with the runs it started) pass here generating,
+        held in place; call after they were persisted and added (`add`). Returns the groups
+        it did not take: the call stops their runs. A group none of whose segments is still
+        running is not taken either: what its last segment recorded may postdate the persist."""
+        if not self.may_adopt(owner):
+            return list(going)
+        mgr = self.mgr
+        refused = []
+        for gid, runs in going.items():
+            pending = [r for r in runs if not r.task.done()]
+            if gid not in self.wanted or not pending or any(r.stopping for r in pending):
+                refused.append(gid)
+                continue
+            mgr.buffer.pass_in_place(gid, OWNER)
+            for r in pending:
+                r.owner, r.tally = OWNER, self.tally
+                self._ends[r.task] = gid
+            self._left[gid] = len(pending)
+        if len(refused) < len(going):
+            self._changed.set()
+            if self._task is None:  # it fills once the call has ended (`kick`)
+                self._task = asyncio.get_running_loop().create_task(self._round())
+        return refused
 
     def hand_over(self, owner: str, take: Callable[[Group, int], bool]) -> list[Group]:
         """Running groups pass to the call `owner`, oldest first, while `take(group, running
@@ -196,8 +231,13 @@ class Background:
         return {gid for gid, o in self.mgr.buffer.owner.items() if o == OWNER}
 
     def kick(self) -> None:
-        if self._task is None and self.wanted and self._holds == 0 and not self.mgr.calls:
+        if not self.wanted or self._holds or self.mgr.calls:
+            return
+        self._fill_due = True
+        if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._round())
+        else:  # a round runs what a call handed over in place: it takes the rest too
+            self._changed.set()
 
     # ---- one round: hold, run, hand back ----------------------------------------------------
 
@@ -216,21 +256,15 @@ class Background:
     async def _round(self) -> None:
         mgr = self.mgr
         waiting: list[str] = []
+        ends, left = self._ends, self._left
         try:
             await mgr.admission_ready()
-            for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
-                self.forget([gid], gone=True)  # delivered, deleted or dropped meanwhile
-            groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
-            ends, left = self._ends, self._left
-            for g in groups if not self._holds else ():  # paused while holding: start nothing
-                n = self._start(g.group_id, ends, bool(ends))
-                if n is None:
-                    waiting.append(g.group_id)  # no room now: handed back, runs later
-                elif n:
-                    left[g.group_id] = n
-            for gid in [g.group_id for g in groups if g.group_id not in left]:
-                await self._hand_back([gid])  # finished, or waiting for room
-            while ends:
+            while True:
+                if self._fill_due and not self._holds and not mgr.calls:
+                    self._fill_due = False
+                    waiting = await self._fill()
+                if not ends:
+                    break
                 self._changed.clear()
                 changed = asyncio.ensure_future(self._changed.wait())
                 done, _ = await asyncio.wait([*ends, changed], return_when=asyncio.FIRST_COMPLETED)
@@ -254,6 +288,24 @@ class Background:
             self._left.clear()
         if waiting and not self._holds:
             self.kick()  # groups that found no room get their turn
+
+    async def _fill(self) -> list[str]:
+        """Hold the wanted groups in place and start what fits; returns those that did not."""
+        mgr = self.mgr
+        waiting: list[str] = []
+        for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
+            self.forget([gid], gone=True)  # delivered, deleted or dropped meanwhile
+        groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
+        ends, left = self._ends, self._left
+        for g in groups if not self._holds else ():  # paused while holding: start nothing
+            n = self._start(g.group_id, ends, bool(ends))
+            if n is None:
+                waiting.append(g.group_id)  # no room now: handed back, runs later
+            elif n:
+                left[g.group_id] = n
+        for gid in [g.group_id for g in groups if g.group_id not in left]:
+            await self._hand_back([gid])  # finished, or waiting for room
+        return waiting
 
     def _start(self, gid: str, ends: dict[asyncio.Task[None], str], others: bool) -> int | None:
         """Start the group's unfinished samples whole, if it fits beside what runs (the

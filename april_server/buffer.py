@@ -142,6 +142,15 @@ class PartialBuffer:
         self.idle.remove(gid)
         self._hold(gid, owner)
 
+    def pass_in_place(self, gid: str, owner: str) -> None:
+        """The reverse of `pass_held`: a claimed group, persisted, becomes held in place by
+        `owner` (the background): listed again at its position with its persisted summary,
+        its body staying in memory, where its running samples record their segments."""
+        entry = self._stored[gid]
+        self._let_go(gid)
+        self.idle.add(entry)
+        self._hold(gid, owner)
+
     def _hold(self, gid: str, owner: str) -> None:
         self.owner[gid] = owner
         self._owned.setdefault(owner, set()).add(gid)

@@ -1,7 +1,9 @@
-"""Steps 4-6 of a call, where it ends and the background begins: stop what still generates
+"""Steps 4-7 of a call, where it ends and the background begins: stop what still generates
 (with a snapshot for `snapshot` and `continue`), answer exactly `target_groups` finished groups,
 buffer the rest, persist before answering, and hand a `continue` call's stragglers to the
-background (`background.py`), which goes on with them once no call runs."""
+background (`background.py`). Where no other call or operation holds the background, those
+still generating pass to it in place and never stop (`Background.adopt`); otherwise they stop
+with a snapshot and the background restores them once no call runs."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from april_server import samples as S
 from april_server.call_turns import TurnsInCall
 from april_server.idempotency import attempt_record
 from april_server.protocol import Keep, RolloutResp, RolloutStats
+from april_server.segments import Running
 
 _enc = msgspec.json.Encoder()
 
@@ -26,14 +29,17 @@ class WindDown(TurnsInCall):
         self.stopped = True
         # Step 4: nothing of this call may keep generating.
         runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
-        # `continue`: its stragglers stop with a snapshot here and go on in the background
-        # (background.py), restoring it.
+        # `continue`: the stragglers the background can take as they are keep generating
+        # (handed over in `_finish`); the rest stop with a snapshot, which it restores.
+        going = self._going_on_in_place(runs)
+        runs = [r for r in runs if r.sample.group_id not in going]
         keep: Keep | None = "snapshot" if self.req.on_quota in ("snapshot", "continue") else None
         await mgr.stop_running(runs, keep)
         # A segment leaves `running` when its request returned but still records its end
         # (tokens, the snapshot taken) a few awaits later: persisting before that would store
         # the group without it and lose track of the snapshot.
-        ending = [t for t in self.tasks if not t.done()]
+        kept = {r.task for rs in going.values() for r in rs}
+        ending = [t for t in self.tasks if not t.done() and t not in kept]
         if ending:
             await asyncio.wait(ending)
         # Agent rollouts: which members it interrupted (mid-turn or at a turn's start), and
@@ -43,10 +49,47 @@ class WindDown(TurnsInCall):
             if gid in mgr.groups:
                 self._announce_awaiting(gid)
         resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
+        if going:
+            await self._hand_over_in_place(going)
         for g in self.discarded:  # their KV snapshots go with them
             for sample in g.samples:
                 await mgr.segments.forget(sample)
         return resp
+
+    def _going_on_in_place(self, runs: list[Running]) -> dict[str, list[Running]]:
+        """The groups (and their runs) to hand to the background generating: a `continue`
+        call's, where nothing but this call holds the background. Not a group being aborted,
+        rejected, or of an agent episode (its turns are announced by the call that runs them)."""
+        mgr = self.mgr
+        if self.req.on_quota != "continue" or not mgr.background.may_adopt(self.batch_id):
+            return {}
+        by_group: dict[str, list[Running]] = {}
+        for r in runs:
+            by_group.setdefault(r.sample.group_id, []).append(r)
+        return {
+            gid: rs
+            for gid, rs in by_group.items()
+            if gid not in self.quota.rejected
+            and gid not in self.given_up
+            and not any(r.stopping or r.sample.turn_rule is not None for r in rs)
+        }
+
+    async def _hand_over_in_place(self, going: dict[str, list[Running]]) -> None:
+        """After the answer was persisted: the background takes the groups still generating.
+        Those it cannot take now (another call or operation came meanwhile, or a weight
+        update) stop with a snapshot, as they would have at step 4, and are persisted again
+        with what they generated since."""
+        mgr = self.mgr
+        refused = mgr.background.adopt(self.batch_id, going)
+        if not refused:
+            return
+        runs = [r for gid in refused for r in going[gid]]
+        # Not one an abort is stopping meanwhile: that keeps what the abort asked for.
+        await mgr.stop_running([r for r in runs if not r.stopping], "snapshot")
+        ending = [r.task for r in runs if not r.task.done()]
+        if ending:
+            await asyncio.wait(ending)
+        await mgr.persist([mgr.groups[g] for g in refused], [])
 
     async def _finish(
         self, wall_s: float, time_to_quota: float | None, deliver: bool
@@ -116,7 +159,9 @@ class WindDown(TurnsInCall):
         await mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
         mgr.background.forget(returned + dropped)  # they left the server
         if req.on_quota == "continue":  # they go on generating once this call has ended
-            going_on = [g for g in buffered if g in self.started]
+            # Not those an abort named meanwhile (it landed during the persist): it ended
+            # their background life before it answered.
+            going_on = [g for g in buffered if g in self.started and g not in self.given_up]
             mgr.background.add(
                 [g for g in going_on if not S.group_finished(mgr.groups[g])],
                 req.max_staleness,

@@ -12,7 +12,7 @@
 6. Persist the buffer and the response (one fsynced commit, off the event loop) before
    answering.
 7. With `on_quota: continue`, the unfinished groups it started go on generating in the
-   background once no call runs (`background.py`).
+   background (`background.py`): in place, never stopped at 4, where nothing else holds it.
 
 Where each step lives: 1 and the run loop here; 2-3 in `call_refill.py`; 4-7 in `call_end.py`,
 where a call ends and the background begins. What a call holds: `call_state.py`; the quota:

@@ -117,13 +117,23 @@ def test_crash_during_background_generation_loses_no_acknowledged_token(tmp_path
             }
             r = ok(c.post(R + "/rollouts", json=body))
             assert r["buffered_group_ids"] == ["slow"]
+
+            def background_running() -> None:
+                deadline = time.monotonic() + 60
+                while ok(c.get(R + "/stats"))["background_running_samples"] < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+
+            # The straggler passed to the background generating: what its segment makes is
+            # acknowledged when the segment ends. A call that takes nothing over pauses it.
+            background_running()
+            time.sleep(0.3)
+            mid = {"groups": [group("mid", [4], [4])], "target_groups": 1, "resume_first": False}
+            ok(c.post(R + "/rollouts", json=mid))
             acked = ok(c.get(R + "/partials/slow"))["samples"][0]["output_ids"]
             pre = ok(c.post(R + "/groups", json={"groups": [group("pre", [5], [3000])]}))
             assert pre["group_ids"] == ["pre"]
-            deadline = time.monotonic() + 60
-            while ok(c.get(R + "/stats"))["background_running_samples"] < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            background_running()
             time.sleep(0.5)
         srv.kill9()
         srv.start()

@@ -64,6 +64,9 @@ def test_continue_keeps_generating_after_the_answer(tmp_path: Path) -> None:
         assert await listed_state(mgr, "long") == "finished"
         (s,) = (await mgr.read_group("long")).samples
         assert s.status == "truncated" and s.output_ids == reference(300)
+        # Handed over in place: the segment the call started never stopped (no snapshot, no
+        # restore, no second segment).
+        assert len(s.segments) == 1 and mgr.background.pauses == 0
         # The next call gets it at once, without generating anything.
         calls = len(mgr.engine.calls)  # type: ignore[attr-defined]
         r2 = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
@@ -81,21 +84,21 @@ def test_a_call_takes_over_a_group_still_generating(tmp_path: Path) -> None:
         await rollout(mgr, req)
         await until(lambda: "long" in mgr.background.running_groups())
         await asyncio.sleep(0.2)
-        # A call claims it mid-generation: its background segment keeps generating, now the
-        # call's, and counts toward its quota (nothing stops, nothing restores).
+        # A call claims it mid-generation: its segment keeps generating, now the call's, and
+        # counts toward its quota (nothing stops, nothing restores).
         r = await rollout(mgr, RolloutReq(groups=[spec("new", 500)], target_groups=1))
         assert [g.group_id for g in r.groups] == ["long"]
         (s,) = r.groups[0].samples
         assert s.output_ids == reference(400)  # nothing lost or generated twice
-        assert len(s.segments) == 2  # the first call's, then the background's to the end
-        assert sum(x.end - x.start for x in s.segments) == 400
+        # One segment: the first call's, handed to the background at its answer, then to this
+        # call, without ever stopping.
+        assert len(s.segments) == 1 and s.segments[0].end == 400
         assert mgr.background.pauses == 0
         # ... and "new", which that call started, went back to the buffer idle (snapshot).
         assert not mgr.background.wanted
         # The taken-over segment counts in the call's figures, whole, and not the background's.
         (new,) = (await mgr.read_group("new")).samples
-        taken = s.segments[1].end - s.segments[1].start
-        assert r.stats.output_tokens == taken + len(new.output_ids)
+        assert r.stats.output_tokens == 400 + len(new.output_ids)
         assert mgr.background.tally.output_tokens == 0
         mgr.check_integrity()
 
@@ -122,6 +125,75 @@ def test_a_call_takes_over_what_its_running_target_holds_and_the_rest_gives_way(
         for gid in ("g1", "g2"):
             (x,) = (await mgr.read_group(gid)).samples
             assert x.output_ids == reference(300) and len(x.segments) == 2
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_continue_call_ending_beside_another_call_stops_its_stragglers(tmp_path: Path) -> None:
+    """Only where nothing else holds the background do stragglers pass to it generating.
+    Here a second call arrives while the first persists its answer: the straggler stops with
+    what it generated persisted again (the first persist predates it), and goes on in the
+    background once both calls have ended."""
+
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.003)
+        persist = mgr.persist
+        second: list[asyncio.Task[Any]] = []
+
+        async def persist_while_a_call_arrives(*args: Any, **kw: Any) -> None:
+            if not second:
+                req = RolloutReq(groups=[spec("other", 30)], target_groups=1, resume_first=False)
+                second.append(asyncio.create_task(rollout(mgr, req)))
+                await until(lambda: len(mgr.calls) == 2)
+            await persist(*args, **kw)
+
+        mgr.persist = persist_while_a_call_arrives  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
+        r = await rollout(mgr, req)
+        assert r.buffered_group_ids == ["long"]
+        (x,) = (await mgr.read_group("long")).samples
+        assert 0 < len(x.output_ids) < 400  # stopped, and what it made is durable
+        assert len(x.segments) == 1
+        await second[0]
+        await until(lambda: not mgr.background.wanted and not mgr.buffer.owner)
+        (x,) = (await mgr.read_group("long")).samples
+        assert x.output_ids == reference(400) and len(x.segments) == 2
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_an_abort_while_a_continue_call_persists_keeps_what_it_asked_for(tmp_path: Path) -> None:
+    """An abort (keep: tokens) arrives while the call persists its answer: the straggler is
+    the abort's, not handed over; it stops for good with its tokens, persisted."""
+
+    async def go() -> None:
+        eng = SnapshotFakeEngine(delay_s=0.003)
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
+        persist = mgr.persist
+        aborts: list[asyncio.Task[Any]] = []
+
+        async def persist_while_aborted(*args: Any, **kw: Any) -> None:
+            if not aborts:
+                aborts.append(asyncio.create_task(mgr.abort(AbortReq(all=True, keep="tokens"))))
+                stopping = lambda: any(r.stopping for r in mgr.running.values())  # noqa: E731
+                await until(lambda: aborts[0].done() or stopping())
+            await persist(*args, **kw)
+
+        mgr.persist = persist_while_aborted  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
+        r = await rollout(mgr, req)
+        assert r.buffered_group_ids == ["long"]
+        await aborts[0]
+        (x,) = (await mgr.read_group("long")).samples
+        assert 0 < len(x.output_ids) < 400 and x.status == "partial"
+        assert x.output_ids == reference(400)[: len(x.output_ids)]
+        # The abort's keep (tokens), not the snapshot the call's stop would have taken.
+        assert x.snapshot_bytes == 0 and not eng.snaps
+        await asyncio.sleep(0.1)
+        assert not mgr.running and not mgr.background.wanted
+        assert await listed_state(mgr, "long") == "idle"
         mgr.check_integrity()
 
     asyncio.run(go())
