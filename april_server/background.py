@@ -116,7 +116,7 @@ class Background:
                     > bound
                 ):
                     await mgr.segments.forget(s)
-                    S.reset_output(s)
+                    S.restart_for_staleness(s)
                     mgr.counters.staleness_restarts += 1
                     tally.notes.append(f"{s.sample_id}: restarted from its prompt (max_staleness)")
 

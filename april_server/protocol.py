@@ -102,6 +102,9 @@ class Sample(_Resp):
     # Agent rollouts (docs/api.md, Turns): the member's turn rule and its finished turns.
     turn_rule: TurnRule | None = None
     turns: list[Turn] = []
+    # Times its output was thrown away to restart from the prompt for `max_staleness`: a
+    # sample too long to finish within the bound restarts at every push (docs/trainers.md).
+    staleness_restarts: int = 0
 
     @property
     def turn(self) -> int:

@@ -190,7 +190,7 @@ def plan_continuation(
         judged = sample.segments[0 if by_oldest else -1]
         lag = version_lag(judged.weight_version, weight_version, history)
         if lag > max_staleness:
-            reset_output(sample)
+            restart_for_staleness(sample)
             restarted = True
     params = dict(sample.sampling_params)
     if override_params:
@@ -213,6 +213,12 @@ def reset_output(sample: Sample) -> None:
     sample.status = "partial"
     sample.finish_reason = None
     clear_snapshot(sample)
+
+
+def restart_for_staleness(sample: Sample) -> None:
+    """Back to the prompt: its output is older than a `max_staleness` allows."""
+    reset_output(sample)
+    sample.staleness_restarts += 1
 
 
 def clear_snapshot(sample: Sample) -> None:

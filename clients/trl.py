@@ -25,7 +25,9 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
    default) sets `env_mask` to 0 on tokens from older versions, so they stay in the context
    but carry no loss; `"keep"` trains on them as APRIL's paper does. TRL applies no
    importance correction without vLLM; its `off_policy_mask_threshold` can use the returned
-   `logprobs` (the sampling policy's) to drop sequences that drifted too far.
+   `logprobs` (the sampling policy's) to drop sequences that drifted too far. Each record
+   (`records`) counts the returned samples that had restarted for the bound; when they are
+   10 % or more of a step's, the adapter logs a warning once (the bound is too tight).
 6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it
    left on the server: nothing of the run stays buffered (background ones included).
 7. Tools (agent rollouts): with `tool=` (a callable from a `ToolCall`: the turn's text and ids,
@@ -65,6 +67,7 @@ as in tasks whose answers differ widely in length (`make train-demo` uses it for
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import tempfile
@@ -90,6 +93,11 @@ from .trainer_batch import (
 )
 from .trl_tools import Tool, ToolLoop
 
+logger = logging.getLogger(__name__)
+# Warn (once per run) when at least this share of a step's returned samples had been thrown
+# away and restarted from their prompt for max_staleness: the bound is too tight for them.
+RESTART_WARN_SHARE = 0.1
+
 
 @dataclass
 class StepRecord:
@@ -108,6 +116,10 @@ class StepRecord:
     returned_tokens: int = 0  # output tokens of the rows returned (output_tokens: generated
     # during the call, which leaves out what the background generated between calls)
     push_s: float = 0.0  # the weight push before this call (0 when none was due)
+    # Of the returned samples: how many had restarted from their prompt for max_staleness,
+    # and their restarts in all (the server's per-sample `staleness_restarts`).
+    restarted_samples: int = 0
+    staleness_restarts: int = 0
 
 
 @dataclass
@@ -136,6 +148,7 @@ class AprilRollout:
     tool: Tool | None = None  # agent rollouts: answers each turn (see trl_tools.py)
     turns: TurnsArg = None  # what ends a turn (needed with `tool`)
     _tools: ToolLoop | None = None
+    _warned_restarts: bool = False
 
     def __post_init__(self) -> None:
         if self.tool is not None:
@@ -199,11 +212,13 @@ class AprilRollout:
             rows, tool_calls = self._tools.rows(resp.groups, n, version, self.stale_tokens)
         wall_s = time.perf_counter() - t0
         prefetched = self._prefetch(firsts, n, params, trainer, step) if training else []
-        self.records.append(
-            StepRecord(call, step, "train" if training else "eval", version, sent, returned,
-                       rows.stale_tokens, resp.stats.output_tokens, wall_s, prefetched,
-                       sum(len(c) for c in rows.completion_ids), push_s)
-        )  # fmt: skip
+        restarts = [s.staleness_restarts for g in resp.groups for s in g.samples]
+        record = StepRecord(call, step, "train" if training else "eval", version, sent,
+                            returned, rows.stale_tokens, resp.stats.output_tokens, wall_s,
+                            prefetched, sum(len(c) for c in rows.completion_ids), push_s,
+                            sum(1 for r in restarts if r), sum(restarts))  # fmt: skip
+        self.records.append(record)
+        self._warn_restarts(record, len(restarts))
         out: dict[str, list[Any]] = {
             "prompt_ids": rows.prompt_ids,
             "completion_ids": rows.completion_ids,
@@ -217,6 +232,23 @@ class AprilRollout:
         for col in rows.columns():
             out[col] = [m[col] for m in rows.metadata]
         return out
+
+    def _warn_restarts(self, record: StepRecord, samples: int) -> None:
+        """Restarts for max_staleness throw generated tokens away; many mean answers take
+        longer than the bound allows (docs/trainers.md, "Choosing max_staleness")."""
+        if self._warned_restarts or not samples:
+            return
+        if record.restarted_samples < RESTART_WARN_SHARE * samples:
+            return
+        self._warned_restarts = True
+        logger.warning(
+            "april: %d of the %d samples returned at step %d had restarted from their prompt "
+            "for max_staleness=%s (%d restarts in all): their answers take longer to generate "
+            "than the bound allows, and every restart throws work away. Raise max_staleness "
+            "(see docs/trainers.md, 'Choosing max_staleness'). Warned once per run.",
+            record.restarted_samples, samples, record.step, self.max_staleness,
+            record.staleness_restarts,
+        )  # fmt: skip
 
     def _prefetch(
         self, firsts: list[Any], n: int, params: dict[str, Any], trainer: Any, step: int

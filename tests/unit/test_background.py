@@ -313,6 +313,7 @@ def test_a_background_sample_restarts_when_its_oldest_token_gets_too_stale(
         assert mgr.counters.staleness_restarts == 1
         assert [x.weight_version for x in s.segments] == ["2"]
         assert s.output_ids == reference(400)
+        assert s.staleness_restarts == 1  # persisted with it (a restart at a cut)
 
     asyncio.run(go())
 
@@ -355,6 +356,7 @@ def test_a_group_put_in_the_background_is_delivered_within_its_max_staleness(
         assert [x.weight_version for x in by_id["new"].segments] == ["1"]
         assert by_id["old"].output_ids == by_id["new"].output_ids == reference(20)
         assert mgr.counters.staleness_restarts == 1 and not mgr.background.bounds
+        assert [by_id[g].staleness_restarts for g in ("old", "new")] == [1, 0]  # at the claim
 
     asyncio.run(go())
 

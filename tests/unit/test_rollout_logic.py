@@ -207,6 +207,8 @@ def test_staleness_restarts_from_prompt() -> None:
         s = r.groups[0].samples[0]
         assert [seg.weight_version for seg in s.segments] == ["2"]
         assert s.output_ids == reference(s.prompt_ids, 300)
+        assert s.staleness_restarts == 1  # the sample says so too (a call's restart)
+        assert r.groups[0].samples[0].staleness_restarts == 1
 
     run(go())
 

@@ -19,13 +19,14 @@ from april_server.protocol import Group, RolloutResp, RolloutStats, Sample, Segm
 P, N = 4, 2
 
 
-def _group(spec: dict[str, Any]) -> Group:
+def _group(spec: dict[str, Any], restarts: int = 0) -> Group:
     samples = [
         Sample(sample_id=f"{spec['group_id']}/{i}", group_id=spec["group_id"], index=i,
                status="completed", prompt_ids=spec["input_ids"], output_ids=[1, 2],
                output_logprobs=[-0.1, -0.1],
                segments=[Segment(start=0, end=2, weight_version="0", kv="fresh")],
-               max_new_tokens=spec["sampling_params"]["max_new_tokens"], finish_reason="stop")
+               max_new_tokens=spec["sampling_params"]["max_new_tokens"], finish_reason="stop",
+               staleness_restarts=restarts if i == 0 else 0)
         for i in range(spec["n"])
     ]  # fmt: skip
     return Group(group_id=spec["group_id"], samples=samples, metadata=spec["metadata"])
@@ -36,6 +37,7 @@ class FakeServer:
         self.buffer: dict[str, dict[str, Any]] = {}  # insertion order = age
         self.calls: list[dict[str, Any]] = []
         self.prefetches: list[dict[str, Any]] = []
+        self.restarts: list[int] = []  # per call: member 0 of its first group restarted this often
 
     def rollout(self, specs: list[dict[str, Any]], target: int, **kw: Any) -> RolloutResp:
         self.calls.append({"specs": specs, "target": target, **kw})
@@ -47,8 +49,10 @@ class FakeServer:
                              num_buffered_groups=len(self.buffer), output_tokens=0,
                              offpolicy_tokens=0, resumed_samples=0, restored_kv_tokens=0,
                              recomputed_tokens=0)  # fmt: skip
-        return RolloutResp(batch_id="b", groups=[_group(s) for s in out],
-                           buffered_group_ids=list(self.buffer), stats=stats)  # fmt: skip
+        k = self.restarts[len(self.calls) - 1] if len(self.calls) <= len(self.restarts) else 0
+        groups = [_group(s, k if j == 0 else 0) for j, s in enumerate(out)]
+        return RolloutResp(batch_id="b", groups=groups, buffered_group_ids=list(self.buffer),
+                           stats=stats)  # fmt: skip
 
     def add_groups(self, specs: list[dict[str, Any]], **kw: Any) -> Any:
         self.prefetches.append({"specs": specs, **kw})
@@ -206,3 +210,19 @@ def test_max_tokens_column_caps_each_group() -> None:
         want = min(64, spec["metadata"]["budget"])
         assert spec["sampling_params"]["max_new_tokens"] == want
     assert {s["sampling_params"]["max_new_tokens"] for s in server.calls[0]["specs"]} != {64}
+
+
+def test_restarted_samples_are_counted_and_many_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Per step: the returned samples that had restarted for max_staleness. Once they reach
+    10 % of a step's (1 of the P * N = 8 here is 12.5 %), one warning for the whole run."""
+    server = FakeServer()
+    server.restarts = [0, 3, 2]
+    adapter = AprilRollout(server, push_weights=False, background=True)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="april_client.trl"):
+        _run(adapter, server, steps=4)
+    got = [
+        (r.restarted_samples, r.staleness_restarts) for r in adapter.records if r.mode == "train"
+    ]
+    assert got == [(0, 0), (1, 3), (1, 2), (0, 0)]
+    warned = [r.getMessage() for r in caplog.records if "max_staleness" in r.getMessage()]
+    assert len(warned) == 1 and "1 of the 8 samples returned at step 1" in warned[0]
