@@ -15,9 +15,12 @@ call ends and the background begins:
 2. When the last of those ends, the background takes its groups again (`kick`): held in
    place (`PartialBuffer.hold_in_place`), so they stay listed and counted as buffered, with
    `state: running`, and starts their unfinished samples under the admission bound shared
-   with calls; groups that do not fit wait for a later round. A `continue` call that ends
-   while nothing else holds the background hands its groups still generating over in place
-   (`adopt`): their segments never stop, and they are held in place at once.
+   with calls; groups that do not fit, and groups handed in while a round runs, wait for a
+   later round (starting those at once beside the running ones was measured: more samples
+   went past `max_staleness` and restarted, fewer tokens per wall second in `make
+   bench-async`). A `continue` call that ends while nothing else holds the background hands
+   its groups still generating over in place (`adopt`): their segments never stop, they are
+   held in place at once, and the round they run in starts the rest once the call has ended.
 3. A group whose members have all finished is persisted and handed back at once: `state:
    finished`, delivered without waiting by the next call that asks for buffered groups.
 4. A weight push cuts background segments at the version boundary like any (`segments.py`);
@@ -159,6 +162,7 @@ class Background:
             self._left[gid] = len(pending)
         if len(refused) < len(going):
             self._changed.set()
+            self._fill_due = True  # once the call has ended, as a round starting would
             if self._task is None:  # it fills once the call has ended (`kick`)
                 self._task = asyncio.get_running_loop().create_task(self._round())
         return refused
@@ -233,10 +237,10 @@ class Background:
     def kick(self) -> None:
         if not self.wanted or self._holds or self.mgr.calls:
             return
-        self._fill_due = True
         if self._task is None:
+            self._fill_due = True
             self._task = asyncio.get_running_loop().create_task(self._round())
-        else:  # a round runs what a call handed over in place: it takes the rest too
+        else:  # the round checks whether a hand-over in place left it a fill to do
             self._changed.set()
 
     # ---- one round: hold, run, hand back ----------------------------------------------------
