@@ -37,6 +37,11 @@ off, and it is off where cores 0 and 1 are not both available). The workload has
 lengths: each prompt's answer budget is drawn from a Pareto distribution (`train_task`), sent
 as its group's `max_new_tokens`.
 
+Equal steps or equal time: by default every mode trains `--steps` steps, so a faster mode
+stops sooner, with fewer seconds of training. `--same-wall` gives the APRIL modes sync's wall
+time instead (whole steps, the one crossing it included, at most 4x the steps): what a user
+with a time budget sees, and the fair reading of "reaches sync's final reward sooner".
+
 Writes `out/train.jsonl` (one row per mode and step: `mode`, `step`, `wall_s` cumulative from
 the start of training, `reward_mean`, `rollout_s` (the step's wait for its rollout call),
 `train_s` (the rest of the step: loss, optimizer, weight push, prefetch), `push_s` (the part of
@@ -55,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +84,12 @@ class DemoConfig:
     stale_tokens: StaleTokens = "keep"  # see the module docstring
     seed: int = 0
     pin: bool = True  # server and trainer on separate cores (see the module docstring)
+    # Train for this many seconds of wall time (whole steps, at most WALL_STEPS_CAP x `steps`)
+    # instead of `steps` steps: `--same-wall` gives the APRIL modes sync's time.
+    wall_budget_s: float | None = None
+
+
+WALL_STEPS_CAP = 4
 
 
 def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> list[dict[str, Any]]:
@@ -131,9 +142,9 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
 
             def on_log(
                 self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any
-            ) -> None:
+            ) -> Any:
                 if not logs or "reward" not in logs:
-                    return
+                    return control
                 rec = adapter.records[-1]
                 now = time.perf_counter()
                 step_s = now - clock.get("last", clock["t0"])
@@ -161,6 +172,9 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 row["background_pause_s"] = float(stats.get("background_pause_s", 0.0))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if cfg.wall_budget_s is not None and now - clock["t0"] >= cfg.wall_budget_s:
+                    control.should_training_stop = True  # after this step, as sync's ended
+                return control
 
         with tempfile.TemporaryDirectory(prefix="april-train-") as tmp:
             args = GRPOConfig(
@@ -170,7 +184,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 max_completion_length=cfg.max_completion_length,
                 learning_rate=cfg.learning_rate,
                 lr_scheduler_type="constant",
-                max_steps=cfg.steps,
+                max_steps=cfg.steps if cfg.wall_budget_s is None else WALL_STEPS_CAP * cfg.steps,
                 temperature=1.0,
                 top_p=1.0,
                 beta=0.0,
@@ -228,6 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="", help="comma list: every mode once per seed (e.g. 0,1,2)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {','.join(MODES)}")
     p.add_argument("--no-pin", action="store_true", help="do not pin server and trainer cores")
+    p.add_argument(
+        "--same-wall",
+        action="store_true",
+        help="sync trains --steps steps; the other modes train as long as sync did (whole "
+        f"steps, at most {WALL_STEPS_CAP}x --steps): equal wall time, not equal steps",
+    )
     p.add_argument("--out", type=Path, default=Path("out/train.jsonl"))
     p.add_argument("--plot", type=Path, default=Path("out/train.png"))
     a = p.parse_args(argv)
@@ -235,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma list of {MODES}")
+    if a.same_wall and modes[0] != "sync":
+        p.error("--same-wall needs sync first in --modes: the others get its wall time")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     with open(a.out, "w") as f:
@@ -244,7 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              stale_tokens=a.stale_tokens, pin=not a.no_pin,
                              max_staleness=a.max_staleness)  # fmt: skip
             for mode in modes:
-                print(f"== {mode}, seed {seed}: {cfg.steps} GRPO steps on april-server",
+                what = f"{cfg.steps} GRPO steps"
+                if a.same_wall and mode != "sync":
+                    ran = [r["wall_s"] for r in rows if r["seed"] == seed and r["mode"] == "sync"]
+                    sync_s = max(ran)
+                    cfg = replace(cfg, wall_budget_s=sync_s)
+                    what = f"GRPO steps for {sync_s:.1f} s (sync's time)"
+                print(f"== {mode}, seed {seed}: {what} on april-server",
                       file=sys.stderr, flush=True)  # fmt: skip
                 for row in run_mode(mode, cfg):
                     f.write(json.dumps(row) + "\n")

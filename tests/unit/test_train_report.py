@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from april_client.bench import train_task
 from april_client.bench.train_report import (
     WINDOW,
@@ -117,3 +119,12 @@ def test_restarts_are_the_servers_running_total_at_the_last_step() -> None:
     assert s.restarts == 15
     assert table([s]).splitlines()[2].split()[-1] == "15"
     assert summarize(rows("sync", [0.1] * 6, 1.0))[0].restarts == 0  # rows from before: 0
+
+
+def test_same_wall_needs_sync_first() -> None:
+    """`--same-wall` gives the other modes sync's wall time, so sync must run first."""
+    from april_client.bench.train_demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--same-wall", "--modes", "april,sync"])
+    assert e.value.code == 2
