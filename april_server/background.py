@@ -120,8 +120,7 @@ class Background:
                 ):
                     await mgr.segments.forget(s)
                     S.restart_for_staleness(s)
-                    mgr.counters.staleness_restarts += 1
-                    tally.notes.append(f"{s.sample_id}: restarted from its prompt (max_staleness)")
+                    mgr.segments.count_restart(s, tally)
 
     @asynccontextmanager
     async def yielding(self) -> AsyncIterator[None]:

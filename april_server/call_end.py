@@ -39,9 +39,7 @@ class WindDown(TurnsInCall):
         # (tokens, the snapshot taken) a few awaits later: persisting before that would store
         # the group without it and lose track of the snapshot.
         kept = {r.task for rs in going.values() for r in rs}
-        ending = [t for t in self.tasks if not t.done() and t not in kept]
-        if ending:
-            await asyncio.wait(ending)
+        await _recorded([t for t in self.tasks if t not in kept])
         # Agent rollouts: which members it interrupted (mid-turn or at a turn's start), and
         # which reached a turn stop as they were stopped.
         self._say_interrupted(runs)
@@ -86,9 +84,7 @@ class WindDown(TurnsInCall):
         runs = [r for gid in refused for r in going[gid]]
         # Not one an abort is stopping meanwhile: that keeps what the abort asked for.
         await mgr.stop_running([r for r in runs if not r.stopping], "snapshot")
-        ending = [r.task for r in runs if not r.task.done()]
-        if ending:
-            await asyncio.wait(ending)
+        await _recorded([r.task for r in runs])
         await mgr.persist([mgr.groups[g] for g in refused], [])
 
     async def _finish(
@@ -170,3 +166,10 @@ class WindDown(TurnsInCall):
         mgr.counters.returned_groups += len(returned)
         mgr.counters.dropped_groups += len(dropped)
         return resp
+
+
+async def _recorded(tasks: list[asyncio.Task[None]]) -> None:
+    """Wait until these segment tasks have recorded their end (tokens, the snapshot taken)."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        await asyncio.wait(pending)

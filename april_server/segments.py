@@ -165,8 +165,7 @@ class SegmentRunner:
             sample, version, max_staleness, history, override_params, owner == BACKGROUND
         )
         if cont.restarted:
-            self.counters.staleness_restarts += 1
-            tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
+            self.count_restart(sample, tally)
         restore = cont.kv == "recomputed" and K.wants_restore(kv_mode, usable, cont.restarted)
         need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
         if restore:
@@ -185,6 +184,12 @@ class SegmentRunner:
         self.admission.take(1, need)
         task.add_done_callback(lambda _: self.admission.give_back(1, need))
         return task
+
+    def count_restart(self, sample: Sample, tally: CallTally) -> None:
+        """A staleness restart (`S.restart_for_staleness` counts it on the sample): the
+        server's figure and a note for the call whose figures it counts in."""
+        self.counters.staleness_restarts += 1
+        tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
 
     def _plan(
         self, sample: Sample, owner: str, cont: S.Continuation, restore: bool, held: Slot | None
@@ -430,8 +435,7 @@ class SegmentRunner:
             run.owner == BACKGROUND,
         )
         if cont.restarted:
-            self.counters.staleness_restarts += 1
-            run.tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
+            self.count_restart(sample, run.tally)
         call = self._plan(sample, run.owner, cont, False, None)
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
