@@ -277,4 +277,5 @@ class Admission:
 
     def give_back(self, samples: int, tokens: float) -> None:
         self.samples -= samples
-        self.tokens = max(0.0, self.tokens - tokens)
+        # Float needs taken back in another order leave a residue: none when nothing runs.
+        self.tokens = max(0.0, self.tokens - tokens) if self.samples else 0.0

@@ -139,7 +139,9 @@ class SegmentRunner:
     def _add_load(self, slot: Slot, samples: int, kv: float) -> None:
         acc = self.load.setdefault(slot, [0, 0.0])
         acc[0] += samples
-        acc[1] += kv
+        # KV needs are floats taken back in another order than added: an idle slot would
+        # keep a residue (~1e-14) that tips placement's ties. Nothing running needs nothing.
+        acc[1] = acc[1] + kv if acc[0] else 0.0
 
     # ---- start ---------------------------------------------------------------------------
 

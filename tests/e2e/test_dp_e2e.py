@@ -141,8 +141,9 @@ def test_weight_update_and_abort_reach_both_ranks(
 
     body = {"model_path": str(ensure_tiny_model()), "weight_version": "dp-v2"}
     assert ok(http.post("/update_weights_from_disk", json=body))["success"]
-    # Long samples on both ranks (they alternate), stopped by one abort while they run.
-    groups = [group("a", [4, 2], [3000, 3000])]
+    # Long samples on both ranks (they alternate), stopped by one abort while they run. As
+    # long as the model allows: /stats polled on a starved machine must see them running.
+    groups = [group("a", [4, 2], [8000, 8000])]
     ok(http.post(R + "/rollouts", json={"groups": groups + [group("a-t", [1], [2])],
                                         "max_inflight_groups": 2}))  # fmt: skip
     result: dict[str, Any] = {}

@@ -220,8 +220,9 @@ def test_weight_update_and_abort_reach_both_engines(http: httpx.Client, fleet: F
     for i in range(2):  # each engine itself says so
         with fleet.engines[i].client() as e:
             assert ok(e.get("/model_info"))["weight_version"] == "fleet-v2"
-    # Long samples on both engines (they alternate), stopped by one abort while they run.
-    ok(http.post(R + "/rollouts", json={"groups": [group("a", [4, 2], [3000, 3000]),
+    # Long samples on both engines (they alternate), stopped by one abort while they run (as
+    # long as the model allows: /stats polled on a starved machine must see them running).
+    ok(http.post(R + "/rollouts", json={"groups": [group("a", [4, 2], [8000, 8000]),
                                                    group("a-t", [1], [2])],
                                         "max_inflight_groups": 2}))  # fmt: skip
     result: dict[str, Any] = {}

@@ -87,26 +87,41 @@ def reference(http: httpx.Client, prompt: list[int], budget: int) -> tuple[list[
     return out["output_ids"], out["meta_info"]["output_top_logprobs"]
 
 
+def wait_until_idle(http: httpx.Client, timeout: float = 30.0) -> None:
+    """Until no slot runs a sample (an earlier test's abort may still be winding down)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        slots = ok(http.get(R + "/stats"))["running_by_slot"]
+        if all(x["running_samples"] == 0 for x in slots):
+            return
+        assert time.monotonic() < deadline, f"slots still running: {slots}"
+        time.sleep(0.05)
+
+
 def interrupted_on_the_second_slot(
     http: httpx.Client, prompt: list[int], budget: int
 ) -> dict[str, Any]:
     """Start a short trigger group, then `prompt` (so it takes the second slot: a DP rank or
     an engine), stop at the trigger's finish with a snapshot; the buffered sample `x/0`."""
-    for _ in range(3):
+    for _ in range(5):
+        wait_until_idle(http)  # both slots idle: the trigger takes the lowest, x the other
         body = {
             "groups": [group("x-t", [1, 2], [8]), group("x", prompt, [budget])],
             "target_groups": 1,
             "on_quota": "snapshot",
             "max_inflight_groups": 2,
         }
-        r = ok(http.post(R + "/rollouts", json=body))
-        if r["groups"][0]["group_id"] == "x-t":
-            break
-        clear_buffer(http)  # a scheduling race on 2 busy cores: the long one won; again
-    else:
-        raise AssertionError("the trigger never finished first")
-    sample: dict[str, Any] = ok(http.get(f"{R}/partials/x"))["samples"][0]
-    return sample
+        first = ok(http.post(R + "/rollouts", json=body))["groups"][0]
+        if first["group_id"] == "x-t":
+            sample: dict[str, Any] = ok(http.get(f"{R}/partials/x"))["samples"][0]
+            ran = first["samples"][0]["segments"][0]
+            x_slot = (sample["snapshot_engine"], sample["snapshot_dp_rank"])
+            if x_slot != (ran["engine"], ran["dp_rank"]):
+                return sample
+        # A scheduling race on 2 busy cores: the long one won, or the trigger finished
+        # before x was placed (so x took the same, lowest slot). Again.
+        clear_buffer(http)
+    raise AssertionError("the trigger never finished first with x on the other slot")
 
 
 NEAR_TIE = 1e-3  # fp32 re-prefill drift measured ~5e-7 (sglang-integration.md §10)

@@ -210,6 +210,34 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
     asyncio.run(go())
 
 
+def test_an_idle_server_places_as_a_fresh_one_does() -> None:
+    # KV needs are floats (context + 0.7 x budget): added and taken back in another order,
+    # they used to leave a residue (~1e-14) on a rank with nothing running, which tipped
+    # the next tie to the other rank (a flaky DP e2e test). Idle means exactly zero.
+    async def go() -> None:
+        eng = TwoRankEngine()
+        mgr = RolloutManager(eng, BufferStore(None))
+        groups = [
+            GroupSpec(
+                f"g{i}",
+                input_ids=[i + 1] * (2 + i),
+                sampling_params={"max_new_tokens": b, **NO_EOS},
+            )
+            for i, b in enumerate([120, 140, 6, 150, 8, 33])
+        ]
+        await rollout(mgr, RolloutReq(groups=groups, target_groups=2, max_inflight_groups=6))
+        await mgr.abort(AbortReq(all=True))
+        loads = mgr.segments.loads()
+        assert [(x.running, x.kv_tokens) for x in loads] == [(0, 0.0), (0, 0.0)]
+        assert (mgr.admission.samples, mgr.admission.tokens) == (0, 0.0)
+        eng.ran.clear()
+        await rollout(mgr, RolloutReq(groups=[GroupSpec("t", input_ids=[3], sampling_params={
+            "max_new_tokens": 2, **NO_EOS})], resume_first=False))  # fmt: skip
+        assert list(eng.ran.values()) == [0]  # the tie goes to the lowest rank
+
+    asyncio.run(go())
+
+
 def test_stats_show_what_runs_where() -> None:
     async def go() -> dict[str, Any]:
         mgr = RolloutManager(TwoRankEngine(), BufferStore(None))
