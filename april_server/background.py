@@ -49,7 +49,7 @@ from april_server import samples as S
 from april_server.buffer_index import open_footprint
 from april_server.inflight import kv_need
 from april_server.protocol import Group
-from april_server.segments import BACKGROUND, CallTally, Running
+from april_server.segment_state import BACKGROUND, CallTally, Running
 
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager

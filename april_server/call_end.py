@@ -16,7 +16,7 @@ from april_server import samples as S
 from april_server.call_turns import TurnsInCall
 from april_server.idempotency import attempt_record
 from april_server.protocol import Keep, RolloutResp, RolloutStats
-from april_server.segments import Running
+from april_server.segment_state import Running
 
 _enc = msgspec.json.Encoder()
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from april_server.protocol import Group, RolloutReq, StreamEvent
 from april_server.quota import QuotaTracker
-from april_server.segments import CallTally
+from april_server.segment_state import CallTally
 
 if TYPE_CHECKING:
     from april_server.manager import RolloutManager

@@ -12,7 +12,7 @@ from april_server import samples as S
 from april_server import turns as T
 from april_server.call_state import CallState
 from april_server.protocol import Sample, SampleAwaitingEvent, SampleInterruptedEvent
-from april_server.segments import Running
+from april_server.segment_state import Running
 
 
 class TurnsInCall(CallState):

@@ -44,7 +44,8 @@ from april_server.protocol import (
     ResumeReq,
     Sample,
 )
-from april_server.segments import CallTally, Counters, Running, SegmentRunner
+from april_server.segment_state import CallTally, Counters, Running
+from april_server.segments import SegmentRunner
 from april_server.snapshot_sweep import SnapshotSweep
 from april_server.store import BufferStore
 

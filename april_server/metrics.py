@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from april_server.segments import Counters
+from april_server.segment_state import Counters
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 COUNTERS = frozenset(Counters.__dataclass_fields__) | {"snapshots_evicted", "snapshots_rejected"}

@@ -17,7 +17,7 @@ from april_server import turns as turn_rules
 from april_server.errors import bad_request, conflict, not_found
 from april_server.manager import RolloutManager, run_to_end
 from april_server.protocol import ResumeReq, Sample
-from april_server.segments import CallTally
+from april_server.segment_state import CallTally
 
 
 async def resume(mgr: RolloutManager, req: ResumeReq) -> list[Sample]:

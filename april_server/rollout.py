@@ -46,7 +46,7 @@ from april_server.protocol import (
     StreamEvent,
     TurnsSpec,
 )
-from april_server.segments import BACKGROUND
+from april_server.segment_state import BACKGROUND
 from april_server.turns import check_spec
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from april_server import samples as S
@@ -33,10 +33,10 @@ from april_server.errors import conflict
 from april_server.inflight import Admission, kv_need
 from april_server.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
 from april_server.protocol import Keep, KvMode, Sample
+from april_server.segment_state import BACKGROUND, CallTally, Counters, Running
 
 logger = logging.getLogger(__name__)
 
-BACKGROUND = "background"  # the owner of background segments (background.py)
 ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still generating
 # SGLang drops an abort for a request it has not registered yet (`abort_request` ignores an
 # unknown rid), and a segment started a moment ago (e.g. one a weight update just continued)
@@ -45,57 +45,6 @@ ABORT_POLL_S = 0.2  # how often an abort is re-sent while its request is still g
 ABORT_RESEND_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 ENGINE_WAIT_S = 30.0  # how long a segment whose engine went away waits for a healthy one
 HEALTH_POLL_S = 0.5
-
-
-@dataclass
-class Running:
-    sample: Sample
-    owner: str  # batch id of the call that started it
-    rid: str
-    task: asyncio.Task[None]
-    slot: Slot = field(default_factory=Slot)
-    keep: Keep = "tokens"
-    marked: bool = False  # a snapshot was requested from the scheduler
-    stopping: bool = False  # being aborted: a segment whose engine died does not run again
-    # A snapshot a staleness restart made useless, not yet handed to a plan to free.
-    unplanned_drop: Slot | None = None
-    cut: bool = False  # aborted at a weight update's version boundary, to continue after it
-    # Its segment was planned to restore the snapshot: whatever the restore achieved, the
-    # snapshot is still held where it was and is freed unless kept as the new one.
-    restore_planned: bool = False
-    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    max_staleness: int | None = None  # what its continuations are planned with
-    override_params: dict[str, Any] | None = None
-    # Whose figures its tokens count in: the call that started it, or the one that took it
-    # over from the background (`call_refill.py`).
-    tally: CallTally = field(default_factory=lambda: CallTally())
-
-
-@dataclass
-class Counters:
-    rollout_calls: int = 0
-    resume_calls: int = 0
-    abort_calls: int = 0
-    output_tokens: int = 0
-    resumed_samples: int = 0
-    recomputed_tokens: int = 0
-    restored_kv_tokens: int = 0
-    staleness_restarts: int = 0
-    engine_errors: int = 0
-    engine_failovers: int = 0  # segments run again because their engine went away
-    returned_groups: int = 0
-    dropped_groups: int = 0
-
-
-@dataclass
-class CallTally:
-    """Per-call figures, filled in by the segments the call ran."""
-
-    output_tokens: int = 0
-    resumed_samples: int = 0
-    recomputed_tokens: int = 0
-    restored_kv_tokens: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 class SegmentRunner:

@@ -41,7 +41,7 @@ def test_version_policy(
 
 def test_engine_without_snapshots_disables_the_policy() -> None:
     from april_server.inflight import Admission
-    from april_server.segments import Counters
+    from april_server.segment_state import Counters
 
     runner = SegmentRunner(FakeEngine(), Counters(), Admission(), allow_stale=True)
     assert not runner.snapshots_enabled
