@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from april_server.protocol import Group, Sample
 
-StaleTokens = Literal["mask", "keep"]
+StaleTokens = Literal["mask", "keep", "correct"]  # "correct": kept, see trl_correction.py
 
 
 def extra_groups(target: int, over_provision: float, buffered: int) -> int:

@@ -23,9 +23,11 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
    `max_staleness` (sent to the server) restarts a sample from its prompt when its newest
    segment is more than that many versions old. Within the bound, `stale_tokens="mask"` (the
    default) sets `env_mask` to 0 on tokens from older versions, so they stay in the context
-   but carry no loss; `"keep"` trains on them as APRIL's paper does. TRL applies no
-   importance correction without vLLM; its `off_policy_mask_threshold` can use the returned
-   `logprobs` (the sampling policy's) to drop sequences that drifted too far. Each record
+   but carry no loss; `"keep"` trains on them as APRIL's paper does, as if sampled now (TRL
+   applies no importance correction without vLLM); `"correct"` trains on them with TRL's
+   clipped ratio taken against the policy that sampled each token, from the returned
+   `logprobs` (`trl_correction.py`). TRL's `off_policy_mask_threshold` can also use those
+   `logprobs` to drop sequences that drifted too far. Each record
    (`records`) counts the returned samples that had restarted for the bound; when they are
    10 % or more of a step's, the adapter logs a warning once (the bound is too tight).
 6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it
@@ -91,6 +93,7 @@ from .trainer_batch import (
     rows_from_groups,
     unique_prompts,
 )
+from .trl_correction import use_sampling_policy_as_old
 from .trl_tools import Tool, ToolLoop
 
 logger = logging.getLogger(__name__)
@@ -153,14 +156,18 @@ class AprilRollout:
     def __post_init__(self) -> None:
         if self.tool is not None:
             self._tools = ToolLoop(self.tool, self.turns)
-        if self.stale_tokens not in ("mask", "keep"):
-            raise ValueError(f"stale_tokens must be 'mask' or 'keep', got {self.stale_tokens!r}")
+        if self.stale_tokens not in ("mask", "keep", "correct"):
+            raise ValueError(
+                f"stale_tokens must be 'mask', 'keep' or 'correct', got {self.stale_tokens!r}"
+            )
         if self.over_provision < 1.0:
             raise ValueError(f"over_provision must be >= 1.0, got {self.over_provision}")
 
     # ---- the rollout function ----------------------------------------------------------------
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        if self.stale_tokens == "correct":
+            use_sampling_policy_as_old(trainer)  # before TRL's first loss
         training = bool(trainer.model.training)
         n = trainer.num_generations if training else trainer.num_generations_eval
         step = int(trainer.state.global_step)

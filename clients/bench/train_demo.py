@@ -9,7 +9,8 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
   groups has finished, the rest continues in a later step. Tokens from the previous step's
   weights are trained on (`stale_tokens="keep"`, `max_staleness`, below);
   `--stale-tokens mask` gives them no loss instead (the adapter's default), at the cost of
-  most of APRIL's tokens (the README has both figures);
+  most of APRIL's tokens (the README has both figures); `--stale-tokens correct` trains on
+  them with TRL's ratio clipped against the sampling policy (docs/trainers.md has the run);
 - `april-async`: `april` plus `background=True` (issue 19): each call's stragglers keep
   generating while the trainer computes the loss, steps and pushes weights (`on_quota:
   continue`), and the adapter prefetches the groups the next call would draw. It runs with
@@ -62,7 +63,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from ..trainer_batch import StaleTokens
 from .launcher import LaunchedServer
@@ -162,6 +163,9 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                     "output_tokens": rec.output_tokens,
                     "returned_tokens": rec.returned_tokens,
                     "stale_tokens": rec.stale_tokens,
+                    # Share of loss tokens whose ratio TRL clipped (with --stale-tokens
+                    # correct, the ratio is against the sampling policy: stale ones clip).
+                    "clip_region": round(float(logs.get("clip_ratio/region_mean", 0.0)), 4),
                     "weight_version": rec.weight_version,
                 }
                 # The server's running totals (each mode has its own server): samples restarted
@@ -231,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=DemoConfig.steps)
     p.add_argument("--over-provision", type=float, default=DemoConfig.over_provision)
     p.add_argument("--max-completion-length", type=int, default=DemoConfig.max_completion_length)
-    p.add_argument("--stale-tokens", choices=["mask", "keep"], default=DemoConfig.stale_tokens)
+    p.add_argument("--stale-tokens", choices=get_args(StaleTokens), default=DemoConfig.stale_tokens)
     p.add_argument(
         "--max-staleness",
         type=int,
