@@ -78,7 +78,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -156,7 +156,7 @@ class AprilRollout:
     def __post_init__(self) -> None:
         if self.tool is not None:
             self._tools = ToolLoop(self.tool, self.turns)
-        if self.stale_tokens not in ("mask", "keep", "correct"):
+        if self.stale_tokens not in get_args(StaleTokens):
             raise ValueError(
                 f"stale_tokens must be 'mask', 'keep' or 'correct', got {self.stale_tokens!r}"
             )

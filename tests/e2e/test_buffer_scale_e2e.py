@@ -43,6 +43,7 @@ class HealthPoller:
         self.latencies: list[float] = []
         self.failures: list[str] = []
         self._stop = threading.Event()
+        self._first = threading.Event()  # one /health answered: the poller is polling
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -56,10 +57,15 @@ class HealthPoller:
                 except httpx.HTTPError as exc:
                     self.failures.append(repr(exc))
                 self.latencies.append(time.perf_counter() - t)
+                self._first.set()
                 time.sleep(0.02)
 
     def __enter__(self) -> HealthPoller:
+        # Polling before the test acts: on a starved machine the thread (its client's set-up
+        # alone) could otherwise start only after a fast test body had ended (seen: no
+        # latency at all recorded).
         self._thread.start()
+        assert self._first.wait(timeout=120), "the /health poller never got an answer"
         return self
 
     def __exit__(self, *exc: object) -> None:

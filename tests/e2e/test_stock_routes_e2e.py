@@ -19,6 +19,7 @@ from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
 LONG = 3000  # tokens: still generating when the stock route arrives
+SHORT = 600  # tokens: meets the quota well before LONG, after the stock route arrived
 
 
 @pytest.fixture()
@@ -43,9 +44,11 @@ def run_beside(
     t.start()
     deadline = time.monotonic() + 60
     while c.get(R + "/stats").json()["running_samples"] == 0:
+        assert t.is_alive(), "the april call answered before it was seen generating"
         assert time.monotonic() < deadline, "the april call never started generating"
         time.sleep(0.05)
     time.sleep(0.3)  # some tokens first
+    assert t.is_alive(), "the april call answered before the interruption"
     interrupt()
     t.join(timeout=300)
     assert not t.is_alive(), "the april call never answered"
@@ -88,7 +91,10 @@ def test_stock_abort_all_leaves_partials(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize("mode", ["abort", "in_place", "retract"])
 def test_pause_and_continue_generation(http: httpx.Client, mode: str) -> None:
-    groups = [*long_groups(f"p{mode}"), group(f"p{mode}-short", [9, 9], [40], ignore_eos=True)]
+    # The short group meets the quota, and is still running when the pause comes (with 40
+    # tokens, the call had answered before the pause in all three modes on a quiet machine).
+    short = group(f"p{mode}-short", [9, 9], [SHORT], ignore_eos=True)
+    groups = [*long_groups(f"p{mode}"), short]
     body = {"groups": groups, "target_groups": 1, "max_inflight_groups": 3}
 
     def pause_then_continue() -> None:
@@ -131,7 +137,7 @@ def test_weight_reload_with_abort_all_requests(http: httpx.Client, attempt: int)
 
 
 def test_stock_generate_runs_beside_an_april_call(http: httpx.Client) -> None:
-    groups = long_groups("g", 1) + [group("g-short", [7, 7], [30], ignore_eos=True)]
+    groups = long_groups("g", 1) + [group("g-short", [7, 7], [SHORT], ignore_eos=True)]
     body = {"groups": groups, "target_groups": 1, "max_inflight_groups": 2}
     got: dict[str, Any] = {}
 
