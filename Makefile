@@ -7,7 +7,7 @@ VENV = $$(bash scripts/bootstrap.sh)
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
 
-train-demo:  ## TRL's GRPOTrainer on april-server, sync vs APRIL vs APRIL + background (server and trainer on separate cores), same seed and steps (TRAIN_ARGS="--seeds 0,1,2": three seeds): out/train.jsonl + out/train.png
+train-demo:  ## TRL's GRPOTrainer on april-server, sync vs APRIL vs APRIL + background (server and trainer on separate cores), same seed, equal wall time (TRAIN_ARGS="--seeds 0,1,2": three seeds): out/train.jsonl + out/train.png
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.train_demo --out out/train.jsonl --plot out/train.png $(TRAIN_ARGS)
 
 sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations, 3 runs each (~60 min on a 2-core CPU)

@@ -1,4 +1,4 @@
-"""`make train-demo`: TRL's GRPOTrainer on april-server, synchronous vs APRIL, same seed and steps.
+"""`make train-demo`: TRL's GRPOTrainer on april-server: sync vs APRIL vs APRIL + background.
 
 Each mode gets its own april-server (embedded tiny model, CPU) and a fresh copy of the same
 initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
@@ -6,30 +6,31 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
 - `sync`: every step sends its own prompts and waits for all of them (no over-provisioning,
   nothing buffered): what a trainer does on a stock server;
 - `april`: `over_provision` times more groups in play, the step returns as soon as its quota of
-  groups has finished, the rest continues in a later step. Tokens from the previous step's
-  weights are trained on (`stale_tokens="keep"`, `max_staleness`, below);
-  `--stale-tokens mask` gives them no loss instead (the adapter's default), at the cost of
-  most of APRIL's tokens (the README has both figures); `--stale-tokens correct` trains on
-  them with TRL's ratio clipped against the sampling policy (docs/trainers.md has the run);
+  groups has finished, the rest continues in a later step;
 - `april-async`: `april` plus `background=True` (issue 19): each call's stragglers keep
   generating while the trainer computes the loss, steps and pushes weights (`on_quota:
   continue`), and the adapter prefetches the groups the next call would draw. It runs with
   `max_inflight_groups` = the step's P groups: the buffered (older) groups start first and new
-  ones fill in as groups finish. With `"auto"` all 2P ran at once, the step's new groups
-  finished first and filled the quota, and older ones left unfinished went past
-  `max_staleness` at the next push and restarted from their prompt (measured, seed 0: 196 vs
-  116 restarts over 20 steps, 376 vs 252 over 40; the rollout wait per step moved within
-  run-to-run noise, 0.61 vs 0.47 s and 0.59 vs 0.62 s).
+  ones fill in as groups finish (with `"auto"`, 2P at once, more samples went past
+  `max_staleness` and restarted from their prompt; docs/trainers.md has the runs).
 
-`max_staleness` is 2 for every mode (`--max-staleness`). April's calls judge a buffered sample
-by its newest segment, so for `april` the bound changes little (with 1, `make bench-async`
-saw april deliver tokens 3 versions old). A background sample is judged by its oldest
-token: it must be generated within max_staleness + 1 rollout calls and the training phases
-between them, and one longer than that restarts at every push, for good. With 1 (APRIL's
-own setting) this long-tail task's longest groups did exactly that: 232-252 restarts per 40
-steps, and april-async's steps were slower than april's (0.55-0.62 vs 0.37-0.44 s rollout
-wait); with 2, 68-88 restarts and the fastest steps of the three modes (docs/trainers.md has
-both runs).
+Tokens sampled under older weights (most of the APRIL modes' tokens) are trained with
+`stale_tokens="correct"`: TRL's ratio is taken against the policy that sampled them, clipped
+at 1 +- epsilon (`--stale-tokens keep` trains them as if fresh, `mask` gives them no loss).
+
+The defaults, and why (docs/trainers.md has every run behind them):
+- 16 prompts x 4 answers per step: training time grows with the batch and the rollout less
+  (batched decoding), so sync's training phase is about 0.6 of its rollout (0.45 with 8
+  prompts): closer to the trainer on its own devices, about as slow as the rollout, that
+  background generation is for;
+- learning rate 3e-3, constant: at 1e-2 the policy moved so far per step that 13-15 % of the
+  stale tokens fell outside the clip band (5-7 % at 3e-3), and `correct` learned slower than
+  `keep`; 60 steps give sync's reward time to rise at the lower rate;
+- `max_staleness` 3 for every mode: a background sample is judged by its oldest token, so it
+  must be generated within max_staleness + 1 rollout calls and the training phases between
+  them, or it restarts from its prompt at a push; with 2, this task's longest answers
+  restarted 220-272 times per run, with 3, 12-44 times. April's calls judge a buffered sample
+  by its newest segment, so for `april` the bound changes little.
 
 Separate devices, on one machine: every mode runs the server pinned to core 1 and the trainer
 to core 0 (one torch thread), so generation and training overlap as they would on a rollout
@@ -38,10 +39,11 @@ off, and it is off where cores 0 and 1 are not both available). The workload has
 lengths: each prompt's answer budget is drawn from a Pareto distribution (`train_task`), sent
 as its group's `max_new_tokens`.
 
-Equal steps or equal time: by default every mode trains `--steps` steps, so a faster mode
-stops sooner, with fewer seconds of training. `--same-wall` gives the APRIL modes sync's wall
-time instead (whole steps, the one crossing it included, at most 4x the steps): what a user
-with a time budget sees, and the fair reading of "reaches sync's final reward sooner".
+Equal time, not equal steps: sync trains `--steps` steps and the APRIL modes train as long as
+sync did (whole steps, the one crossing it included, at most 4x the steps): what a user with a
+time budget sees, and the fair reading of "reaches sync's final reward sooner" (with equal
+steps a faster mode stops sooner, with fewer seconds of training; `--same-steps` runs that).
+The demo's own instrumentation (one /stats read per step) is taken off the clock.
 
 Writes `out/train.jsonl` (one row per mode and step: `mode`, `step`, `wall_s` cumulative from
 the start of training, `reward_mean`, `rollout_s` (the step's wait for its rollout call),
@@ -75,18 +77,18 @@ TRAINER_CPU, SERVER_CPU = 0, 1
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = 40
-    prompts_per_step: int = 8
+    steps: int = 60  # sync's; the APRIL modes train as long as sync did (`--same-steps`: 60)
+    prompts_per_step: int = 16
     num_generations: int = 4
     max_completion_length: int = 256
-    learning_rate: float = 1e-2
+    learning_rate: float = 3e-3
     over_provision: float = 2.0
-    max_staleness: int = 2  # see the module docstring
-    stale_tokens: StaleTokens = "keep"  # see the module docstring
+    max_staleness: int = 3  # see the module docstring
+    stale_tokens: StaleTokens = "correct"  # see the module docstring
     seed: int = 0
     pin: bool = True  # server and trainer on separate cores (see the module docstring)
     # Train for this many seconds of wall time (whole steps, at most WALL_STEPS_CAP x `steps`)
-    # instead of `steps` steps: `--same-wall` gives the APRIL modes sync's time.
+    # instead of `steps` steps: the APRIL modes get sync's time (unless `--same-steps`).
     wall_budget_s: float | None = None
 
 
@@ -135,11 +137,17 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
             seed=cfg.seed,
         )
         _warm_up(client)
-        clock: dict[str, float] = {}
+        # The demo's own instrumentation (the /stats read below) is not training: its seconds
+        # are taken off the clock. It is not the same in every mode: the server answers it
+        # from its one core, which in april-async is busy generating while the trainer trains.
+        clock: dict[str, float] = {"uncounted": 0.0}
+
+        def now_s() -> float:
+            return time.perf_counter() - clock["uncounted"]
 
         class Record(TrainerCallback):
             def on_train_begin(self, *args: Any, **kw: Any) -> None:
-                clock["t0"] = time.perf_counter()
+                clock["t0"] = now_s()
 
             def on_log(
                 self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any
@@ -147,7 +155,7 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 if not logs or "reward" not in logs:
                     return control
                 rec = adapter.records[-1]
-                now = time.perf_counter()
+                now = now_s()
                 step_s = now - clock.get("last", clock["t0"])
                 clock["last"] = now
                 row = {
@@ -170,8 +178,10 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 }
                 # The server's running totals (each mode has its own server): samples restarted
                 # from their prompt for max_staleness, and what calls waited for the
-                # background to give way. A few ms per step, in every mode alike.
+                # background to give way. Off the clock (above).
+                asked = time.perf_counter()
                 stats = client.stats()
+                clock["uncounted"] += time.perf_counter() - asked
                 row["staleness_restarts"] = int(stats.get("staleness_restarts", 0))
                 row["background_pause_s"] = float(stats.get("background_pause_s", 0.0))
                 rows.append(row)
@@ -234,6 +244,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="train-demo", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=DemoConfig.steps)
     p.add_argument("--over-provision", type=float, default=DemoConfig.over_provision)
+    p.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=DemoConfig.prompts_per_step,
+        help=f"groups trained on per step ({DemoConfig.num_generations} answers each)",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=DemoConfig.learning_rate,
+        help="the trainer's (constant) learning rate, every mode alike",
+    )
     p.add_argument("--max-completion-length", type=int, default=DemoConfig.max_completion_length)
     p.add_argument("--stale-tokens", choices=get_args(StaleTokens), default=DemoConfig.stale_tokens)
     p.add_argument(
@@ -246,11 +268,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="", help="comma list: every mode once per seed (e.g. 0,1,2)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {','.join(MODES)}")
     p.add_argument("--no-pin", action="store_true", help="do not pin server and trainer cores")
-    p.add_argument(
+    equal = p.add_mutually_exclusive_group()
+    equal.add_argument(
         "--same-wall",
-        action="store_true",
-        help="sync trains --steps steps; the other modes train as long as sync did (whole "
-        f"steps, at most {WALL_STEPS_CAP}x --steps): equal wall time, not equal steps",
+        dest="equal",
+        action="store_const",
+        const="wall",
+        default="wall",
+        help="the default: sync trains --steps steps; the other modes train as long as sync did "
+        f"(whole steps, at most {WALL_STEPS_CAP}x --steps): equal wall time, not equal steps",
+    )
+    equal.add_argument(
+        "--same-steps",
+        dest="equal",
+        action="store_const",
+        const="steps",
+        help="every mode trains --steps steps (a faster mode stops sooner)",
     )
     p.add_argument("--out", type=Path, default=Path("out/train.jsonl"))
     p.add_argument("--plot", type=Path, default=Path("out/train.png"))
@@ -259,8 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma list of {MODES}")
-    if a.same_wall and modes[0] != "sync":
-        p.error("--same-wall needs sync first in --modes: the others get its wall time")
+    if a.equal == "wall" and modes[0] != "sync":
+        p.error(
+            "equal wall time (the default) needs sync first in --modes: the others get its wall "
+            "time; --same-steps runs every mode --steps steps"
+        )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     with open(a.out, "w") as f:
@@ -268,10 +304,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
                              max_completion_length=a.max_completion_length, seed=seed,
                              stale_tokens=a.stale_tokens, pin=not a.no_pin,
-                             max_staleness=a.max_staleness)  # fmt: skip
+                             max_staleness=a.max_staleness,
+                             learning_rate=a.learning_rate,
+                             prompts_per_step=a.prompts_per_step)  # fmt: skip
             for mode in modes:
                 what = f"{cfg.steps} GRPO steps"
-                if a.same_wall and mode != "sync":
+                if a.equal == "wall" and mode != "sync":
                     ran = [r["wall_s"] for r in rows if r["seed"] == seed and r["mode"] == "sync"]
                     sync_s = max(ran)
                     cfg = replace(cfg, wall_budget_s=sync_s)

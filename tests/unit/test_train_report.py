@@ -121,10 +121,19 @@ def test_restarts_are_the_servers_running_total_at_the_last_step() -> None:
     assert summarize(rows("sync", [0.1] * 6, 1.0))[0].restarts == 0  # rows from before: 0
 
 
-def test_same_wall_needs_sync_first() -> None:
-    """`--same-wall` gives the other modes sync's wall time, so sync must run first."""
+@pytest.mark.parametrize("flags", [[], ["--same-wall"]])
+def test_equal_wall_time_needs_sync_first(flags: list[str]) -> None:
+    """Equal wall time (the default) gives the other modes sync's time: sync must run first."""
     from april_client.bench.train_demo import main
 
     with pytest.raises(SystemExit) as e:
-        main(["--same-wall", "--modes", "april,sync"])
+        main([*flags, "--modes", "april,sync"])
+    assert e.value.code == 2
+
+
+def test_same_steps_and_same_wall_exclude_each_other() -> None:
+    from april_client.bench.train_demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--same-steps", "--same-wall"])
     assert e.value.code == 2
