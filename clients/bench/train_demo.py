@@ -29,7 +29,7 @@ The defaults, and why (docs/trainers.md has every run behind them):
 - `max_staleness` 3 for every mode: a background sample is judged by its oldest token, so it
   must be generated within max_staleness + 1 rollout calls and the training phases between
   them, or it restarts from its prompt at a push; with 2, this task's longest answers
-  restarted 220-272 times per run, with 3, 12-44 times. April's calls judge a buffered sample
+  restarted 220-272 times per run, with 3, 8-44 times. April's calls judge a buffered sample
   by its newest segment, so for `april` the bound changes little.
 
 Separate devices, on one machine: every mode runs the server pinned to core 1 and the trainer
