@@ -15,8 +15,15 @@ initial policy; the trainer drives it through `april_client.trl.AprilRollout`:
   `max_staleness` and restarted from their prompt; docs/trainers.md has the runs).
 
 Tokens sampled under older weights (most of the APRIL modes' tokens) are trained with
-`stale_tokens="correct"`: TRL's ratio is taken against the policy that sampled them, clipped
-at 1 +- epsilon (`--stale-tokens keep` trains them as if fresh, `mask` gives them no loss).
+`stale_tokens="correct"`: TRL's ratio is taken against the policy that sampled them
+(`--stale-tokens keep` trains them as if fresh, `mask` gives them no loss). The loss is TRL's
+`cispo` (every mode alike): the ratio is an importance weight, capped at 5 and kept out of the
+gradient, so every token keeps its gradient. TRL's default (`--loss-type dapo`, PPO's clip at
+1 +- 0.2) gives no gradient at all to a token whose ratio has left the band in the direction
+its advantage pushes, and a token sampled one or two pushes ago is the one most likely to
+have left it: with it, april-async learned about 0.6-0.8x as much per step as sync, which ate
+its 1.5-1.8x step rate (docs/trainers.md, "The loss: why cispo"). ScaleRL (arXiv 2510.13786),
+a recipe that trains off-policy (PipelineRL), uses CISPO; TRL's docs give 5 as its cap.
 
 The defaults, and why (docs/trainers.md has every run behind them):
 - 16 prompts x 4 answers per step: training time grows with the batch and the rollout less
@@ -85,6 +92,7 @@ class DemoConfig:
     over_provision: float = 2.0
     max_staleness: int = 3  # see the module docstring
     stale_tokens: StaleTokens = "correct"  # see the module docstring
+    loss_type: str = "cispo"  # see the module docstring and LOSS_TYPES
     seed: int = 0
     pin: bool = True  # server and trainer on separate cores (see the module docstring)
     # Train for this many seconds of wall time (whole steps, at most WALL_STEPS_CAP x `steps`)
@@ -93,6 +101,10 @@ class DemoConfig:
 
 
 WALL_STEPS_CAP = 4
+# TRL loss types the demo offers, with the `epsilon_high` each runs with: "dapo" is TRL's
+# default (PPO's clipped ratio, 1 +- 0.2); "cispo" caps the importance weight instead and
+# keeps every token's gradient, at ScaleRL's recommended 5.0 (TRL's GRPOConfig docs).
+LOSS_TYPES = {"dapo": None, "cispo": 5.0}
 
 
 def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> list[dict[str, Any]]:
@@ -171,9 +183,11 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                     "output_tokens": rec.output_tokens,
                     "returned_tokens": rec.returned_tokens,
                     "stale_tokens": rec.stale_tokens,
-                    # Share of loss tokens whose ratio TRL clipped (with --stale-tokens
+                    # Share of loss tokens whose ratio TRL clipped (dapo; with --stale-tokens
                     # correct, the ratio is against the sampling policy: stale ones clip).
                     "clip_region": round(float(logs.get("clip_ratio/region_mean", 0.0)), 4),
+                    # With cispo: share of loss tokens whose weight was capped (still trained).
+                    "weight_capped": round(float(logs.get("cispo_clip_ratio", 0.0)), 4),
                     "weight_version": rec.weight_version,
                 }
                 # The server's running totals (each mode has its own server): samples restarted
@@ -197,6 +211,8 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
                 num_generations=cfg.num_generations,
                 max_completion_length=cfg.max_completion_length,
                 learning_rate=cfg.learning_rate,
+                loss_type=cfg.loss_type,
+                epsilon_high=LOSS_TYPES[cfg.loss_type],
                 lr_scheduler_type="constant",
                 max_steps=cfg.steps if cfg.wall_budget_s is None else WALL_STEPS_CAP * cfg.steps,
                 temperature=1.0,
@@ -259,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-completion-length", type=int, default=DemoConfig.max_completion_length)
     p.add_argument("--stale-tokens", choices=get_args(StaleTokens), default=DemoConfig.stale_tokens)
     p.add_argument(
+        "--loss-type",
+        choices=sorted(LOSS_TYPES),
+        default=DemoConfig.loss_type,
+        help="TRL's GRPO loss, every mode alike (cispo: importance weight clipped at 5)",
+    )
+    p.add_argument(
         "--max-staleness",
         type=int,
         default=DemoConfig.max_staleness,
@@ -305,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              max_completion_length=a.max_completion_length, seed=seed,
                              stale_tokens=a.stale_tokens, pin=not a.no_pin,
                              max_staleness=a.max_staleness,
-                             learning_rate=a.learning_rate,
+                             learning_rate=a.learning_rate, loss_type=a.loss_type,
                              prompts_per_step=a.prompts_per_step)  # fmt: skip
             for mode in modes:
                 what = f"{cfg.steps} GRPO steps"

@@ -137,3 +137,24 @@ def test_same_steps_and_same_wall_exclude_each_other() -> None:
     with pytest.raises(SystemExit) as e:
         main(["--same-steps", "--same-wall"])
     assert e.value.code == 2
+
+
+def test_loss_type_is_cispo_by_default_and_dapo_on_request(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The demo runs every mode with the loss it names, with that loss's `epsilon_high`."""
+    from april_client.bench import train_demo
+
+    seen: list[train_demo.DemoConfig] = []
+    monkeypatch.setattr(train_demo, "run_mode", lambda mode, cfg: seen.append(cfg) or [])
+    monkeypatch.setattr(train_demo, "plot", lambda rows, path: None)
+    for flags, want in (([], "cispo"), (["--loss-type", "dapo"], "dapo")):
+        seen.clear()
+        train_demo.main(
+            [*flags, "--modes", "sync", "--same-steps", "--out", str(tmp_path / "t.jsonl")]
+        )
+        assert [c.loss_type for c in seen] == [want]
+    assert train_demo.LOSS_TYPES == {"dapo": None, "cispo": 5.0}
+    with pytest.raises(SystemExit) as e:
+        train_demo.main(["--loss-type", "grpo"])
+    assert e.value.code == 2
