@@ -26,8 +26,12 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
    but carry no loss; `"keep"` trains on them as APRIL's paper does, as if sampled now (TRL
    applies no importance correction without vLLM); `"correct"` trains on them with TRL's
    clipped ratio taken against the policy that sampled each token, from the returned
-   `logprobs` (`trl_correction.py`). TRL's `off_policy_mask_threshold` can also use those
-   `logprobs` to drop sequences that drifted too far. Each record
+   `logprobs` (`trl_correction.py`); with TRL's default loss (PPO's clip) a stale token whose
+   ratio left the clip band gets no gradient, so for mostly stale batches (`background=True`)
+   pair it with `GRPOConfig(loss_type="cispo", epsilon_high=5.0)`, which keeps every token's
+   gradient with a capped importance weight (docs/trainers.md, "The loss: why cispo").
+   TRL's `off_policy_mask_threshold` can also use those `logprobs` to drop sequences that
+   drifted too far. Each record
    (`records`) counts the returned samples that had restarted for the bound; when they are
    10 % or more of a step's, the adapter logs a warning once (the bound is too tight).
 6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it

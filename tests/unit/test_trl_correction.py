@@ -25,7 +25,7 @@ from april_client.trl_correction import (  # noqa: E402
 EPS = 0.2  # TRL's default epsilon (the clip range), set explicitly below
 
 
-def _trainer(tmp_path: Path) -> Any:
+def _trainer(tmp_path: Path, **config: Any) -> Any:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.trainer.grpo_config import GRPOConfig
@@ -36,8 +36,8 @@ def _trainer(tmp_path: Path) -> Any:
     path = ensure_tiny_model()
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
-        max_completion_length=8, loss_type="grpo", epsilon=EPS, beta=0.0, use_cpu=True,
-        bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
+        max_completion_length=8, epsilon=EPS, beta=0.0, use_cpu=True,
+        bf16=False, report_to="none", save_strategy="no", disable_tqdm=True, **config,
     )  # fmt: skip
     return GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(path),
@@ -79,7 +79,7 @@ def test_the_ratio_is_taken_against_the_sampling_policy_and_clipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
-    trainer = _trainer(tmp_path)
+    trainer = _trainer(tmp_path, loss_type="grpo")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # what Trainer.train() sets per step
     batch = _batch(trainer)
@@ -105,6 +105,32 @@ def test_the_ratio_is_taken_against_the_sampling_policy_and_clipped(
     _, two_tokens_grad = _loss_and_grad(trainer, two_tokens)
     assert torch.allclose(grad * 3, two_tokens_grad * 2, atol=1e-5)  # means over 3 vs 2
     assert not torch.allclose(grad, plain_grad, atol=1e-6)
+
+
+def test_with_cispo_a_stale_token_keeps_its_gradient_weighted_by_its_capped_ratio(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pairing docs/trainers.md recommends for background batches: TRL's `cispo` loss
+    takes the ratio as an importance weight, capped at `epsilon_high` and kept out of the
+    gradient, so the stale token the clipped loss above drops still pushes, e times harder."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    cap = 5.0
+    trainer = _trainer(tmp_path, loss_type="cispo", epsilon_high=cap)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    batch = _batch(trainer)
+    # TRL's cispo divides by the batch's token count, the same in every call below: the
+    # gradient is linear in each token's weight, so token 1's own part is fresh - without it.
+    _, without_1 = _loss_and_grad(trainer, dict(batch, tool_mask=torch.tensor([[1, 0, 1]])))
+    use_sampling_policy_as_old(trainer)
+    _, fresh = _loss_and_grad(trainer, batch)
+    token_1 = fresh - without_1
+    assert token_1.abs().max() > 0
+    for drop, weight in ((1.0, torch.e), (2.0, cap)):  # ratio e, then e^2 > cap: capped
+        stale = dict(batch, sampling_per_token_logps=batch["sampling_per_token_logps"].clone())
+        stale["sampling_per_token_logps"][0, 1] -= drop
+        _, grad = _loss_and_grad(trainer, stale)
+        assert torch.allclose(grad, without_1 + weight * token_1, atol=1e-5)
 
 
 def test_a_batch_without_sampling_logprobs_is_a_clear_error() -> None:
