@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--loss-type",
         choices=sorted(LOSS_TYPES),
         default=DemoConfig.loss_type,
-        help="TRL's GRPO loss, every mode alike (cispo: importance weight clipped at 5)",
+        help="TRL's GRPO loss, every mode alike (cispo: importance weight capped at 5)",
     )
     p.add_argument(
         "--max-staleness",
