@@ -231,7 +231,7 @@ class Background:
         ]
 
     def running_groups(self) -> set[str]:
-        return {gid for gid, o in self.mgr.buffer.owner.items() if o == OWNER}
+        return self.mgr.buffer.held_by(OWNER)
 
     def kick(self) -> None:
         if not self.wanted or self._holds or self.mgr.calls:
@@ -328,7 +328,7 @@ class Background:
         """Persist these held groups and return them to the idle buffer; finished ones leave
         the background."""
         mgr = self.mgr
-        held = [gid for gid in group_ids if mgr.buffer.owner.get(gid) == OWNER]
+        held = [gid for gid in group_ids if mgr.buffer.owner_of(gid) == OWNER]
         if not held:
             return
         await mgr.persist([mgr.groups[g] for g in held], [])

@@ -1,9 +1,13 @@
 """The partial buffer: which groups exist, which call holds each, and what is durable.
 
 - Idle groups are summaries in `BufferIndex` (by age); their bodies are in the store.
+- Who holds a group is one record (`holders`: group id -> `Holder`), changed only by
+  synchronous transitions: the decision and its record happen with no `await` between them.
 - A call claims groups (by name, or the oldest that fit what it can run): they leave the index
-  at once, synchronously, so no other call can take them, and their bodies are read from the
-  store into memory (`claimed`), where the call changes them.
+  and get their holder at once, synchronously, so no other call can take them; their bodies are
+  then read from the store into memory (`claimed`), where the call changes them. While the read
+  is in flight the holder says so (`Holder.arrived` is clear): `resolve` waits it out, so a
+  route never sees a group that is neither idle nor in memory.
 - `persist` makes a call's outcome durable (the store's thread, fsync) before it is answered;
   `release` hands the claimed groups back: the durable ones return to the index at their old
   position and leave memory, the rest (never acknowledged) are forgotten.
@@ -13,8 +17,10 @@ what it touches, not the buffer's size.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from april_server.buffer_index import BufferEntry, BufferIndex, summarize
 from april_server.errors import conflict, not_found
@@ -24,23 +30,55 @@ from april_server.store import BufferStore
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class Holder:
+    """Who holds a group that is not idle: a call (`b-...`), the background, a resume, a
+    delete, an answer (`input-...`) or new groups being made durable (`groups-...`)."""
+
+    owner: str
+    in_place: bool = False  # still listed in the index while held (the background's)
+    # Clear while the group's body is being read from the store: set once it is in memory.
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class PartialBuffer:
     def __init__(self, store: BufferStore) -> None:
         self.store = store
         entries = store.load_index()
         self.idle = BufferIndex(entries)
         self.next_seq = max((e.seq for e in entries), default=0) + 1
-        self.claimed: dict[str, Group] = {}  # group_id -> body, while a call holds it
-        self.owner: dict[str, str] = {}  # group_id -> the call holding it
-        self._owned: dict[str, set[str]] = {}  # call -> its group ids
+        self.claimed: dict[str, Group] = {}  # group_id -> body, while someone holds it
+        self.holders: dict[str, Holder] = {}  # group_id -> who holds it (absent: idle)
+        self._owned: dict[str, set[str]] = {}  # owner -> its group ids (an index of `holders`)
         self._stored: dict[str, BufferEntry] = {}  # durable summary of claimed stored groups
 
     # ---- lookups -----------------------------------------------------------------------------
 
     def known(self, group_id: str) -> bool:
-        # `owner`, not `claimed`: a group being claimed has left the index but its body is
-        # still being read; it must not look free to a call sending the same id as new.
-        return group_id in self.owner or group_id in self.idle
+        # Held groups count even while their body is still being read: such a group must not
+        # look free to a call sending the same id as new.
+        return group_id in self.holders or group_id in self.idle
+
+    def owner_of(self, group_id: str) -> str | None:
+        h = self.holders.get(group_id)
+        return None if h is None else h.owner
+
+    def held_by(self, owner: str) -> set[str]:
+        return set(self._owned.get(owner, ()))
+
+    async def resolve(self, group_id: str) -> Holder | None:
+        """Who holds the group now (None: idle in the buffer), once any transition in flight
+        (a store read) has landed; 404 when the server holds no such group. Every route that
+        addresses a group or a sample goes through here: it never sees a half-made hand-over."""
+        while True:
+            h = self.holders.get(group_id)
+            if h is None:
+                if group_id not in self.idle:
+                    raise not_found(f"unknown group_id {group_id!r}")
+                return None
+            if h.arrived.is_set():
+                return h
+            await h.arrived.wait()
 
     async def read(self, group_ids: list[str]) -> dict[str, Group]:
         """Bodies to show (claimed ones as they are now, idle ones from the store); raises 404
@@ -58,30 +96,36 @@ class PartialBuffer:
             out.update(await self.store.read_groups(cold))
         return out
 
-    # ---- claiming ----------------------------------------------------------------------------
+    # ---- claiming: `take*` decide and record at once, `arrive` reads the bodies ---------------
 
     def adopt(self, groups: list[Group], owner: str) -> None:
         """New groups of a call: claimed by it from the start, stored once persisted."""
         for g in groups:
-            self._hold(g.group_id, owner)
+            self._hold(g.group_id, owner).arrived.set()
             self.claimed[g.group_id] = g
 
     async def claim(self, group_ids: list[str], owner: str, busy_code: str) -> list[Group]:
         """Claim named idle groups (all or none: 404 unknown, 409 `busy_code` held)."""
+        return await self.arrive(self.take(group_ids, owner, busy_code))
+
+    def take(self, group_ids: list[str], owner: str, busy_code: str) -> list[BufferEntry]:
+        """Hold named idle groups for `owner` now (all or none: 404 unknown, 409 `busy_code`
+        held); their bodies arrive with `arrive`."""
         for gid in group_ids:
-            if gid in self.owner:
-                raise conflict(busy_code, f"group {gid!r} is in use by {self.owner[gid]!r}")
+            if gid in self.holders:
+                raise conflict(busy_code, f"group {gid!r} is in use by {self.holders[gid].owner!r}")
             if gid not in self.idle:
                 raise not_found(f"unknown group_id {gid!r}")
         entries = [e for gid in group_ids if (e := self.idle.remove(gid)) is not None]
-        return await self._take(entries, owner)
+        self._hold_entries(entries, owner)
+        return entries
 
-    def pick_oldest(self, fits: Callable[[BufferEntry], bool]) -> list[BufferEntry]:
-        """Remove the oldest idle groups while `fits(entry)` (it accounts for what it accepts),
-        stopping at the first that does not: groups start in age order."""
+    def take_oldest(self, fits: Callable[[BufferEntry], bool], owner: str) -> list[BufferEntry]:
+        """Hold the oldest idle groups for `owner` now while `fits(entry)` (it accounts for what
+        it accepts), stopping at the first that does not: groups start in age order."""
         picked = []
         for e in self.idle.oldest():
-            if e.group_id in self.owner:  # held in place (background.py): not idle now
+            if e.group_id in self.holders:  # held in place (background.py): not idle now
                 continue
             if e.unfinished and not e.runnable:  # nothing to run until an answer arrives
                 continue
@@ -90,42 +134,61 @@ class PartialBuffer:
             picked.append(e)
         for e in picked:
             self.idle.remove(e.group_id)
+        self._hold_entries(picked, owner)
         return picked
 
-    async def claim_entries(self, entries: list[BufferEntry], owner: str) -> list[Group]:
-        """Claim groups already taken out of the index by `pick_oldest`."""
-        return await self._take(entries, owner)
+    def take_in_place(self, group_ids: list[str], owner: str) -> list[BufferEntry]:
+        """Hold idle groups for work that leaves them listed and counted as buffered (the
+        background, `background.py`): they stay in the index, so pages and counts do not
+        change under a reader, but nobody else can claim them until `release_in_place`."""
+        entries = [e for gid in group_ids if (e := self.idle.get(gid)) is not None]
+        entries = [e for e in entries if e.group_id not in self.holders]
+        self._hold_entries(entries, owner, in_place=True)
+        return entries
 
-    async def _take(self, entries: list[BufferEntry], owner: str) -> list[Group]:
-        for e in entries:  # held before the first await: nobody else can claim them now
-            self._hold(e.group_id, owner)
+    async def hold_in_place(self, group_ids: list[str], owner: str) -> list[Group]:
+        return await self.arrive(self.take_in_place(group_ids, owner))
+
+    def _hold_entries(self, entries: list[BufferEntry], owner: str, in_place: bool = False) -> None:
+        for e in entries:
+            self._hold(e.group_id, owner, in_place)
             self._stored[e.group_id] = e
-        bodies = await self.store.read_groups([e.group_id for e in entries])
+
+    async def arrive(self, entries: list[BufferEntry]) -> list[Group]:
+        """Read the bodies of groups just taken into memory, and mark them arrived. A read that
+        fails (or is cancelled) hands them back untouched, as if never taken."""
+        try:
+            bodies = await self.store.read_groups([e.group_id for e in entries])
+        except BaseException:
+            for e in entries:
+                self._untake(e)
+            raise
         out = []
         for e in entries:
             g = bodies.get(e.group_id)
             if g is None:  # summary without body: cannot happen short of a bug; say so
                 logger.error("april: buffered group %r has no stored body", e.group_id)
-                self._let_go(e.group_id)
-                self._stored.pop(e.group_id, None)
+                self._untake(e)
                 continue
             self.claimed[e.group_id] = g
+            self.holders[e.group_id].arrived.set()
             out.append(g)
         return out
 
-    async def hold_in_place(self, group_ids: list[str], owner: str) -> list[Group]:
-        """Claim idle groups for work that leaves them listed and counted as buffered (the
-        background, `background.py`): they stay in the index, so pages and counts do not
-        change under a reader, but nobody else can claim them until `release_in_place`."""
-        entries = [e for gid in group_ids if (e := self.idle.get(gid)) is not None]
-        entries = [e for e in entries if e.group_id not in self.owner]
-        return await self._take(entries, owner)
+    def _untake(self, e: BufferEntry) -> None:
+        h = self.holders.get(e.group_id)
+        if h is None:
+            return
+        self._let_go(e.group_id).arrived.set()
+        self._stored.pop(e.group_id, None)
+        if not h.in_place and e.group_id not in self.idle:
+            self.idle.add(e)
 
     def release_in_place(self, owner: str, group_ids: list[str] | None = None) -> None:
         """Hand back groups held in place (all of `owner`'s, or `group_ids`), with their
         summaries as last persisted."""
         for gid in list(self._owned.get(owner, ())) if group_ids is None else group_ids:
-            if self.owner.get(gid) != owner:
+            if self.owner_of(gid) != owner:
                 continue
             self._let_go(gid)
             self.claimed.pop(gid, None)
@@ -140,7 +203,7 @@ class PartialBuffer:
         record their segments."""
         self._let_go(gid)
         self.idle.remove(gid)
-        self._hold(gid, owner)
+        self._hold(gid, owner).arrived.set()
 
     def pass_in_place(self, gid: str, owner: str) -> None:
         """The reverse of `pass_held`: a claimed group, persisted, becomes held in place by
@@ -149,24 +212,26 @@ class PartialBuffer:
         entry = self._stored[gid]
         self._let_go(gid)
         self.idle.add(entry)
-        self._hold(gid, owner)
+        self._hold(gid, owner, in_place=True).arrived.set()
 
-    def _hold(self, gid: str, owner: str) -> None:
-        self.owner[gid] = owner
+    def _hold(self, gid: str, owner: str, in_place: bool = False) -> Holder:
+        h = self.holders[gid] = Holder(owner, in_place)
         self._owned.setdefault(owner, set()).add(gid)
+        return h
 
-    def _let_go(self, gid: str) -> None:
-        owner = self.owner.pop(gid)
-        mine = self._owned[owner]
+    def _let_go(self, gid: str) -> Holder:
+        h = self.holders.pop(gid)
+        mine = self._owned[h.owner]
         mine.discard(gid)
         if not mine:
-            del self._owned[owner]
+            del self._owned[h.owner]
+        return h
 
     def release(self, owner: str) -> None:
         """Hand back what `owner` holds: durable groups go back to the index at their position
         (their bodies leave memory); groups never made durable are forgotten."""
         for gid in list(self._owned.get(owner, ())):
-            self._let_go(gid)
+            self._let_go(gid).arrived.set()
             self.claimed.pop(gid, None)
             entry = self._stored.pop(gid, None)
             if entry is not None:
@@ -200,11 +265,16 @@ class PartialBuffer:
         """Raise AssertionError if the bookkeeping is inconsistent. `quiescent`: no call is
         running, so the store must hold exactly the idle groups, as summarized. `in_place`:
         the owner whose groups stay in the index while held (the background)."""
-        assert set(self.claimed) == set(self.owner), (sorted(self.claimed), sorted(self.owner))
-        held = {gid for gid, o in self.owner.items() if o != in_place}
-        assert not (held & {e.group_id for e in self.idle.oldest()})
-        assert set(self._stored) <= set(self.owner)
-        assert sum(len(v) for v in self._owned.values()) == len(self.owner)
+        arrived = {gid for gid, h in self.holders.items() if h.arrived.is_set()}
+        assert set(self.claimed) == arrived, (sorted(self.claimed), sorted(arrived))
+        listed = {e.group_id for e in self.idle.oldest()}
+        for gid, h in self.holders.items():
+            assert h.in_place == (gid in listed), (gid, h.owner, h.in_place)
+            assert not h.in_place or h.owner == in_place, (gid, h.owner)
+        assert set(self._stored) <= set(self.holders)
+        assert sum(len(v) for v in self._owned.values()) == len(self.holders)
+        for owner, gids in self._owned.items():
+            assert all(self.holders[g].owner == owner for g in gids), owner
         if quiescent:
             stored = self.store.load_all()
             idle = {e.group_id: e for e in self.idle.oldest()}

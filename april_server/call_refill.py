@@ -87,6 +87,9 @@ class Refill(TurnsInCall):
             await self._claim_buffered(running, active, limit, sample_target)
             if not self.ready and mgr.buffer.idle.claimable:
                 return None  # the oldest buffered group does not fit yet
+        for queue in (self.ready, self.fresh):  # an abort named these meanwhile: not started
+            while queue and queue[0] in self.given_up:
+                queue.popleft()
         queue = self.ready or self.fresh
         if not queue:
             return None
@@ -129,11 +132,12 @@ class Refill(TurnsInCall):
             room_groups += 1
             return True
 
-        picked = mgr.buffer.pick_oldest(fits)
+        picked = mgr.buffer.take_oldest(fits, self.batch_id)
         if picked:
-            groups = await mgr.buffer.claim_entries(picked, self.batch_id)
+            # Recorded as this call's before the bodies are read: an abort naming one of them
+            # meanwhile finds it here and the call gives it up.
+            groups = await self._arrive(picked)
             self.ready.extend(g.group_id for g in groups)
-            self.group_ids.extend(g.group_id for g in groups)
             await mgr.background.restart_stale(groups, self.tally)
 
     async def _inflight_limits(self) -> tuple[int, int]:

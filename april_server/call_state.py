@@ -8,6 +8,7 @@ import uuid
 from collections import deque
 from typing import TYPE_CHECKING
 
+from april_server.buffer_index import BufferEntry
 from april_server.protocol import Group, RolloutReq, StreamEvent
 from april_server.quota import QuotaTracker
 from april_server.segment_state import CallTally
@@ -43,3 +44,17 @@ class CallState:
         self.announced: set[tuple[str, int]] = set()
         self.given_up: set[str] = set()
         self.closed = asyncio.Event()  # set once the call has handed its groups back
+
+    async def _arrive(self, entries: list[BufferEntry]) -> list[Group]:
+        """Groups just taken for this call (`PartialBuffer.take*`): counted as its own at once,
+        before their bodies are read, and those whose body never came left out again."""
+        self.group_ids.extend(e.group_id for e in entries)
+        groups: list[Group] = []
+        try:
+            groups = await self.mgr.buffer.arrive(entries)
+        finally:  # a failed read handed them all back (`arrive`); a missing body, that one
+            got = {g.group_id for g in groups}
+            lost = {e.group_id for e in entries} - got
+            if lost:
+                self.group_ids = [gid for gid in self.group_ids if gid not in lost]
+        return groups

@@ -48,7 +48,7 @@ class TurnsInCall(CallState):
         if not self.takes_answers:
             return False
         for gid in self.group_ids:
-            if gid in self.given_up or mgr.buffer.owner.get(gid) != self.batch_id:
+            if gid in self.given_up or mgr.buffer.owner_of(gid) != self.batch_id:
                 continue
             g = mgr.groups.get(gid)
             if g is not None and gid in self.started and any(T.awaiting(s) for s in g.samples):
@@ -63,6 +63,7 @@ class TurnsInCall(CallState):
         """Start the answered member's next turn now, under this call's quota."""
         gid = sample.group_id
         task = self.mgr.start_sample(sample, self.batch_id, self.tally, self.req.max_staleness)
+        self.started.add(gid)
         self.tasks[task] = gid
         self.active[gid] = self.active.get(gid, 0) + 1
         self.peak_running = max(self.peak_running, len(self.tasks))

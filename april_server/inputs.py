@@ -6,9 +6,12 @@
   the call keeps the answer but does not continue the member (it waits idle after the call).
 - A call that is winding down holds it: the answer waits until the call has handed the group
   back, then is taken as below (never lost between the call's persist and its release).
-- Otherwise (idle in the buffer, or held by the background, which is paused for it): the
+- Otherwise (idle in the buffer, or held by the background, which is paused for it, after
+  which the holder is looked up again: a call may have taken the group meanwhile): the
   group is claimed, the answer appended and persisted (fsync) before the route answers; the
   member waits idle for the next call.
+Who holds the group is resolved by `PartialBuffer.resolve`, which waits out a claim whose body
+is still being read: a sample just announced as awaiting is never 404 for a moment.
 Answers for one group are taken one at a time, so a second answer for the same turn always
 sees the first and gets 409 `not_awaiting`, changing nothing.
 """
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 from april_server import samples as S
 from april_server import turns as T
 from april_server.background import OWNER as BACKGROUND
-from april_server.errors import bad_request, not_found
+from april_server.errors import ApiError, bad_request, not_found
 from april_server.manager import run_to_end
 from april_server.protocol import InputReq, InputResp, Sample
 
@@ -56,26 +59,37 @@ async def _take(
     mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
 ) -> InputResp:
     while True:
-        if not mgr.buffer.known(gid):
-            raise not_found(f"unknown sample_id {sample_id!r}")
-        owner = mgr.buffer.owner.get(gid)
-        call = None if owner is None else mgr.calls.get(owner)
-        if call is None:
-            break
-        if call.stopped:  # winding down: take it once the call has handed the group back
-            await call.closed.wait()
-            continue
-        sample = mgr.sample(sample_id)
-        _check(mgr, sample, ids, turn)
-        T.apply_answer(sample, ids)
-        if call.holds_for_input(sample):
-            call.continue_answered(sample)
-            return InputResp(sample=sample, batch_id=call.batch_id)
-        return InputResp(sample=sample, batch_id=None)
-    if owner == BACKGROUND:  # handed back first, like for a call
-        async with mgr.background.paused():
+        try:  # waits out a claim whose body is still being read
+            holder = await mgr.buffer.resolve(gid)
+        except ApiError:
+            raise not_found(f"unknown sample_id {sample_id!r}") from None
+        if holder is None:  # idle: taken here, with no await between the look and the claim
             return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
-    return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+        call = mgr.calls.get(holder.owner)
+        if call is not None:
+            if call.stopped:  # winding down: take it once the call has handed the group back
+                await call.closed.wait()
+                continue
+            sample = mgr.sample(sample_id)
+            _check(mgr, sample, ids, turn)
+            T.apply_answer(sample, ids)
+            if call.holds_for_input(sample):
+                call.continue_answered(sample)
+                return InputResp(sample=sample, batch_id=call.batch_id)
+            return InputResp(sample=sample, batch_id=None)
+        if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
+            return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+        async with mgr.background.paused():  # handed back first, like for a call
+            if await _idle(mgr, gid, sample_id):
+                return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+        # A call took the group while the background paused: look again, and answer there.
+
+
+async def _idle(mgr: RolloutManager, gid: str, sample_id: str) -> bool:
+    try:
+        return await mgr.buffer.resolve(gid) is None
+    except ApiError:
+        raise not_found(f"unknown sample_id {sample_id!r}") from None
 
 
 async def _answer_idle(

@@ -152,7 +152,7 @@ class RolloutManager:
 
     def listed(self, g: Group) -> Group:
         g.age_s = round(time.time() - g.created_at, 3)
-        if self.buffer.owner.get(g.group_id) == BACKGROUND or any(
+        if self.buffer.owner_of(g.group_id) == BACKGROUND or any(
             s.sample_id in self.running for s in g.samples
         ):
             g.state = "running"
@@ -304,6 +304,7 @@ class RolloutManager:
     async def _delete(self, group_id: str) -> DeleteResp:
         owner = f"delete-{uuid.uuid4().hex[:12]}"
         try:
+            await self.buffer.resolve(group_id)  # a claim in flight: wait it out, then 409
             (group,) = await self.buffer.claim([group_id], owner, busy_code="group_busy")
             await self.persist([], [group_id])
         finally:
@@ -381,7 +382,7 @@ class RolloutManager:
             + sum(
                 1
                 for gid, g in self.groups.items()
-                if self.buffer.owner.get(gid) != BACKGROUND
+                if self.buffer.owner_of(gid) != BACKGROUND
                 for s in g.samples
                 if turn_rules.awaiting(s)
             ),

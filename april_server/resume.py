@@ -55,6 +55,8 @@ async def _resume_claimed(
     appends: dict[str, list[int]],
 ) -> list[Sample]:
     try:
+        for gid in gids:  # a claim whose body is still being read: wait it out, then 409
+            await mgr.buffer.resolve(gid)
         await mgr.buffer.claim(gids, owner, busy_code="sample_busy")
         chosen = [mgr.sample(sid) for sid in req.sample_ids]
         _check_resumable(mgr, req, chosen, appends)
@@ -86,6 +88,8 @@ def _check_resumable(
 ) -> None:
     """Raise before anything changes: finished samples, missing snapshots, bad appends."""
     for s in chosen:
+        params = {**s.sampling_params, **(req.sampling_params or {})}
+        turn_rules.check_params(s.turn_rule, params, f"sample {s.sample_id!r}")
         if S.is_finished(s) and s.sample_id not in appends:
             raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
         if turn_rules.awaiting(s) and s.sample_id not in appends:

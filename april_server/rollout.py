@@ -141,12 +141,12 @@ class RolloutCall(Refill, WindDown):
                 f"({len(fresh)} sent, {buffered} buffered and idle)",
             )
         mgr.calls[self.batch_id] = self
-        if any(mgr.buffer.owner.get(gid) == BACKGROUND for gid in again):
+        if any(mgr.buffer.owner_of(gid) == BACKGROUND for gid in again):
             await mgr.background.give_way()  # a retry's own groups: buffered again first
         if again:  # claimed whole now, started before anything else
-            taken = await mgr.buffer.claim(again, self.batch_id, busy_code="group_busy")
+            entries = mgr.buffer.take(again, self.batch_id, busy_code="group_busy")
+            taken = await self._arrive(entries)
             self.ready.extend(g.group_id for g in taken)
-            self.group_ids.extend(g.group_id for g in taken)
             await mgr.background.restart_stale(taken, self.tally)
         # Sent groups are this call's from now on; buffered ones are claimed as it needs them
         # (`_next_group`), so the rest stay available to other calls.

@@ -25,6 +25,7 @@ from april_server.protocol import (
     Segment,
     TurnsSpec,
 )
+from april_server.turns import check_params as check_turn_params
 from april_server.turns import rule_of, with_turn_stops
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's own default, so an omitted budget means the same thing
@@ -139,6 +140,7 @@ def build_group(
         if not isinstance(budget, int) or isinstance(budget, bool):
             raise bad_request("invalid_budget", f"group {gid!r}: max_new_tokens must be an int")
         check_budget(len(prompt_ids), 0, budget, context_len, f"group {gid!r} member {i}")
+        check_turn_params(rule, params, f"group {gid!r} member {i}")
         samples.append(
             Sample(
                 sample_id=sample_id_of(gid, i),

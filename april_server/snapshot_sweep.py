@@ -98,7 +98,7 @@ class SnapshotSweep:
 
     async def _unreferenced(self, held: list[tuple[Slot, str]]) -> set[tuple[Slot, str]]:
         maybe = [(slot, key) for slot, key in held if not self._referenced_now(key, slot)]
-        idle = {key.rpartition("/")[0] for _, key in maybe} - set(self.mgr.buffer.owner)
+        idle = {key.rpartition("/")[0] for _, key in maybe} - set(self.mgr.buffer.holders)
         bodies = await self.mgr.buffer.read_bodies(sorted(g for g in idle if g))
         out = set()
         for slot, key in maybe:
@@ -116,7 +116,7 @@ class SnapshotSweep:
         if key in self.mgr.running:
             return True
         gid, _, idx = key.rpartition("/")
-        if gid not in self.mgr.buffer.owner:
+        if gid not in self.mgr.buffer.holders:
             return False  # idle or gone: its body, read from the store, decides
         group = self.mgr.buffer.claimed.get(gid)
         if group is None:

@@ -45,6 +45,18 @@ def check_spec(spec: TurnsSpec | None, where: str, vocab_size: int | None) -> No
         raise bad_request("invalid_turns", f"{where}: max_turns must be >= 1 or null")
 
 
+def check_params(rule: TurnRule | None, params: dict[str, Any], where: str) -> None:
+    """Raise 400 `invalid_turns` for turn stop token ids under `ignore_eos`: SGLang skips
+    every stop token id then (EOS's and ours alike), so the turn would silently never end.
+    Stop strings still end turns under `ignore_eos`."""
+    if rule is not None and rule.stop_token_ids and params.get("ignore_eos"):
+        raise bad_request(
+            "invalid_turns",
+            f"{where}: turn stop_token_ids cannot end a turn under ignore_eos (SGLang skips "
+            "stop token ids then); drop ignore_eos, or end turns with stop strings",
+        )
+
+
 def rule_of(spec: TurnsSpec | None) -> TurnRule | None:
     if spec is None:
         return None

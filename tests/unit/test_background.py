@@ -122,7 +122,7 @@ def test_a_call_takes_over_what_its_running_target_holds_and_the_rest_gives_way(
         assert len(s.segments) == 1 and s.output_ids == reference(300)
         # The two it had no room for stopped (one pause) and went on after the call.
         assert mgr.background.pauses == 1
-        await until(lambda: not mgr.background.wanted and not mgr.buffer.owner)
+        await until(lambda: not mgr.background.wanted and not mgr.buffer.holders)
         for gid in ("g1", "g2"):
             (x,) = (await mgr.read_group(gid)).samples
             assert x.output_ids == reference(300) and len(x.segments) == 2
@@ -157,7 +157,7 @@ def test_a_continue_call_ending_beside_another_call_stops_its_stragglers(tmp_pat
         assert 0 < len(x.output_ids) < 400  # stopped, and what it made is durable
         assert len(x.segments) == 1
         await second[0]
-        await until(lambda: not mgr.background.wanted and not mgr.buffer.owner)
+        await until(lambda: not mgr.background.wanted and not mgr.buffer.holders)
         (x,) = (await mgr.read_group("long")).samples
         assert x.output_ids == reference(400) and len(x.segments) == 2
         mgr.check_integrity()

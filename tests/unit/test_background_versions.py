@@ -33,7 +33,7 @@ def test_a_weight_update_cuts_background_segments_at_the_version_boundary(
         mgr.segments.after_update()
         # Handed back too (not only done generating): the integrity check compares the store
         # with the index, which differ while the background persists the finished group.
-        await until(lambda: not mgr.running and not mgr.buffer.owner)
+        await until(lambda: not mgr.running and not mgr.buffer.holders)
         (s,) = (await mgr.read_group("w")).samples
         assert [x.weight_version for x in s.segments] == ["0", "1"]
         assert s.segments[0].end == s.segments[1].start > 0
@@ -56,7 +56,7 @@ def test_a_background_sample_restarts_when_its_oldest_token_gets_too_stale(
             await until(lambda: not mgr.engine.active)  # type: ignore[attr-defined]
             mgr.engine.version = version  # type: ignore[attr-defined]
             mgr.segments.after_update()
-        await until(lambda: not mgr.running and not mgr.buffer.owner)
+        await until(lambda: not mgr.running and not mgr.buffer.holders)
         (s,) = (await mgr.read_group("o")).samples
         # After the second push its oldest token would be 2 versions old (> 1): it restarted
         # from its prompt instead of extending stale work.
@@ -200,7 +200,7 @@ def test_a_weight_update_resends_its_cut_to_a_segment_not_registered_yet(tmp_pat
         await until(lambda: not eng.active)  # the segment left: the update may run
         eng.version = "1"
         mgr.segments.after_update()
-        await until(lambda: not mgr.running and not mgr.buffer.owner)
+        await until(lambda: not mgr.running and not mgr.buffer.holders)
         (s,) = (await mgr.read_group("w")).samples
         assert [x.weight_version for x in s.segments] == ["0", "1"]  # cut, not run to its end
         assert s.output_ids == reference(500)

@@ -318,7 +318,7 @@ def test_cancelled_api_error_leaves_nothing_claimed(tmp_path: Path) -> None:
     mgr = RolloutManager(FakeEngine(), BufferStore(None))
     with pytest.raises(ApiError):
         asyncio.run(mgr.resume(msgspec.convert({"sample_ids": ["nope/0"]}, _resume_t())))
-    assert mgr.buffer.owner == {}
+    assert mgr.buffer.holders == {}
 
 
 # ---- a segment that ends during the wind-down --------------------------------------------------

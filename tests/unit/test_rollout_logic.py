@@ -297,4 +297,4 @@ def test_bad_rollouts_are_rejected_before_anything_starts(
     with pytest.raises(ApiError) as e:
         run(rollout(mgr, req))
     assert (e.value.status, e.value.code) == (status, code)
-    assert mgr.groups == {} and mgr.buffer.owner == {} and not mgr.engine.calls  # type: ignore[attr-defined]
+    assert mgr.groups == {} and mgr.buffer.holders == {} and not mgr.engine.calls  # type: ignore[attr-defined]

@@ -270,7 +270,7 @@ def test_the_wind_down_says_which_members_it_interrupted(tmp_path: Path) -> None
             "slow",
             input_ids=PROMPT,
             sampling_params={"max_new_tokens": 400, "ignore_eos": True},
-            turns=TurnsSpec(stop_token_ids=[1]),
+            turns=TurnsSpec(stop=["</call>"]),  # the fake engine matches no text: never ends
         )
         quick = GroupSpec("quick", input_ids=[1, 2], sampling_params={"max_new_tokens": 5})
         resp, seen = await drive(
