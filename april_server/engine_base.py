@@ -66,6 +66,9 @@ class BaseEngine(ABC):
     # Seeded mode: the engine gives every unseeded request the same default seed, so the
     # server assigns one per group (else all members of a group would be identical).
     assigns_seeds: bool = False
+    # Token ids that end generation unless `ignore_eos` (the model's EOS): how a segment that
+    # ended by abort in the step that produced one is known to have finished (`stops.py`).
+    eos_token_ids: frozenset[int] = frozenset()
 
     @abstractmethod
     def weight_version(self) -> str:

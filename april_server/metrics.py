@@ -36,6 +36,7 @@ HELP = {
     "engine_idle_share": "share of the last minute the engine ran no forward batch",
     "engine_idle_share_since_start": "share of the time since start-up with no forward batch",
     "awaiting_input_samples": "agent-rollout members waiting for a tool's answer",
+    "stops_behind_aborts": "segments reported aborted whose last token completed a stop",
 }
 
 

@@ -55,6 +55,9 @@ class Counters:
     engine_failovers: int = 0  # segments run again because their engine went away
     returned_groups: int = 0
     dropped_groups: int = 0
+    # Segments SGLang said were aborted whose output ended at a stop (stops.py): finished
+    # or awaiting input, not interrupted.
+    stops_behind_aborts: int = 0
 
 
 @dataclass

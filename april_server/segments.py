@@ -34,6 +34,7 @@ from april_server.inflight import Admission, kv_need
 from april_server.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
 from april_server.protocol import Keep, KvMode, Sample
 from april_server.segment_state import BACKGROUND, CallTally, Counters, Running
+from april_server.stops import reached_stop
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,9 @@ class SegmentRunner:
         sample = run.sample
         ended: SegmentOutcome | None = None  # None: ended by a cut, recorded already
         while True:
-            out = await self._one_segment(run, cont, restore, call, need)
+            out = self._classified(
+                sample, cont, await self._one_segment(run, cont, restore, call, need)
+            )
             ended = out
             cut = run.cut and out.result.finish_reason == "abort" and out.result.error is None
             run.cut = False
@@ -208,7 +211,7 @@ class SegmentRunner:
                 break
             self._record(sample, out, cont, run.tally)
             await self._settle(sample, out, True, False, False, run.restore_planned)
-            if S.is_finished(sample):  # the abort landed on its last budgeted token
+            if S.is_finished(sample) or T.awaiting(sample):  # the cut landed on its last token
                 ended = None
                 break
             cont, call, restore = self._continue_after_cut(run, need)
@@ -281,6 +284,24 @@ class SegmentRunner:
             await self.snap.drop_snapshot(call.key, call.drop)
         except Exception as exc:  # its engine is gone, and the snapshot with it
             logger.warning("april: could not free %s's snapshot: %s", call.key, exc)
+
+    def _classified(
+        self, sample: Sample, cont: S.Continuation, out: SegmentOutcome
+    ) -> SegmentOutcome:
+        """A segment that ended by abort in the step that completed a stop ended by that stop
+        (`stops.py`): a turn stop makes its member await input, EOS finishes it."""
+        r = out.result
+        if r.finish_reason != "abort" or r.error is not None or not r.output_ids:
+            return out
+        new = r.output_ids[: S.remaining_budget(sample)]
+        before = sample.output_ids[T.turn_start(sample) :]
+        params = cont.sampling_params
+        stop = reached_stop(params, before, new, self.engine.eos_token_ids, self.engine.detokenize)
+        if stop is None:
+            return out
+        self.counters.stops_behind_aborts += 1
+        result = replace(r, output_ids=new, finish_reason="stop", matched=stop)
+        return replace(out, result=result)
 
     def _record(
         self, sample: Sample, out: SegmentOutcome, cont: S.Continuation, tally: CallTally

@@ -49,6 +49,8 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
     """A real server on the embedded tiny model with a durable state dir (and SGLang's own
     metrics on, so `/metrics` is tested with both sets of families)."""
     state = tmp_path_factory.mktemp("april-state")
+    # Its scheduler takes the tests' injected aborts (door/fault_hooks.py), nothing else does.
+    os.environ["APRIL_FAULT_INJECTION"] = "1"
     proc = ServerProc(state_dir=state, extra_args=["--april-allow-stale-kv", "--enable-metrics"])
     proc.start()
     yield proc

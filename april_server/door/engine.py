@@ -100,6 +100,7 @@ class SGLangEngine(SnapshotEngine):
         self.assigns_seeds = bool(
             getattr(tokenizer_manager.server_args, "enable_deterministic_inference", False)
         )
+        self.eos_token_ids = _eos_ids(tokenizer_manager)
         self._ids = itertools.count()
         self._waiting: dict[int, _Gather] = {}
         self.tm._result_dispatcher += TypeBasedDispatcher([(AprilKvResp, self._on_kv_resp)])
@@ -285,6 +286,16 @@ class SGLangEngine(SnapshotEngine):
             "model_path": str(self.tm.server_args.model_path),
             "has_tokenizer": self.tm.tokenizer is not None,
         }
+
+
+def _eos_ids(tm: Any) -> frozenset[int]:
+    """The ids SGLang's scheduler stops at unless `ignore_eos` (`Req.eos_token_ids` and the
+    tokenizer's EOS)."""
+    ids = set(getattr(tm.model_config, "hf_eos_token_id", None) or ())
+    eos = getattr(tm.tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    return frozenset(ids)
 
 
 # What the layers above add to SGLang's app: given the app, a factory for the engine (called

@@ -26,6 +26,7 @@ import torch
 from april_server import env
 from april_server.door.deterministic import register_deterministic_hooks
 from april_server.door.dp_hooks import register_dp_hooks
+from april_server.door.fault_hooks import register_fault_hooks
 from april_server.door.ipc import AprilKvReq, AprilKvResp
 from april_server.engine_clock import EngineClock, StepTimer
 from april_server.kv_store import HostKvStore
@@ -42,6 +43,7 @@ def register() -> None:
 
     register_deterministic_hooks()  # no-op off SGLang's CPU engine; see door/deterministic.py
     register_dp_hooks()  # the DP controller's idle loop, on SGLang's CPU engine: dp_hooks.py
+    register_fault_hooks()  # tests only: off unless APRIL_FAULT_INJECTION=1 (fault_hooks.py)
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",

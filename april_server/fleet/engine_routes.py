@@ -47,6 +47,7 @@ def engine_info(engine: BaseEngine) -> EngineInfo:
         snapshots_enabled=isinstance(engine, SnapshotEngine) and engine.snapshots_enabled,
         model_path=str(stats.get("model_path", "")),
         has_tokenizer=bool(stats.get("has_tokenizer", True)),
+        eos_token_ids=sorted(engine.eos_token_ids),
     )
 
 

@@ -197,6 +197,7 @@ class FleetEngine(SnapshotEngine):
             assert info is not None
             self.assigns_seeds = info.assigns_seeds
             self.snapshots_enabled = info.snapshots_enabled
+            self.eos_token_ids = frozenset(info.eos_token_ids)
             path = self.tokenizer_path or (info.model_path if info.has_tokenizer else None)
             if path and Path(path).exists():  # loading reads files: off the event loop
                 try:

@@ -24,6 +24,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     snapshots_enabled: bool
     model_path: str = ""
     has_tokenizer: bool = True
+    eos_token_ids: list[int] = []  # what ends generation unless ignore_eos (stops.py)
 
 
 class ControlOp(msgspec.Struct, frozen=True):

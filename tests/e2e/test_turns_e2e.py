@@ -188,3 +188,62 @@ def test_interrupted_episodes_equal_the_uninterrupted_one(
     assert_same_episode(resume(c, gid), want)
     with pytest.raises(NotFound):  # delivered: it left the server
         c.post_input(f"{gid}/0", [1])
+
+
+def aborted_at(gid: str, at: int) -> dict[str, Any]:
+    """`agent(gid)`, whose first segment the scheduler aborts in the step of its `at`-th
+    token (door/fault_hooks.py: as an abort arriving during that step would)."""
+    group = agent(gid)
+    group["sampling_params"] = {
+        **group["sampling_params"],
+        "custom_params": {"april_abort_at_output_len": at},
+    }
+    return group
+
+
+def test_a_turn_stop_generated_in_the_aborts_step_still_ends_the_turn(
+    client: AprilClient, tiny_server: ServerProc
+) -> None:
+    """#36: SGLang says `abort` for the step that produced the turn stop; the member must
+    await input all the same (stream event, /partials, /stats), for a stop token and for a
+    stop string."""
+    c = client
+    want = uninterrupted(c)
+    assert want.output_ids[11] == STOP  # the premise: the 12th token ends turn 1
+    before = c.stats()["stops_behind_aborts"]
+
+    # A stop token id, streamed: the call announces the member as awaiting, not interrupted.
+    def abort_call(ev: SampleAwaitingEvent) -> bool:
+        c.abort(batch_id=ev.batch_id)
+        return True
+
+    events = run_call(c, [aborted_at("ep-race", 12)], abort_call)
+    awaited = [e for e in events if isinstance(e, SampleAwaitingEvent)]
+    assert [(e.sample.sample_id, e.turn) for e in awaited] == [("ep-race/0", 1)]
+    assert not [e for e in events if isinstance(e, SampleInterruptedEvent)]
+    (s,) = c.partial("ep-race").samples
+    assert s.status == "awaiting_input" and turn_rows(s) == [(0, 12, STOP, "turn_stop")]
+    assert s.output_ids == want.output_ids[:12]
+    assert c.stats()["awaiting_input_samples"] == 1
+    assert c.stats()["stops_behind_aborts"] == before + 1
+    c.delete_partial("ep-race")
+
+    # A stop string whose text first appears with the 12th token, not streamed.
+    with tiny_server.client() as http:
+        texts = [
+            http.post(
+                "/generate",
+                json={
+                    "input_ids": PROMPT,
+                    "sampling_params": {"temperature": 0.0, "max_new_tokens": n},
+                },
+            ).json()["text"]
+            for n in (11, 12)
+        ]
+    suffixes = [texts[1][-k:] for k in range(1, len(texts[1]) + 1)]
+    stop = next(s for s in suffixes if s.strip() and s not in texts[0])
+    c.rollout([aborted_at("ep-race-str", 12)], 1, turns={"stop": [stop], "max_turns": 3})
+    (s,) = c.partial("ep-race-str").samples
+    assert s.status == "awaiting_input", (stop, s.status, len(s.output_ids))
+    assert turn_rows(s) == [(0, 12, stop, "turn_stop")]
+    assert c.stats()["stops_behind_aborts"] == before + 2

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from april_server.engine_base import BaseEngine, SnapshotEngine
 from april_server.errors import bad_request
 from april_server.placement import Slot
 from april_server.samples import SegmentResult
+from april_server.stops import stop_strings
 
 EOS = 2
 KNOWN_PARAMS = {
@@ -34,6 +36,8 @@ def next_token(context: list[int], vocab: int) -> int:
 
 
 class FakeEngine(BaseEngine):
+    eos_token_ids = frozenset({EOS})
+
     def __init__(self, delay_s: float = 0.001, vocab: int = 64, context_len: int = 512) -> None:
         self.delay_s = delay_s
         self.vocab_size = vocab
@@ -43,6 +47,12 @@ class FakeEngine(BaseEngine):
         self.active: set[str] = set()
         self.calls: list[tuple[str, list[int], dict[str, Any]]] = []
         self.fail_rids: set[str] = set()
+        # (rid, output length) -> whether an abort lands in the step that produced that token:
+        # SGLang then says `abort` whatever the token was (its `to_finish` wins the step).
+        self.abort_in_step: Callable[[str, int], bool] | None = None
+
+    def detokenize(self, ids: list[int]) -> str | None:
+        return "".join(chr(0x30 + t) for t in ids)  # one character per token
 
     def weight_version(self) -> str:
         return self.version
@@ -77,11 +87,19 @@ class FakeEngine(BaseEngine):
                 tok = next_token(ctx, self.vocab_size)
                 out.append(tok)
                 ctx.append(tok)
+                if self.abort_in_step is not None and self.abort_in_step(rid, len(out)):
+                    finish = "abort"
+                    break
                 if tok == EOS and not sampling_params.get("ignore_eos", False):
                     finish, matched = "stop", tok
                     break
                 if tok in stops and not sampling_params.get("ignore_eos", False):
                     finish, matched = "stop", tok
+                    break
+                text = self.detokenize(out) or ""
+                hit = [s for s in stop_strings(sampling_params) if s in text]
+                if hit:
+                    finish, matched = "stop", hit[0]
                     break
         finally:
             self.active.discard(rid)
