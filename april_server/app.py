@@ -49,6 +49,7 @@ from april_server.protocol import (
     RolloutResp,
     StreamEvent,
 )
+from april_server.resume import resume as resume_samples
 from april_server.rollout import rollout
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ def create_router(
         req = await decode(request, ResumeReq)
         mgr = get_manager()
         engine_ready()
-        return json_response(ResumeResp(samples=await mgr.resume(req)))
+        return json_response(ResumeResp(samples=await resume_samples(mgr, req)))
 
     # `:path`: a sample id is "{group_id}/{index}".
     @router.post(PREFIX + "/samples/{sample_id:path}/input")

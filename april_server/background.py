@@ -43,24 +43,29 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import Any
 
 from april_server import samples as S
+from april_server.buffer import PartialBuffer
 from april_server.buffer_index import open_footprint
 from april_server.inflight import kv_need
 from april_server.protocol import Group
 from april_server.segment_state import BACKGROUND, CallTally, Running
-
-if TYPE_CHECKING:
-    from april_server.manager import RolloutManager
+from april_server.segments import SegmentRunner
 
 logger = logging.getLogger(__name__)
 OWNER = BACKGROUND
 
 
 class Background:
-    def __init__(self, mgr: RolloutManager) -> None:
-        self.mgr = mgr
+    def __init__(
+        self, buffer: PartialBuffer, segments: SegmentRunner, calls: dict[str, Any]
+    ) -> None:
+        """`calls`: the live calls by batch id (the manager's map, read only here: the
+        background runs only while it is empty)."""
+        self.buffer = buffer
+        self.segments = segments
+        self.calls = calls
         self.wanted: dict[str, int | None] = {}  # group id -> the max_staleness it runs under
         self.handed_by: dict[str, str] = {}  # group id -> the call that handed it in
         # group id -> the max_staleness it was put here with, until a call claims it (5.)
@@ -104,23 +109,26 @@ class Background:
         member's snapshot is of no use any more: freed, or it would stay held on its engine."""
         if not self.bounds:
             return
-        mgr = self.mgr
-        current = mgr.current_version()
+        current = self.segments.versions.now()
         for g in groups:
             bound = self.bounds.pop(g.group_id, None)
             if bound is None:  # not put here, or put here without a bound
                 continue
             for s in g.samples:
-                if s.sample_id in mgr.running:  # taken over generating: judged at every cut
+                if (
+                    s.sample_id in self.segments.running
+                ):  # taken over generating: judged at every cut
                     continue
                 if (
                     s.segments
-                    and S.version_lag(s.segments[0].weight_version, current, mgr.version_history)
+                    and S.version_lag(
+                        s.segments[0].weight_version, current, self.segments.versions.history
+                    )
                     > bound
                 ):
-                    await mgr.segments.forget(s)
+                    await self.segments.forget(s)
                     S.restart_for_staleness(s)
-                    mgr.segments.count_restart(s, tally)
+                    self.segments.count_restart(s, tally)
 
     @asynccontextmanager
     async def yielding(self) -> AsyncIterator[None]:
@@ -137,8 +145,7 @@ class Background:
         """Whether the ending call `owner` may hand its groups still generating over in place:
         no other call or operation holds the background, and no weight update holds cut
         segments (those continue under their owner's rule after it)."""
-        mgr = self.mgr
-        return self._holds == 1 and list(mgr.calls) == [owner] and mgr.segments.updated.is_set()
+        return self._holds == 1 and list(self.calls) == [owner] and self.segments.updated.is_set()
 
     def adopt(self, owner: str, going: dict[str, list[Running]]) -> list[str]:
         """The ending call `owner`'s groups (with the runs it started) pass here generating,
@@ -147,14 +154,13 @@ class Background:
         running is not taken either: what its last segment recorded may postdate the persist."""
         if not self.may_adopt(owner):
             return list(going)
-        mgr = self.mgr
         refused = []
         for gid, runs in going.items():
             pending = [r for r in runs if not r.task.done()]
             if gid not in self.wanted or not pending or any(r.stopping for r in pending):
                 refused.append(gid)
                 continue
-            mgr.buffer.pass_in_place(gid, OWNER)
+            self.buffer.pass_in_place(gid, OWNER)
             for r in pending:
                 r.owner, r.tally = OWNER, self.tally
                 self._ends[r.task] = gid
@@ -169,12 +175,11 @@ class Background:
     def hand_over(self, owner: str, take: Callable[[Group, int], bool]) -> list[Group]:
         """Running groups pass to the call `owner`, oldest first, while `take(group, running
         members)` accepts them; their segments keep generating, now the call's."""
-        mgr = self.mgr
-        if not mgr.segments.updated.is_set():
+        if not self.segments.updated.is_set():
             # A weight update holds cut segments: they continue after it under the rule of
             # whoever owns them; stopped and claimed instead, they are judged by their bound.
             return []
-        index = mgr.buffer.idle
+        index = self.buffer.idle
         running = sorted(
             (e.seq, gid)
             for gid in self.running_groups()
@@ -182,13 +187,13 @@ class Background:
         )
         taken = []
         for _, gid in running:
-            group = mgr.groups[gid]
-            runs = [r for r in mgr.running.values() if r.sample.group_id == gid]
+            group = self.buffer.claimed[gid]
+            runs = [r for r in self.segments.running.values() if r.sample.group_id == gid]
             if any(r.stopping for r in runs):  # an abort is stopping it: not the call's
                 continue
             if not take(group, len(runs)):
                 break
-            mgr.buffer.pass_held(gid, owner)
+            self.buffer.pass_held(gid, owner)
             for r in runs:
                 r.owner = owner
             for t in [t for t, g in self._ends.items() if g == gid]:
@@ -221,7 +226,7 @@ class Background:
 
     def sample_ids(self, among: set[str] | None = None) -> list[str]:
         """Every sample of the groups wanted here (running now or not), or of those `among`."""
-        idle = self.mgr.buffer.idle
+        idle = self.buffer.idle
         return [
             f"{gid}/{i}"
             for gid in self.wanted
@@ -231,10 +236,10 @@ class Background:
         ]
 
     def running_groups(self) -> set[str]:
-        return self.mgr.buffer.held_by(OWNER)
+        return self.buffer.held_by(OWNER)
 
     def kick(self) -> None:
-        if not self.wanted or self._holds or self.mgr.calls:
+        if not self.wanted or self._holds or self.calls:
             return
         if self._task is None:
             self._fill_due = True
@@ -249,21 +254,20 @@ class Background:
         if task is None:
             return
         t0 = time.perf_counter()
-        runs = [r for r in self.mgr.running.values() if r.owner == OWNER]
-        await self.mgr.stop_running(runs, "snapshot")
+        runs = [r for r in self.segments.running.values() if r.owner == OWNER]
+        await self.segments.stop(runs, "snapshot")
         await asyncio.wait([task])
         if runs:
             self.pauses += 1
             self.pause_s += time.perf_counter() - t0
 
     async def _round(self) -> None:
-        mgr = self.mgr
         waiting: list[str] = []
         ends, left = self._ends, self._left
         try:
-            await mgr.admission_ready()
+            await self.segments.admission_ready()
             while True:
-                if self._fill_due and not self._holds and not mgr.calls:
+                if self._fill_due and not self._holds and not self.calls:
                     self._fill_due = False
                     waiting = await self._fill()
                 if not ends:
@@ -282,8 +286,8 @@ class Background:
                         await self._hand_back([gid])
         except Exception:  # the background must never take the server down
             logger.exception("april: background round failed; its groups stay buffered")
-            runs = [r for r in mgr.running.values() if r.owner == OWNER]
-            await mgr.stop_running(runs, "tokens")
+            runs = [r for r in self.segments.running.values() if r.owner == OWNER]
+            await self.segments.stop(runs, "tokens")
             await self._hand_back(list(self.running_groups()))
         finally:
             self._task = None
@@ -294,11 +298,10 @@ class Background:
 
     async def _fill(self) -> list[str]:
         """Hold the wanted groups in place and start what fits; returns those that did not."""
-        mgr = self.mgr
         waiting: list[str] = []
-        for gid in [g for g in self.wanted if g not in mgr.buffer.idle]:
+        for gid in [g for g in self.wanted if g not in self.buffer.idle]:
             self.forget([gid], gone=True)  # delivered, deleted or dropped meanwhile
-        groups = await mgr.buffer.hold_in_place(list(self.wanted), OWNER)
+        groups = await self.buffer.hold_in_place(list(self.wanted), OWNER)
         ends, left = self._ends, self._left
         for g in groups if not self._holds else ():  # paused while holding: start nothing
             n = self._start(g.group_id, ends, bool(ends))
@@ -313,26 +316,24 @@ class Background:
     def _start(self, gid: str, ends: dict[asyncio.Task[None], str], others: bool) -> int | None:
         """Start the group's unfinished samples whole, if it fits beside what runs (the
         first always does); None when it does not fit now."""
-        mgr = self.mgr
-        group = mgr.groups[gid]
+        group = self.buffer.claimed[gid]
         unfinished, context, remaining = open_footprint(group)
         if (
             unfinished
             and others
-            and not mgr.admission.fits(unfinished, kv_need(context, remaining))
+            and not self.segments.admission.fits(unfinished, kv_need(context, remaining))
         ):
             return None
-        return mgr.start_group(gid, OWNER, self.tally, self.wanted.get(gid), ends)
+        return self.segments.start_group(group, OWNER, self.tally, self.wanted.get(gid), ends)
 
     async def _hand_back(self, group_ids: list[str]) -> None:
         """Persist these held groups and return them to the idle buffer; finished ones leave
         the background."""
-        mgr = self.mgr
-        held = [gid for gid in group_ids if mgr.buffer.owner_of(gid) == OWNER]
+        held = [gid for gid in group_ids if self.buffer.owner_of(gid) == OWNER]
         if not held:
             return
-        await mgr.persist([mgr.groups[g] for g in held], [])
+        await self.buffer.persist([self.buffer.claimed[g] for g in held], [])
         for gid in held:
-            if S.group_finished(mgr.groups[gid]):
+            if S.group_finished(self.buffer.claimed[gid]):
                 self.forget([gid])
-        mgr.buffer.release_in_place(OWNER, held)
+        self.buffer.release_in_place(OWNER, held)

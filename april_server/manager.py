@@ -41,13 +41,13 @@ from april_server.protocol import (
     Group,
     Keep,
     KvMode,
-    ResumeReq,
     Sample,
 )
 from april_server.segment_state import CallTally, Counters, Running
 from april_server.segments import SegmentRunner
 from april_server.snapshot_sweep import SnapshotSweep
 from april_server.store import BufferStore
+from april_server.versions import WeightVersions
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +92,21 @@ class RolloutManager:
         # Recent batch ids, so an abort naming a finished call is a no-op, not a 404; bounded,
         # since a multi-day run makes millions of calls.
         self.finished_batches: OrderedDict[str, None] = OrderedDict()
-        self.version_history: list[str] = []
+        self.versions = WeightVersions(engine)
+        self.version_history = self.versions.history
         self.counters = Counters()
         self.admission = Admission()  # shared by every call: what the engine is given
-        self.segments = SegmentRunner(engine, self.counters, self.admission, allow_stale_kv)
-        self.segments.version_now = self.current_version  # continuations after a weight cut
-        self.segments.history = self.version_history
+        self.segments = SegmentRunner(
+            engine, self.counters, self.admission, allow_stale_kv, self.versions
+        )
         self.running: dict[str, Running] = self.segments.running  # sample_id -> its request
         self.last_inflight: (
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
         ) = None
         self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
         self.sweep: SnapshotSweep | None = None  # the server may start one (server.py)
-        self.background = Background(self)  # groups generating between calls
-        self._capacity_key: object = ()  # what the admission bound was sized for
+        # Groups generating between calls: it gets what it works with, not the manager.
+        self.background = Background(self.buffer, self.segments, self.calls)
         # POST /samples/{id}/input: one answer per group at a time (inputs.py).
         self.input_locks: dict[str, list[Any]] = {}
 
@@ -117,10 +118,7 @@ class RolloutManager:
     # ---- lookups -----------------------------------------------------------------------------
 
     def current_version(self) -> str:
-        v = self.engine.weight_version()
-        if not self.version_history or self.version_history[-1] != v:
-            self.version_history.append(v)
-        return v
+        return self.versions.now()
 
     def sample(self, sample_id: str) -> Sample:
         """A sample of a claimed group (idle ones: `read_samples`)."""
@@ -179,15 +177,7 @@ class RolloutManager:
         await self.buffer.persist(put, delete, call)
 
     async def admission_ready(self) -> Admission:
-        """The admission bound, sized from what the engine can run: once for one server, again
-        whenever an owner's pool of healthy engines changes (#23: it follows the pool)."""
-        key = self.engine.capacity_key()
-        if key != self._capacity_key:
-            capacity = await self.engine.capacity()
-            if capacity is not None:
-                self.admission.configure(capacity)
-                self._capacity_key = key
-        return self.admission
+        return await self.segments.admission_ready()
 
     # ---- running segments (segments.py) -----------------------------------------------------
 
@@ -201,17 +191,7 @@ class RolloutManager:
         kv_mode: KvMode = "auto",
     ) -> asyncio.Task[None]:
         """Start the next segment of `sample` on the engine; the task records the result."""
-        version = self.current_version()
-        return self.segments.start(
-            sample,
-            owner,
-            tally,
-            version,
-            self.version_history,
-            max_staleness,
-            override_params,
-            kv_mode,
-        )
+        return self.segments.start(sample, owner, tally, max_staleness, override_params, kv_mode)
 
     def start_group(
         self,
@@ -221,20 +201,8 @@ class RolloutManager:
         max_staleness: int | None,
         tasks: dict[asyncio.Task[None], str],
     ) -> int:
-        """Start every unfinished member of claimed group `gid` (one out of budget is marked
-        truncated instead); their tasks go into `tasks`. Returns how many started."""
-        n = 0
-        for s in self.groups[gid].samples:
-            if S.is_finished(s) or turn_rules.awaiting(s):  # an awaiting member runs once answered
-                continue
-            if s.sample_id in self.running:  # answered before its group started: it runs
-                continue
-            if S.remaining_budget(s) <= 0:
-                s.status, s.finish_reason = "truncated", "length"
-                continue
-            tasks[self.start_sample(s, owner, tally, max_staleness)] = gid
-            n += 1
-        return n
+        """Start every unfinished member of claimed group `gid` (`SegmentRunner.start_group`)."""
+        return self.segments.start_group(self.groups[gid], owner, tally, max_staleness, tasks)
 
     async def stop_running(self, runs: list[Running], keep: Keep | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
@@ -289,12 +257,6 @@ class RolloutManager:
         known = [sid for sid in sorted(scope) if self.buffer.known(sid.rpartition("/")[0])]
         now = await self.read_samples(known)
         return AbortResp(samples=[now[sid] for sid in known])
-
-    async def resume(self, req: ResumeReq) -> list[Sample]:
-        """`POST /april/v1/resume` (`resume.py`, imported here: it imports this module)."""
-        from april_server.resume import resume
-
-        return await resume(self, req)
 
     async def delete(self, group_id: str) -> DeleteResp:
         async with self.background.paused():

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -32,9 +32,10 @@ from april_server.engine_base import (
 from april_server.errors import conflict
 from april_server.inflight import Admission, kv_need
 from april_server.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
-from april_server.protocol import Keep, KvMode, Sample
+from april_server.protocol import Group, Keep, KvMode, Sample
 from april_server.segment_state import BACKGROUND, CallTally, Counters, Running
 from april_server.stops import reached_stop
+from april_server.versions import WeightVersions
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,12 @@ HEALTH_POLL_S = 0.5
 
 class SegmentRunner:
     def __init__(
-        self, engine: BaseEngine, counters: Counters, admission: Admission, allow_stale: bool
+        self,
+        engine: BaseEngine,
+        counters: Counters,
+        admission: Admission,
+        allow_stale: bool,
+        versions: WeightVersions | None = None,
     ) -> None:
         self.engine = engine
         self.snap: SnapshotEngine | None = None
@@ -61,9 +67,9 @@ class SegmentRunner:
         self.allow_stale = allow_stale
         self.running: dict[str, Running] = {}  # sample_id -> its engine request
         self.load: dict[Slot, list[float]] = {}  # slot -> [running samples, KV need]
-        # The weight version new segments run under, and the versions seen (the manager's).
-        self.version_now: Callable[[], str] = engine.weight_version
-        self.history: Sequence[str] = ()
+        # The weight version new segments run under, and the versions seen.
+        self.versions = versions if versions is not None else WeightVersions(engine)
+        self._capacity_key: object = ()  # what the admission bound was sized for
         self.updated = asyncio.Event()  # clear while a weight update holds cut segments
         self.updated.set()
         self._resend_cuts: asyncio.Future[None] | None = None
@@ -95,18 +101,51 @@ class SegmentRunner:
 
     # ---- start ---------------------------------------------------------------------------
 
+    async def admission_ready(self) -> Admission:
+        """The admission bound, sized from what the engine can run: once for one server, again
+        whenever an owner's pool of healthy engines changes (#23: it follows the pool)."""
+        key = self.engine.capacity_key()
+        if key != self._capacity_key:
+            capacity = await self.engine.capacity()
+            if capacity is not None:
+                self.admission.configure(capacity)
+                self._capacity_key = key
+        return self.admission
+
+    def start_group(
+        self,
+        group: Group,
+        owner: str,
+        tally: CallTally,
+        max_staleness: int | None,
+        tasks: dict[asyncio.Task[None], str],
+    ) -> int:
+        """Start every unfinished member of held `group` (one out of budget is marked
+        truncated instead); their tasks go into `tasks`. Returns how many started."""
+        n = 0
+        for s in group.samples:
+            if S.is_finished(s) or T.awaiting(s):  # an awaiting member runs once answered
+                continue
+            if s.sample_id in self.running:  # answered before its group started: it runs
+                continue
+            if S.remaining_budget(s) <= 0:
+                s.status, s.finish_reason = "truncated", "length"
+                continue
+            tasks[self.start(s, owner, tally, max_staleness)] = group.group_id
+            n += 1
+        return n
+
     def start(
         self,
         sample: Sample,
         owner: str,
         tally: CallTally,
-        version: str,
-        history: Sequence[str],
         max_staleness: int | None = None,
         override_params: dict[str, Any] | None = None,
         kv_mode: KvMode = "auto",
     ) -> asyncio.Task[None]:
-        """Start the next segment of `sample`; the task records the result."""
+        """Start the next segment of `sample` under the version now; the task records it."""
+        version, history = self.versions.now(), self.versions.history
         if sample.sample_id in self.running:
             raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
         usable = self.usable(sample, version, history, max_staleness)
@@ -397,12 +436,12 @@ class SegmentRunner:
     ) -> tuple[S.Continuation, SegmentCall | None, bool]:
         """The next segment of a sample cut by a weight update, under the version now."""
         sample = run.sample
-        version = self.version_now()
+        version = self.versions.now()
         cont = S.plan_continuation(
             sample,
             version,
             run.max_staleness,
-            self.history,
+            self.versions.history,
             run.override_params,
             run.owner == BACKGROUND,
         )

@@ -61,7 +61,8 @@ class ManagerHolder:
             )
             self._manager.loop_lag = LoopLagMonitor()
             self._manager.loop_lag.start()  # first use is a request: on the server's loop
-            if self.sweep_s > 0 and self._manager.segments.snap is not None:
-                self._manager.sweep = SnapshotSweep(self._manager, self.sweep_s)
-                self._manager.sweep.start()
+            m, snap = self._manager, self._manager.segments.snap
+            if self.sweep_s > 0 and snap is not None:
+                m.sweep = sweep = SnapshotSweep(snap, m.running, m.buffer, self.sweep_s)
+                sweep.start()
         return self._manager

@@ -1,6 +1,6 @@
 """Free KV snapshots that nobody refers to any more (#23 item 10: bytes held after a drain).
 
-A snapshot is referenced while its sample runs (`manager.running`: a mark may be about to make
+A snapshot is referenced while its sample runs (`SegmentRunner.running`: a mark may be about to make
 one, a restore holds one) and while its buffered sample records it (`snapshots.held_at`). The
 owner frees every snapshot when those end (`segments.py`), and the paths where an engine could
 keep one unknown to it are closed where they happen (`fleet/remote.py`: segments whose answer was
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from april_server import snapshots as K
+from april_server.buffer import PartialBuffer
+from april_server.engine_base import SnapshotEngine
 from april_server.placement import Slot
 from april_server.protocol import Sample
-
-if TYPE_CHECKING:
-    from april_server.manager import RolloutManager
+from april_server.segment_state import Running
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,16 @@ MIN_AGE_S = 30.0  # younger snapshots are never swept, whatever the books say
 class SnapshotSweep:
     def __init__(
         self,
-        mgr: RolloutManager,
+        snap: SnapshotEngine,
+        running: Mapping[str, Running],
+        buffer: PartialBuffer,
         interval_s: float = SWEEP_INTERVAL_S,
         min_age_s: float = MIN_AGE_S,
     ) -> None:
-        self.mgr = mgr
+        """`snap`: the engines' snapshot store; `running`: what generates now, by sample id."""
+        self.snap = snap
+        self.running = running
+        self.buffer = buffer
         self.interval_s = interval_s
         self.min_age_s = min_age_s
         self.suspects: set[tuple[Slot, str]] = set()  # unreferenced on the last sweep
@@ -70,9 +75,7 @@ class SnapshotSweep:
 
     async def sweep_once(self) -> int:
         """One sweep; returns how many snapshots it freed."""
-        snap = self.mgr.segments.snap
-        if snap is None:
-            return 0
+        snap = self.snap
         held = await snap.snapshot_keys()
         old = [
             (s, key)
@@ -98,8 +101,8 @@ class SnapshotSweep:
 
     async def _unreferenced(self, held: list[tuple[Slot, str]]) -> set[tuple[Slot, str]]:
         maybe = [(slot, key) for slot, key in held if not self._referenced_now(key, slot)]
-        idle = {key.rpartition("/")[0] for _, key in maybe} - set(self.mgr.buffer.holders)
-        bodies = await self.mgr.buffer.read_bodies(sorted(g for g in idle if g))
+        idle = {key.rpartition("/")[0] for _, key in maybe} - set(self.buffer.holders)
+        bodies = await self.buffer.read_bodies(sorted(g for g in idle if g))
         out = set()
         for slot, key in maybe:
             if self._referenced_now(key, slot):  # claimed while the bodies were read
@@ -113,12 +116,12 @@ class SnapshotSweep:
 
     def _referenced_now(self, key: str, slot: Slot) -> bool:
         """What memory says: it runs, or its group is held by a call (or being claimed)."""
-        if key in self.mgr.running:
+        if key in self.running:
             return True
         gid, _, idx = key.rpartition("/")
-        if gid not in self.mgr.buffer.holders:
+        if gid not in self.buffer.holders:
             return False  # idle or gone: its body, read from the store, decides
-        group = self.mgr.buffer.claimed.get(gid)
+        group = self.buffer.claimed.get(gid)
         if group is None:
             return True  # being claimed: its body is in flight
         sample = _sample(group.samples, idx)

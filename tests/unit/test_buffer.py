@@ -23,6 +23,7 @@ from april_server.errors import ApiError
 from april_server.inflight import EngineCapacity
 from april_server.manager import RolloutManager
 from april_server.protocol import AbortReq, GroupSpec, RolloutReq
+from april_server.resume import resume
 from april_server.rollout import rollout
 from april_server.store import BufferStore
 from april_server.synthetic import fill, synthetic_group
@@ -180,7 +181,7 @@ def test_version_1_state_dirs_load_and_their_odd_ids_stay_reachable(tmp_path: Pa
             listed = (await c.get(R + "/partials")).json()["groups"]
             assert [g["group_id"] for g in listed] == ["run/7 q", "plain"]
             # Resumable by sample id, and served by a call's resume_first (oldest first).
-            out = await mgr.resume(msgspec.convert({"sample_ids": ["run/7 q/0"]}, _resume_t()))
+            out = await resume(mgr, msgspec.convert({"sample_ids": ["run/7 q/0"]}, _resume_t()))
             assert out[0].status == "truncated"
             r = await c.delete(R + "/partials/run%2F7%20q")
             assert r.json() == {"group_id": "run/7 q", "deleted": True}
@@ -317,7 +318,7 @@ def test_stats_count_the_buffer_without_listing_it(tmp_path: Path) -> None:
 def test_cancelled_api_error_leaves_nothing_claimed(tmp_path: Path) -> None:
     mgr = RolloutManager(FakeEngine(), BufferStore(None))
     with pytest.raises(ApiError):
-        asyncio.run(mgr.resume(msgspec.convert({"sample_ids": ["nope/0"]}, _resume_t())))
+        asyncio.run(resume(mgr, msgspec.convert({"sample_ids": ["nope/0"]}, _resume_t())))
     assert mgr.buffer.holders == {}
 
 

@@ -25,6 +25,7 @@ from april_server.fleet.wire import EngineInfo, encoder
 from april_server.manager import RolloutManager
 from april_server.placement import Slot
 from april_server.protocol import GroupSpec, ResumeReq, RolloutReq
+from april_server.resume import resume
 from april_server.rollout import rollout
 from april_server.samples import SegmentResult
 from april_server.store import BufferStore
@@ -117,7 +118,7 @@ def test_with_no_engine_left_the_call_ends_and_the_sample_keeps_what_it_had(
         before = list(held.output_ids)
         assert 0 < len(before) < 300
         eng.die |= {"a", "b"}
-        (s,) = await mgr.resume(ResumeReq(sample_ids=["x/0"]))
+        (s,) = await resume(mgr, ResumeReq(sample_ids=["x/0"]))
         assert s.status == "partial" and s.output_ids == before  # nothing lost, nothing made up
         assert eng.down == {"a", "b"}
         assert mgr.counters.engine_failovers >= 1 and mgr.counters.engine_errors == 1

@@ -99,3 +99,66 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert at("april_client") > at("april_server.cli")
     assert layer_of("torch") is None
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
+
+
+def import_cycles() -> list[list[str]]:
+    """Groups of april_server modules that import each other, directly or around a loop. Every
+    import counts: one made only for type checking, or inside a function, is the same
+    dependency."""
+    import ast
+
+    graph: dict[str, set[str]] = {}
+    paths = {module_name(p): p for p in sorted((ROOT / "april_server").rglob("*.py"))}
+    for me, path in paths.items():
+        deps = graph.setdefault(me, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = resolve(node.module or "", node.level, me, path.name == "__init__.py")
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            deps.update(n for n in names if n in paths and n != me)
+    return strongly_connected(graph)
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm; only the components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_in_the_server() -> None:
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_finds_a_loop() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert strongly_connected(graph) == [["a", "b", "c"]]

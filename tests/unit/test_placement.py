@@ -36,6 +36,7 @@ from april_server.placement import (
 )
 from april_server.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from april_server.ranks import merge_rank_stats
+from april_server.resume import resume
 from april_server.rollout import rollout
 from april_server.samples import SegmentResult
 from april_server.store import BufferStore
@@ -193,7 +194,7 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         rank = held[sid].snapshot_dp_rank
         assert rank is not None
         eng.acts.clear()
-        (s,) = await mgr.resume(ResumeReq(sample_ids=[sid], kv="restore"))
+        (s,) = await resume(mgr, ResumeReq(sample_ids=[sid], kv="restore"))
         seg = s.segments[-1]
         assert (seg.kv, seg.engine, seg.dp_rank) == ("restored", LOCAL, rank)
         assert eng.acts == [("restore", sid, rank), ("unlock", sid, rank), ("drop", sid, rank)]
@@ -202,7 +203,7 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         other = "g0/0"
         other_rank = held[other].snapshot_dp_rank
         eng.acts.clear()
-        await mgr.resume(ResumeReq(sample_ids=[other], kv="recompute"))
+        await resume(mgr, ResumeReq(sample_ids=[other], kv="recompute"))
         assert eng.acts[0] == ("drop", other, other_rank)
         assert not any(a[0] == "restore" for a in eng.acts)
         await mgr.abort(AbortReq(all=True))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from april_server.errors import ApiError
 from april_server.manager import RolloutManager
 from april_server.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
+from april_server.resume import resume
 from april_server.rollout import rollout
 from april_server.samples import context_ids
 from april_server.store import BufferStore
@@ -178,7 +179,7 @@ def test_resume_append_ids_and_budget() -> None:
         )
         s = (await mgr.read_samples(["b/0"]))["b/0"]
         done_before = len(s.output_ids)
-        out = await mgr.resume(ResumeReq(sample_ids=["b/0"], append_ids={"b/0": [7, 7]}))
+        out = await resume(mgr, ResumeReq(sample_ids=["b/0"], append_ids={"b/0": [7, 7]}))
         s = out[0]
         assert s.status == "truncated" and len(s.output_ids) == 400
         assert s.appended[0].at == done_before and s.appended[0].ids == [7, 7]
@@ -187,10 +188,10 @@ def test_resume_append_ids_and_budget() -> None:
         last_input = mgr.engine.calls[-1][1]  # type: ignore[attr-defined]
         assert last_input == context_ids(s)[: len(last_input)]
         with pytest.raises(ApiError) as e:
-            await mgr.resume(ResumeReq(sample_ids=["b/0"]))
+            await resume(mgr, ResumeReq(sample_ids=["b/0"]))
         assert e.value.status == 409
         with pytest.raises(ApiError) as e:
-            await mgr.resume(ResumeReq(sample_ids=["nope/0"]))
+            await resume(mgr, ResumeReq(sample_ids=["nope/0"]))
         assert e.value.status == 404
 
     run(go())

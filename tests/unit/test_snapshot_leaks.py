@@ -12,6 +12,7 @@ from april_server.engine_base import EngineUnavailable, SegmentCall, SegmentOutc
 from april_server.manager import RolloutManager
 from april_server.placement import Slot
 from april_server.protocol import ResumeReq
+from april_server.resume import resume
 from april_server.store import BufferStore
 from tests.unit.test_fleet import fleet_over
 from tests.unit.test_fleet_defects import DropServers
@@ -38,7 +39,7 @@ def test_a_segment_that_failed_before_freeing_the_old_snapshot_frees_it() -> Non
         mgr = RolloutManager(eng, BufferStore(None))
         await buffered_with_snapshot(eng, mgr)
         eng.version = "1"  # new weights: the snapshot is of no use, the plan frees it
-        (s,) = await mgr.resume(ResumeReq(sample_ids=["long/0"]))
+        (s,) = await resume(mgr, ResumeReq(sample_ids=["long/0"]))
         assert eng.failed and eng.failed[0].drop is not None  # the first attempt failed
         assert s.status == "truncated" and s.snapshot_bytes == 0
         assert eng.snaps == set()  # before the fix: {"long/0"}, held for good

@@ -29,6 +29,11 @@ class ListingEngine(SnapshotFakeEngine):
         return {HERE: {k: self.ages.get(k, 100.0) for k in self.snaps}}
 
 
+def sweep_of(mgr: RolloutManager, min_age_s: float) -> SnapshotSweep:
+    assert mgr.segments.snap is not None
+    return SnapshotSweep(mgr.segments.snap, mgr.running, mgr.buffer, min_age_s=min_age_s)
+
+
 def spec(gid: str, tokens: int) -> GroupSpec:
     return GroupSpec(gid, input_ids=[1, 2], sampling_params={"max_new_tokens": tokens, **NO_EOS})
 
@@ -49,7 +54,7 @@ def test_only_old_snapshots_nobody_refers_to_are_freed_on_the_second_sweep() -> 
         eng = ListingEngine()
         mgr = RolloutManager(eng, BufferStore(None))
         await buffered_with_snapshot(eng, mgr)
-        sweep = SnapshotSweep(mgr, min_age_s=30.0)
+        sweep = sweep_of(mgr, min_age_s=30.0)
         eng.snaps |= {"ghost/0", "long/1", "young/0"}  # leaked, leaked, too young to judge
         eng.ages["young/0"] = 5.0
         assert await sweep.sweep_once() == 0  # suspects only
@@ -74,7 +79,7 @@ def test_a_snapshot_whose_sample_runs_or_is_held_by_a_call_is_never_freed() -> N
     async def go() -> None:
         eng = ListingEngine()
         mgr = RolloutManager(eng, BufferStore(None))
-        sweep = SnapshotSweep(mgr, min_age_s=0.0)
+        sweep = sweep_of(mgr, min_age_s=0.0)
         req = RolloutReq(groups=[spec("run", 400)], target_groups=1)
         call = asyncio.ensure_future(rollout(mgr, req))
         while "run/0" not in mgr.running:
