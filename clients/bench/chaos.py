@@ -8,7 +8,10 @@ moment; retried later with the same `request_id`), duplicate group ids, aborts (
 keep snapshot/tokens/drop), deletes, resumes, prefetches (`POST /groups` into the background or
 idle, some sent twice with one `request_id`), weight pushes with and without
 `abort_all_requests`, and reads; calls end with `on_quota` snapshot, tokens, drop or continue,
-so background generation runs between them. In `owner` mode an owner drives two engine servers
+so background generation runs between them. Agent episodes: streamed calls whose groups end
+turns at stop tokens, their tool answers posted at once, twice (the second must be refused), late
+(after an abort of the group let the call go on), or never (the group aborted, left awaiting);
+the drain answers what still awaits. In `owner` mode an owner drives two engine servers
 and one of them is killed (-9) and restarted during the run. Then everything left is drained.
 The ledger (`chaos_ledger.py`) checks: no request hangs, no 5xx (an owner's 503 `no_engine`
 while no engine is healthy is counted apart), every acknowledged group delivered once or
@@ -40,14 +43,17 @@ READ_TIMEOUT_S = 30.0
 SWEEP_WAIT_S = 90.0  # an owner frees a leaked snapshot 30-50 s after it was made
 OPS = {  # operation -> weight
     "call": 20, "stream": 12, "abandon": 12, "retry": 8, "duplicate": 4, "abort": 5,
-    "delete": 5, "resume": 6, "push": 3, "read": 15, "prefetch": 6,
+    "delete": 5, "resume": 6, "push": 3, "read": 15, "prefetch": 6, "agent": 10,
 }  # fmt: skip
+TURN_STOPS = 24  # turn stop token ids of an agent group: a turn of ~vocab/24 tokens
+ANSWER = [11, 12, 13]
 
 
 @dataclass
 class Target:
     url: str
     model_path: str
+    vocab_size: int = 0  # of the model (agent groups' turn stops lie in it)
     engines: list[LaunchedServer] = field(default_factory=list)
     procs: list[LaunchedServer] = field(default_factory=list)
 
@@ -75,13 +81,28 @@ def launch(mode: str) -> Target:
     if mode == "server":
         server = LaunchedServer()
         server.start()
-        return Target(server.url, model, procs=[server])
+        return Target(server.url, model, vocab_of(model), procs=[server])
     engines = [LaunchedServer(env=cpu_share_env(1)) for _ in range(2)]
     for e in engines:
         e.start()
     owner = LaunchedServer(["--april-engines", ",".join(e.url for e in engines)])
     owner.start()
-    return Target(owner.url, model, engines=engines, procs=[*engines, owner])
+    return Target(owner.url, model, vocab_of(model), engines=engines, procs=[*engines, owner])
+
+
+def vocab_of(model_path: str) -> int:
+    with open(os.path.join(model_path, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def agent_spec(gid: str, rng: random.Random, vocab: int) -> dict[str, Any]:
+    """An agent group: its members end turns at any of TURN_STOPS random tokens (no
+    `ignore_eos`: it would make SGLang skip them), at most 3 turns."""
+    stops = rng.sample(range(3, vocab), TURN_STOPS)
+    params = {"temperature": 0.0, "max_new_tokens": rng.randint(20, 200)}
+    return {"group_id": gid, "input_ids": [rng.randint(1, 300), rng.randint(1, 300)],
+            "n": rng.randint(1, 2), "turns": {"stop_token_ids": stops, "max_turns": 3},
+            "sampling_params": params}  # fmt: skip
 
 
 def spec(gid: str, rng: random.Random) -> dict[str, Any]:
@@ -98,6 +119,7 @@ class Client:
         self.rng = random.Random(seed * 1000 + k)
         self.http = httpx.AsyncClient(base_url=target.url, timeout=READ_TIMEOUT_S)
         self.pending: dict[str, dict[str, Any]] = {}  # request_id -> body of an abandoned call
+        self.late: list[tuple[str, int]] = []  # (sample id, turn) to answer after its call
         self.n = 0
 
     async def run(self, until: float) -> None:
@@ -174,6 +196,73 @@ class Client:
         async for line in r.aiter_lines():
             if line.strip():
                 events.append(json.loads(line))
+
+    async def op_agent(self) -> None:
+        """A streamed call of agent groups: each announced member is answered at once, twice,
+        late (its group aborted so the call goes on, then answered), or never (aborted)."""
+        self.n += 1
+        rid = f"a{self.k}-{self.n}"
+        gids = [f"{rid}-{i}" for i in range(self.rng.randint(1, 3))]
+        vocab = self.target.vocab_size or 512
+        body = {"groups": [agent_spec(g, self.rng, vocab) for g in gids],
+                "target_groups": self.rng.randint(1, len(gids)), "stream": True,
+                "resume_first": False, "request_id": rid,
+                "on_quota": self.rng.choice(["snapshot", "tokens", "continue"])}  # fmt: skip
+        events: list[dict[str, Any]] = []
+        started = False
+        async with self.http.stream(
+            "POST", R + "/rollouts", json=body, timeout=CALL_TIMEOUT_S
+        ) as r:
+            said = "" if r.status_code < 400 else (await r.aread()).decode(errors="replace")
+            self.led.status("agent", r.status_code, said)
+            if r.status_code != 200:
+                self.led.sent(gids, acknowledged=False)
+                return
+            started = True
+            self.led.sent(gids, acknowledged=True, how=f"agent {rid}")
+            async for line in r.aiter_lines():
+                if not line.strip():
+                    continue
+                ev = json.loads(line)
+                events.append(ev)
+                if ev["event"] == "sample_awaiting":
+                    await self._on_awaiting(ev["sample"]["sample_id"], ev["turn"])
+        done = [e for e in events if e["event"] == "done"]
+        if done:
+            groups = [e["group"] for e in events if e["event"] == "group_finished"]
+            self.led.answered(rid, {"batch_id": done[0]["batch_id"], "groups": groups})
+        elif started:
+            self.pending[rid] = {**body, "stream": False}
+        for sid, turn in self.late:
+            await self.answer(sid, turn)
+        self.late.clear()
+
+    async def _on_awaiting(self, sid: str, turn: int) -> None:
+        how = self.rng.choice(["now", "now", "twice", "late", "never"])
+        self.led.ops[f"answer_{how}"] += 1
+        if how in ("now", "twice"):
+            await self.answer(sid, turn)
+        if how == "twice":  # the same turn again: 409 not_awaiting (404 once delivered)
+            await self.answer(sid, turn, again=True)
+        if how in ("late", "never"):  # the call would wait for it: stop waiting first
+            gid = sid.rpartition("/")[0]
+            await self._post(R + "/abort", {"group_ids": [gid], "keep": "snapshot"}, CALL_TIMEOUT_S)
+            if how == "late":
+                self.late.append((sid, turn))
+
+    async def answer(self, sid: str, turn: int, again: bool = False) -> None:
+        """Post the tool's answer for `sid`'s `turn`; a 404 is a failure if the group is on
+        the server when the client looks right after."""
+        body = {"append_ids": ANSWER, "turn": turn}
+        r = await self.http.post(f"{R}/samples/{sid}/input", json=body, timeout=CALL_TIMEOUT_S)
+        self.led.status("input", r.status_code, r.text)
+        there = False
+        if r.status_code == 404:
+            look = await self.http.get(f"{R}/partials/{sid.rpartition('/')[0]}")
+            there = look.status_code == 200
+        if again and r.status_code == 200:
+            self.led.errors.append(f"a second answer for {sid} turn {turn} was taken")
+        self.led.answer_refused(sid, r.status_code, there)
 
     async def op_abandon(self) -> None:
         await self.op_stream(abandon=True)
@@ -309,6 +398,11 @@ async def drain(c: Client, led: ChaosLedger) -> tuple[int, int]:
         left = int(stats["buffered_groups"])
         if not left:
             break
+        if stats.get("awaiting_input_samples"):  # answered, so a call can take them out
+            for g in await c.buffered():
+                for s in g["samples"]:
+                    if s["status"] == "awaiting_input":
+                        await c.answer(s["sample_id"], len(s["turns"]))
         body = {"groups": [], "target_groups": min(left, 16), "on_quota": "tokens"}
         r = await c._post(R + "/rollouts", body, CALL_TIMEOUT_S)
         if r.status_code == 200:
@@ -318,6 +412,8 @@ async def drain(c: Client, led: ChaosLedger) -> tuple[int, int]:
     await settled(c)
     stats = (await c.http.get(R + "/stats")).json()
     left = int(stats["buffered_groups"]) + int(stats.get("claimed_groups", 0))
+    keys = ("running_samples", "awaiting_input_samples", "background_running_samples")
+    led.left_over = {k: int(stats.get(k, 0) or 0) for k in keys}
     for gid in sorted(led.acknowledged - set(led.delivered) - led.gone)[:5]:
         r = await c.http.get(f"{R}/partials/{gid}")  # what the server says of a lost one
         led.story.setdefault(gid, []).append(f"now: GET /partials -> {r.status_code}")
@@ -350,7 +446,7 @@ async def run(target: Target, duration_s: float, clients: int, seed: int) -> Cha
     left, held = await drain(crowd[0], led)
     for c in crowd:
         await c.http.aclose()
-    led.final = led.check(left, held)
+    led.final = led.check(left, held, led.left_over)
     return led
 
 
@@ -367,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         from april_server.models import ensure_tiny_model
 
-        target = Target(args.url, str(ensure_tiny_model()))
+        model = str(ensure_tiny_model())
+        target = Target(args.url, model, vocab_of(model))
     else:
         print(f"chaos: launching ({args.mode}) ...", file=sys.stderr, flush=True)
         target = launch(args.mode)
@@ -387,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "acknowledged": len(led.acknowledged), "delivered": len(led.delivered),
         "gone": len(led.gone), "no_engine_503": led.no_engine, "failures": failed,
         "snapshot_bytes_at_drain": led.held_at_drain, "snapshots_swept": led.swept,
+        "tool_answers": dict(led.answers_taken),
     }  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -398,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
         f"chaos ({args.mode}): {figures['ops']} ops by {args.clients} clients in "
         f"{args.duration_s:.0f} s, statuses {dict(sorted(led.statuses.items()))}, "
         f"{len(led.acknowledged)} groups acknowledged, {len(led.delivered)} delivered, "
-        f"{len(led.gone)} deleted or dropped, {len(led.hangs)} hangs, "
+        f"{len(led.gone)} deleted or dropped, "
+        f"tool answers {dict(sorted(led.answers_taken.items()))}, "
+        f"{len(led.hangs)} hangs, "
         f"{led.held_at_drain} snapshot bytes held at the drain ({led.swept} swept), "
         f"{len(failed)} failed checks: {verdict}"
     )

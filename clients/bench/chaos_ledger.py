@@ -10,7 +10,10 @@ acknowledged group ended, and the checks of `april_client.bench.chaos`.
   is deduplicated by `request_id`: the same stored answer twice is one delivery).
 - Gone: deleted (`DELETE` answered 200) or dropped (`dropped_group_ids`).
 After the drain, every acknowledged group must be delivered exactly once or gone, and nothing
-delivered may be unknown or incomplete.
+delivered may be unknown or incomplete; nothing may be left running, awaiting input or held.
+Agent episodes: a tool answer refused 404 for a sample the client saw announced as awaiting,
+while its group was still on the server (a look right after says so), is a failure; so is a
+delivered sample with a turn stop inside a turn (its tool call merged into a longer turn).
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ class ChaosLedger:
     # what the sweep freed during the whole run: non-zero means a leak happened and was caught.
     held_at_drain: int = 0
     swept: int = 0
+    answers_taken: Counter[int] = field(default_factory=Counter)  # tool answers, by status
+    left_over: dict[str, int] = field(default_factory=dict)  # running/awaiting once drained
+
+    def answer_refused(self, sample_id: str, code: int, group_there: bool) -> None:
+        """A tool answer for a sample announced as awaiting got `code`; `group_there`: the
+        group was on the server when the client looked right after."""
+        self.answers_taken[code] += 1
+        if code == 404 and group_there:
+            self.errors.append(f"input 404 for {sample_id}, announced awaiting, group on server")
 
     def status(self, what: str, code: int, body: str = "") -> None:
         self.statuses[code] += 1
@@ -66,10 +78,17 @@ class ChaosLedger:
             self.gone.add(gid)
             self.story.setdefault(gid, []).append(f"dropped by {resp['batch_id']}")
 
-    def check(self, buffered_after_drain: int, snapshot_bytes_after_drain: int) -> list[str]:
+    def check(
+        self,
+        buffered_after_drain: int,
+        snapshot_bytes_after_drain: int,
+        left: dict[str, int] | None = None,
+    ) -> list[str]:
         """Every failed check, in words (what went wrong during the run included); empty
-        when all hold."""
+        when all hold. `left`: the server's figures of what still runs, awaits or is held once
+        drained (all must be 0)."""
         bad = list(self.errors)
+        bad += [f"{n} {what} after the drain" for what, n in sorted((left or {}).items()) if n]
         bad += [f"hang: {h}" for h in self.hangs]
         twice = [g for g, n in self.delivered.items() if n > (2 if g in self.reused else 1)]
         if twice:
@@ -107,4 +126,21 @@ def whole(group: dict[str, Any]) -> list[str]:
             out.append(f"{sid}: segments cover {pos} of {n} tokens")
         if s["status"] not in ("completed", "truncated"):
             out.append(f"{sid}: delivered as {s['status']}")
+        out += merged_turns(s)
+    return out
+
+
+def merged_turns(s: dict[str, Any]) -> list[str]:
+    """An agent sample's turn stop token inside a turn (not at its end): a tool call the
+    server let run on (issue #36)."""
+    rule = s.get("turn_rule") or {}
+    stops = set(rule.get("stop_token_ids") or [])
+    if not stops:
+        return []
+    ids = s["output_ids"]
+    out = []
+    for t in s.get("turns") or []:
+        inside = [i for i in range(t["start"], t["end"] - 1) if ids[i] in stops]
+        if inside:
+            out.append(f"{s['sample_id']}: a turn stop at {inside[0]} inside turn {t}")
     return out

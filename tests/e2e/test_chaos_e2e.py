@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from april_client.bench.chaos import Target, run
+from april_client.bench.chaos import Target, run, vocab_of
 from april_server.models import ensure_tiny_model
 from tests.e2e.test_rollouts_e2e import clear_buffer
 from tests.server_proc import ServerProc
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.e2e
 def test_a_minute_of_chaos_hangs_nothing_and_loses_nothing(tiny_server: ServerProc) -> None:
     with tiny_server.client() as c:
         clear_buffer(c)
-    target = Target(tiny_server.url, str(ensure_tiny_model()))
+    model = str(ensure_tiny_model())
+    target = Target(tiny_server.url, model, vocab_of(model))
     led = asyncio.run(run(target, duration_s=60, clients=4, seed=23))
     ops = sum(led.ops.values())
     print(f"chaos: {ops} ops, statuses {dict(led.statuses)}, {len(led.acknowledged)} acked")

@@ -68,3 +68,25 @@ def test_a_delivered_sample_must_be_whole() -> None:
     assert whole({"group_id": "g", "samples": [sample("g/0", 2, "partial")]}) == [
         "g/0: delivered as partial"
     ]
+
+
+def test_an_input_404_counts_only_while_the_group_is_there_and_leftovers_fail() -> None:
+    led = ChaosLedger()
+    led.answer_refused("g/0", 404, group_there=False)  # delivered or deleted meanwhile: fine
+    led.answer_refused("g/0", 409, group_there=True)
+    assert led.check(0, 0) == []
+    led.answer_refused("g/0", 404, group_there=True)
+    assert led.check(0, 0) == ["input 404 for g/0, announced awaiting, group on server"]
+    left = {"awaiting_input_samples": 2, "running_samples": 0}
+    assert ChaosLedger().check(0, 0, left) == ["2 awaiting_input_samples after the drain"]
+
+
+def test_a_turn_stop_inside_a_delivered_turn_is_a_failure() -> None:
+    s = sample("g/0", 6)
+    s["output_ids"] = [4, 9, 5, 6, 7, 9]
+    s["turn_rule"] = {"stop_token_ids": [9]}
+    s["turns"] = [{"start": 0, "end": 2}, {"start": 2, "end": 6}]
+    assert whole({"group_id": "g", "samples": [s]}) == []
+    s["turns"] = [{"start": 0, "end": 6}]  # the first turn's stop merged into one turn
+    (bad,) = whole({"group_id": "g", "samples": [s]})
+    assert "a turn stop at 1 inside turn" in bad
