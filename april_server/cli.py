@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from april_server import env
-from april_server.config import AprilConfig
+from april_server.settings import env
+from april_server.settings.config import AprilConfig
 
 if TYPE_CHECKING:
-    from april_server.auth import AuthPolicy
-    from april_server.engine_base import BaseEngine
+    from april_server.engine.base import BaseEngine
+    from april_server.wire.auth import AuthPolicy
 
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
     ("--device", "cpu"),
@@ -84,9 +84,9 @@ OWNER_FLAGS = ("--host", "--port", "--api-key", "--admin-api-key", "--log-level"
 
 def owner_main(april: argparse.Namespace, rest: list[str], config: AprilConfig) -> None:
     """Run the owner: quota, buffer and policy here; generation on the engine servers."""
-    from april_server.auth import AuthPolicy
     from april_server.fleet.fleet import FleetEngine
     from april_server.fleet.gateway import serve
+    from april_server.wire.auth import AuthPolicy
 
     opts = argparse.ArgumentParser(prog="april-server (owner mode)", allow_abbrev=False)
     opts.add_argument("--host", default="127.0.0.1")
@@ -263,10 +263,10 @@ def mount_routes(
     """The routes april-server adds to SGLang's app (`door.engine.launch` calls this with the
     config bound): the /april/v1 API over one manager, and the engine routes, so that any
     april-server can be one engine of a fleet driven by an owner elsewhere."""
-    from april_server.app import create_router, extend_app
     from april_server.door.weight_hooks import listen
     from april_server.fleet.engine_routes import create_engine_router
-    from april_server.server import ManagerHolder
+    from april_server.http.app import create_router, extend_app
+    from april_server.http.server import ManagerHolder
 
     holder = ManagerHolder(config, make_engine)
     # Weight pushes cut our running segments at the version boundary (door/weight_hooks.py).

@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
-from april_server.protocol import (
+from april_server.wire.protocol import (
     AbortResp,
     DeleteResp,
     Group,

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from april_server.protocol import GroupSpec
+from april_server.wire.protocol import GroupSpec
 
 from . import _routes as routes
 from ._errors import ServerError, TransportError

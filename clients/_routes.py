@@ -15,7 +15,7 @@ from urllib.parse import quote, urlencode
 
 import msgspec
 
-from april_server.protocol import (
+from april_server.wire.protocol import (
     AbortReq,
     AbortResp,
     DeleteResp,

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from april_server.protocol import DoneEvent, Group
+from april_server.wire.protocol import DoneEvent, Group
 
 from ._errors import TransportError
 from ._routes import Call, Event, EventReader

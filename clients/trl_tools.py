@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from april_server.protocol import Group, RolloutResp, Sample, SampleAwaitingEvent
+from april_server.wire.protocol import Group, RolloutResp, Sample, SampleAwaitingEvent
 
 from ._routes import TurnsArg
 from ._sync import AprilClient

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from april_server.auth import AuthPolicy
-from april_server.config import AprilConfig
-from april_server.engine_base import BaseEngine, SegmentCall, SnapshotEngine
-from april_server.errors import bad_request
-from april_server.inflight import EngineCapacity, StepStat, aggregate_curve
-from april_server.placement import LOCAL, Slot
-from april_server.ranks import merge_rank_stats
-from april_server.samples import SegmentResult
+from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
+from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
+from april_server.rules.placement import LOCAL, Slot
+from april_server.rules.ranks import merge_rank_stats
+from april_server.rules.samples import SegmentResult
+from april_server.settings.config import AprilConfig
+from april_server.wire.auth import AuthPolicy
+from april_server.wire.errors import bad_request
 
 logger = logging.getLogger(__name__)
 

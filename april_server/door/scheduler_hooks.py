@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from april_server import env
 from april_server.door.deterministic import register_deterministic_hooks
 from april_server.door.dp_hooks import register_dp_hooks
 from april_server.door.fault_hooks import register_fault_hooks
 from april_server.door.ipc import AprilKvReq, AprilKvResp
-from april_server.engine_clock import EngineClock, StepTimer
-from april_server.kv_store import HostKvStore
+from april_server.door.kv_store import HostKvStore
+from april_server.engine.clock import EngineClock, StepTimer
+from april_server.settings import env
 from kernels.kv_copy import mha_kv_buffers, restore_kv, save_kv
 
 logger = logging.getLogger(__name__)

@@ -17,10 +17,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from april_server.app import error_response
-from april_server.auth import AuthPolicy
-from april_server.engine_base import BaseEngine, SnapshotEngine
-from april_server.errors import ApiError, bad_request
+from april_server.engine.base import BaseEngine, SnapshotEngine
 from april_server.fleet.wire import (
     ENGINE_PREFIX,
     EngineInfo,
@@ -30,7 +27,10 @@ from april_server.fleet.wire import (
     kv_req,
     segment_call,
 )
-from april_server.placement import LOCAL, Slot
+from april_server.http.app import error_response
+from april_server.rules.placement import LOCAL, Slot
+from april_server.wire.auth import AuthPolicy
+from april_server.wire.errors import ApiError, bad_request
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 1.0  # how often a running segment checks that its owner is still there

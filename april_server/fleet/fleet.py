@@ -9,7 +9,7 @@ What is global and what is per engine:
 
 Health: every engine is probed each `interval_s`; `down_after` failed probes in a row, or a
 connection lost mid-segment, take it out of the pool (`down`): its segments in flight end at once
-(`EngineUnavailable`) and run again elsewhere (`segments.py`), its snapshots are given up. It
+(`EngineUnavailable`) and run again elsewhere (`segment_runner.py`), its snapshots are given up. It
 rejoins when it answers again with the fleet's weight version; with another version it is
 `stale` and is brought level by replaying the last weight update, if there was one.
 
@@ -28,13 +28,13 @@ from typing import Any
 
 import httpx
 
-from april_server.engine_base import EngineUnavailable, SegmentCall, SegmentOutcome, SnapshotEngine
-from april_server.errors import ApiError, bad_request
+from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome, SnapshotEngine
 from april_server.fleet.remote import MakeClient, RemoteEngine, engine_name, new_client
-from april_server.inflight import EngineCapacity, StepStat, aggregate_curve
-from april_server.placement import Slot
-from april_server.ranks import merge_rank_stats
-from april_server.samples import SegmentResult
+from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
+from april_server.rules.placement import Slot
+from april_server.rules.ranks import merge_rank_stats
+from april_server.rules.samples import SegmentResult
+from april_server.wire.errors import ApiError, bad_request
 
 logger = logging.getLogger(__name__)
 

@@ -25,16 +25,16 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from april_server.app import StreamThen, create_router, error_response, extend_app
-from april_server.auth import AuthPolicy
-from april_server.config import AprilConfig
 from april_server.door.engine import preload_sampling_params
-from april_server.errors import ApiError
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
-from april_server.manager import RolloutManager
-from april_server.server import ManagerHolder
-from april_server.snapshot_sweep import SWEEP_INTERVAL_S
+from april_server.http.app import StreamThen, create_router, error_response, extend_app
+from april_server.http.server import ManagerHolder
+from april_server.runtime.manager import RolloutManager
+from april_server.runtime.snapshot_sweep import SWEEP_INTERVAL_S
+from april_server.settings.config import AprilConfig
+from april_server.wire.auth import AuthPolicy
+from april_server.wire.errors import ApiError
 
 logger = logging.getLogger(__name__)
 READY_WAIT_S = 600.0  # how long start-up waits for a first engine before serving 503s

@@ -22,13 +22,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from april_server.engine_base import (
+from april_server.engine.base import (
     EngineUnavailable,
     SegmentCall,
     SegmentOutcome,
     SnapshotEngine,
 )
-from april_server.errors import bad_request
 from april_server.fleet.wire import (
     ENGINE_PREFIX,
     ControlOp,
@@ -41,9 +40,10 @@ from april_server.fleet.wire import (
     kv_resp,
     segment_outcome,
 )
-from april_server.inflight import EngineCapacity, StepStat
-from april_server.placement import LOCAL, Slot
-from april_server.samples import SegmentResult
+from april_server.rules.inflight import EngineCapacity, StepStat
+from april_server.rules.placement import LOCAL, Slot
+from april_server.rules.samples import SegmentResult
+from april_server.wire.errors import bad_request
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from april_server.engine_base import SegmentCall, SegmentOutcome
+from april_server.engine.base import SegmentCall, SegmentOutcome
 
 ENGINE_PREFIX = "/april/v1/engine"
 

@@ -30,14 +30,14 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from april_server.app import create_router
-from april_server.buffer import PartialBuffer
-from april_server.engine_base import BaseEngine
-from april_server.inflight import EngineCapacity
-from april_server.manager import RolloutManager
-from april_server.samples import SegmentResult
-from april_server.store import BufferStore
-from april_server.synthetic import fill
+from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.buffer.store import BufferStore
+from april_server.buffer.synthetic import fill
+from april_server.engine.base import BaseEngine
+from april_server.http.app import create_router
+from april_server.rules.inflight import EngineCapacity
+from april_server.rules.samples import SegmentResult
+from april_server.runtime.manager import RolloutManager
 
 R = "/april/v1"
 BIG_CALLS, SMALL_CALLS = 3, 10  # end to end: enough polls for a p99

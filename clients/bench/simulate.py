@@ -5,7 +5,7 @@ Model: E identical engines (an engine or a data-parallel rank: april-server plac
 alike) that share nothing; continuous batching. When a step starts every sample of it is
 submitted at once and placed, one at a time in submission order (buffered groups first, then
 fresh ones), by the routing policy:
-- `least_loaded` (the default; what april-server does, april_server/placement.py, whose own
+- `least_loaded` (the default; what april-server does, april_server/rules/placement.py, whose own
   `plan_segment` decides here): a resumed sample with a usable KV snapshot (`april-kv`) goes to
   the engine holding the snapshot and restores it there; everything else to the engine with the
   fewest samples placed so far this step, then the least KV need (context + 0.7 x remaining
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from april_server.inflight import kv_need
-from april_server.placement import Slot, SlotLoad, plan_segment
+from april_server.rules.inflight import kv_need
+from april_server.rules.placement import Slot, SlotLoad, plan_segment
 
 from .metrics import StepRecord
 from .workload import Workload

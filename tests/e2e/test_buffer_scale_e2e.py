@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from april_server.store import BufferStore
-from april_server.synthetic import fill
+from april_server.buffer.store import BufferStore
+from april_server.buffer.synthetic import fill
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e

@@ -11,11 +11,11 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from april_server.engine_base import BaseEngine, SnapshotEngine
-from april_server.errors import bad_request
-from april_server.placement import Slot
-from april_server.samples import SegmentResult
-from april_server.stops import stop_strings
+from april_server.engine.base import BaseEngine, SnapshotEngine
+from april_server.rules.placement import Slot
+from april_server.rules.samples import SegmentResult
+from april_server.rules.stops import stop_strings
+from april_server.wire.errors import bad_request
 
 EOS = 2
 KNOWN_PARAMS = {

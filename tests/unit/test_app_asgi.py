@@ -11,14 +11,14 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
-from april_server.app import create_router
-from april_server.auth import AuthPolicy
-from april_server.config import AprilConfig
-from april_server.errors import ApiError
-from april_server.manager import RolloutManager
-from april_server.protocol import RejectReq, RolloutReq
-from april_server.rollout import rollout
-from april_server.store import BufferStore
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.http.app import create_router
+from april_server.runtime.manager import RolloutManager
+from april_server.settings.config import AprilConfig
+from april_server.wire.auth import AuthPolicy
+from april_server.wire.errors import ApiError
+from april_server.wire.protocol import RejectReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 R = "/april/v1"

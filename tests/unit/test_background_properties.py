@@ -13,12 +13,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from april_server.errors import ApiError
-from april_server.manager import RolloutManager
-from april_server.prefetch import add_groups
-from april_server.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
-from april_server.rollout import rollout
-from april_server.store import BufferStore
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.operations.groups import add_groups
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.errors import ApiError
+from april_server.wire.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine, next_token
 
 OPS = st.lists(

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from april_server.manager import RolloutManager
-from april_server.prefetch import add_groups
-from april_server.protocol import GroupsReq, RolloutReq
-from april_server.rollout import rollout
-from april_server.store import BufferStore
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.operations.groups import add_groups
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.protocol import GroupsReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 from tests.unit.test_background import make, reference, spec, until
 
@@ -148,7 +148,7 @@ def test_a_call_pausing_the_background_resends_aborts_soon(
     """A background segment a weight update just continued is often unknown to SGLang when
     the next call pauses the background: the stop re-sends its abort within milliseconds, not
     after a whole poll (the 0.2 s a call waited for each pause before)."""
-    from april_server import segments
+    from april_server.engine import segment_runner as segments
 
     waits: list[float] = []
     real_wait = asyncio.wait

@@ -16,17 +16,17 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
-from april_server import store as store_mod
-from april_server.app import create_router
-from april_server.buffer_index import BufferIndex, PartialsFilter, summarize
-from april_server.errors import ApiError
-from april_server.inflight import EngineCapacity
-from april_server.manager import RolloutManager
-from april_server.protocol import AbortReq, GroupSpec, RolloutReq
-from april_server.resume import resume
-from april_server.rollout import rollout
-from april_server.store import BufferStore
-from april_server.synthetic import fill, synthetic_group
+from april_server.buffer.buffer_index import BufferIndex, PartialsFilter, summarize
+from april_server.buffer import store as store_mod
+from april_server.buffer.store import BufferStore
+from april_server.buffer.synthetic import fill, synthetic_group
+from april_server.calls.rollout import rollout
+from april_server.http.app import create_router
+from april_server.operations.resume import resume
+from april_server.rules.inflight import EngineCapacity
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.errors import ApiError
+from april_server.wire.protocol import AbortReq, GroupSpec, RolloutReq
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
 R = "/april/v1"
@@ -191,7 +191,7 @@ def test_version_1_state_dirs_load_and_their_odd_ids_stay_reachable(tmp_path: Pa
 
 
 def _resume_t() -> Any:
-    from april_server.protocol import ResumeReq
+    from april_server.wire.protocol import ResumeReq
 
     return ResumeReq
 
@@ -353,7 +353,7 @@ def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> N
 
 
 def test_the_loop_lag_monitor_sees_a_blocked_loop() -> None:
-    from april_server.loop_lag import LoopLagMonitor
+    from april_server.runtime.loop_lag import LoopLagMonitor
 
     async def go() -> dict[str, float]:
         mon = LoopLagMonitor()

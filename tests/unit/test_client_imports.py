@@ -57,15 +57,15 @@ def test_the_folder_name_is_not_an_import_name() -> None:
 
 def test_a_vendored_copy_works_under_its_own_name(tmp_path: Path) -> None:
     """The README's vendoring recipe: clients/ (without bench/) under any package name, next to
-    a top-level april_server/ holding only __init__.py and protocol.py."""
+    a top-level april_server/ holding only its __init__.py and wire/ (__init__.py, protocol.py)."""
     shutil.copytree(
         ROOT / "clients",
         tmp_path / "mytrainer" / "vendored",
         ignore=shutil.ignore_patterns("bench", "__pycache__"),
     )
     (tmp_path / "mytrainer" / "__init__.py").write_text("")
-    (tmp_path / "april_server").mkdir()
-    for name in ("__init__.py", "protocol.py"):
+    (tmp_path / "april_server" / "wire").mkdir(parents=True)
+    for name in ("__init__.py", "wire/__init__.py", "wire/protocol.py"):
         shutil.copy(ROOT / "april_server" / name, tmp_path / "april_server" / name)
     code = (
         "import sys, warnings\n"

@@ -11,7 +11,7 @@ import pytest
 
 from april_client import AprilClient, Conflict
 from april_client.trainer_batch import response_mask
-from april_server.protocol import (
+from april_server.wire.protocol import (
     Appended,
     DoneEvent,
     InputResp,

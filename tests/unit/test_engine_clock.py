@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from april_server.engine_clock import EngineClock, StepTimer, idle_shares
+from april_server.engine.clock import EngineClock, StepTimer, idle_shares
 
 
 @dataclass
@@ -50,7 +50,7 @@ def test_engine_clock_splits_prefill_and_decode() -> None:
 
 def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
     timer, now = StepTimer(), [0.0]
-    import april_server.engine_clock as hooks
+    import april_server.engine.clock as hooks
 
     real = hooks.time.perf_counter
     hooks.time.perf_counter = lambda: now[0]  # type: ignore[assignment]

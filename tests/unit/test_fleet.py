@@ -17,18 +17,18 @@ from typing import Any
 import httpx
 import pytest
 
-from april_server import segments as segments_mod
-from april_server.engine_base import EngineUnavailable, SegmentCall, SegmentOutcome
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.engine import segment_runner as segments_mod
+from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import LANE_SIZE, Lanes
 from april_server.fleet.wire import EngineInfo, encoder
-from april_server.manager import RolloutManager
-from april_server.placement import Slot
-from april_server.protocol import GroupSpec, ResumeReq, RolloutReq
-from april_server.resume import resume
-from april_server.rollout import rollout
-from april_server.samples import SegmentResult
-from april_server.store import BufferStore
+from april_server.operations.resume import resume
+from april_server.rules.placement import Slot
+from april_server.rules.samples import SegmentResult
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.protocol import GroupSpec, ResumeReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 NO_EOS = {"ignore_eos": True}

@@ -10,16 +10,16 @@ from typing import Any
 import httpx
 import pytest
 
-from april_server.auth import AuthPolicy
-from april_server.config import AprilConfig
-from april_server.engine_base import EngineUnavailable, SegmentCall
+from april_server.buffer.store import BufferStore
+from april_server.engine.base import EngineUnavailable, SegmentCall
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.gateway import create_owner_app
 from april_server.fleet.wire import KvResp, encoder
-from april_server.inflight import EngineCapacity
-from april_server.manager import RolloutManager
-from april_server.placement import Slot
-from april_server.store import BufferStore
+from april_server.rules.inflight import EngineCapacity
+from april_server.rules.placement import Slot
+from april_server.runtime.manager import RolloutManager
+from april_server.settings.config import AprilConfig
+from april_server.wire.auth import AuthPolicy
 from tests.unit.test_fleet import FakeServers, fleet_over
 
 R = "/april/v1"

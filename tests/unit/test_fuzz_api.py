@@ -6,7 +6,7 @@ from __future__ import annotations
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from april_server.app import extend_app
+from april_server.http.app import extend_app
 from tests.unit.test_app_asgi import app_and_manager
 
 app, manager = app_and_manager(delay_s=0.0)

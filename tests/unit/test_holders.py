@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 
-from april_server import samples as S
-from april_server import turns as T
-from april_server.errors import ApiError
-from april_server.inputs import post_input
-from april_server.manager import RolloutManager
-from april_server.protocol import (
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.operations.inputs import post_input
+from april_server.rules import samples as S
+from april_server.rules import turns as T
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.errors import ApiError
+from april_server.wire.protocol import (
     AbortReq,
     Group,
     GroupSpec,
@@ -26,8 +28,6 @@ from april_server.protocol import (
     StreamEvent,
     TurnsSpec,
 )
-from april_server.rollout import rollout
-from april_server.store import BufferStore
 from tests.unit.fake_engine import FakeEngine, next_token
 
 PROMPT = [5, 6, 7]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from april_server.inflight import (
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.rules.inflight import (
     MIN_RUNNING,
     NEW_TOKEN_RESERVE,
     Admission,
@@ -16,10 +18,8 @@ from april_server.inflight import (
     choose_running_target,
     kv_need,
 )
-from april_server.manager import RolloutManager
-from april_server.protocol import GroupSpec, RolloutReq
-from april_server.rollout import rollout
-from april_server.store import BufferStore
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.protocol import GroupSpec, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 SIZES = [1, 2, 4, 8, 16, 32]

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from april_server.kv_store import HostKvStore, SlabPool, Snapshot, size_class
+from april_server.door.kv_store import HostKvStore, SlabPool, Snapshot, size_class
 
 
 def snap(num_tokens: int) -> Snapshot:

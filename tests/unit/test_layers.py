@@ -9,30 +9,36 @@ from pathlib import Path
 
 from tests.unit.test_structure import ROOT
 
-# Lowest first. `kernels` imports nothing of ours. The core (wire types, samples, buffer, store,
-# manager, ...) is bookkeeping. The door runs SGLang (and only it imports SGLang). `http` is the
-# /april/v1 router over one manager and the holder that builds it. The fleet builds on those to
-# drive engines on other machines. `entry` (the command line) wires a process from all of them.
-# The client and its benchmarks, which launch servers, sit on top.
-LAYERS = ["kernels", "core", "door", "http", "fleet", "entry", "april_client"]
+# Lowest first, one subpackage of april_server each (README, "Architecture"). `kernels` imports
+# nothing of ours. Then the bookkeeping, plain Python: settings; the wire contract; pure rules;
+# the buffer and its store; the engine side (what an engine offers, the segment runner); the
+# runtime (manager, background, sweep); the call state machine; the other operations. The door
+# runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one manager and
+# the holder that builds it. The fleet builds on those to drive engines on other machines.
+# `entry` (the command line, the model builder) wires a process from all of them. The client and
+# its benchmarks, which launch servers, sit on top.
+LAYERS = [
+    "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
+    "door", "http", "fleet", "entry", "april_client",
+]  # fmt: skip
 NAMED = {
-    "april_server.door": "door",
-    "april_server.app": "http",
-    "april_server.server": "http",
-    "april_server.fleet": "fleet",
+    **{f"april_server.{pkg}": pkg for pkg in LAYERS[1:12]},
+    "april_server.cpu_shim": "kernels",  # SGLang's CPU stand-ins: nothing of ours
     "april_server.cli": "entry",
+    "april_server.models": "entry",
     "april_server.__main__": "entry",
 }
 
 
 def layer_of(module: str) -> int | None:
     """The layer of a dotted module name of ours; None for anything else (stdlib, third party)."""
+    if module == "april_server":  # the package itself: its version only
+        return LAYERS.index("settings")
     for prefix, layer in NAMED.items():
         if module == prefix or module.startswith(prefix + "."):
             return LAYERS.index(layer)
     root = module.split(".")[0]
-    if root == "april_server":
-        return LAYERS.index("core")
+    assert root != "april_server", f"{module}: in no layer (add its subpackage to LAYERS)"
     return LAYERS.index(root) if root in LAYERS else None
 
 
@@ -92,11 +98,14 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
         return layer
 
     assert at("april_server.fleet.engine_routes") > at("april_server.door.engine")
-    assert at("april_server.protocol") > at("kernels.kv_copy")
-    assert at("april_server.app") > at("april_server.door.engine")
+    assert at("april_server.wire.protocol") > at("kernels.kv_copy")
+    assert at("april_server.http.app") > at("april_server.door.engine")
     assert at("april_server.cli") > at("april_server.fleet.gateway")
     assert at("april_client.bench.gpu_check.parts") > at("april_server.cli")
     assert at("april_client") > at("april_server.cli")
+    assert at("april_server.runtime.manager") > at("april_server.engine.segment_runner")
+    assert at("april_server.calls.rollout") > at("april_server.runtime.manager")
+    assert at("april_server.wire.protocol") > at("april_server.settings.config")
     assert layer_of("torch") is None
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
 

@@ -21,11 +21,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from april_server import store as store_mod
-from april_server.engine_base import SegmentCall, SnapshotEngine
-from april_server.inflight import StepCurve, StepStat, aggregate_curve, pool_steps
-from april_server.manager import RolloutManager
-from april_server.placement import (
+from april_server.buffer import store as store_mod
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.engine.base import SegmentCall, SnapshotEngine
+from april_server.operations.resume import resume
+from april_server.rules.inflight import StepCurve, StepStat, aggregate_curve, pool_steps
+from april_server.rules.placement import (
     LOCAL,
     NoHealthySlot,
     SegmentPlan,
@@ -34,12 +36,10 @@ from april_server.placement import (
     least_loaded,
     plan_segment,
 )
-from april_server.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
-from april_server.ranks import merge_rank_stats
-from april_server.resume import resume
-from april_server.rollout import rollout
-from april_server.samples import SegmentResult
-from april_server.store import BufferStore
+from april_server.rules.ranks import merge_rank_stats
+from april_server.rules.samples import SegmentResult
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def test_ties_go_to_the_lowest_slot_and_unhealthy_ones_are_skipped() -> None:
 def test_the_decision_modules_do_no_io() -> None:
     """placement, snapshots and ranks decide; they import no engine and await nothing."""
     for name in ("placement.py", "snapshots.py", "ranks.py"):
-        tree = ast.parse((ROOT / "april_server" / name).read_text())
+        tree = ast.parse((ROOT / "april_server" / "rules" / name).read_text())
         mods = {
             (n.module or "") if isinstance(n, ast.ImportFrom) else a.name
             for n in ast.walk(tree)
@@ -114,7 +114,7 @@ def test_the_decision_modules_do_no_io() -> None:
             for a in n.names
         }
         assert not {m.split(".")[0] for m in mods} & {"torch", "sglang", "asyncio"}, name
-        assert "april_server.engine_base" not in mods, name
+        assert "april_server.engine.base" not in mods, name
         assert not any(isinstance(n, ast.AsyncFunctionDef) for n in ast.walk(tree)), name
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from april_server import snapshots as K
-from april_server.placement import LOCAL, Slot
-from april_server.protocol import Sample, Segment
-from april_server.segments import SegmentRunner
+from april_server.engine.segment_runner import SegmentRunner
+from april_server.rules import snapshots as K
+from april_server.rules.placement import LOCAL, Slot
+from april_server.wire.protocol import Sample, Segment
 from tests.unit.fake_engine import FakeEngine
 
 
@@ -40,8 +40,8 @@ def test_version_policy(
 
 
 def test_engine_without_snapshots_disables_the_policy() -> None:
-    from april_server.inflight import Admission
-    from april_server.segment_state import Counters
+    from april_server.engine.segment_state import Counters
+    from april_server.rules.inflight import Admission
 
     runner = SegmentRunner(FakeEngine(), Counters(), Admission(), allow_stale=True)
     assert not runner.snapshots_enabled

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from april_server.manager import RolloutManager
-from april_server.placement import LOCAL, Slot
-from april_server.protocol import AbortReq, GroupSpec, RolloutReq
-from april_server.rollout import rollout
-from april_server.snapshot_sweep import SnapshotSweep
-from april_server.store import BufferStore
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.rules.placement import LOCAL, Slot
+from april_server.runtime.manager import RolloutManager
+from april_server.runtime.snapshot_sweep import SnapshotSweep
+from april_server.wire.protocol import AbortReq, GroupSpec, RolloutReq
 from tests.unit.fake_engine import SnapshotFakeEngine
 
 NO_EOS = {"ignore_eos": True}

@@ -16,7 +16,7 @@ from april_client.trainer_batch import (
     stale_tokens,
     unique_prompts,
 )
-from april_server.protocol import Group, Sample, Segment
+from april_server.wire.protocol import Group, Sample, Segment
 
 
 def sample(gid: str, index: int, cuts: list[tuple[int, str]], status: str = "completed") -> Sample:

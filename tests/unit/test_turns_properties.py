@@ -15,10 +15,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from april_server.errors import ApiError
-from april_server.inputs import post_input
-from april_server.manager import RolloutManager
-from april_server.protocol import (
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.operations.inputs import post_input
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.errors import ApiError
+from april_server.wire.protocol import (
     AbortReq,
     GroupSpec,
     InputReq,
@@ -28,8 +30,6 @@ from april_server.protocol import (
     StreamEvent,
     TurnsSpec,
 )
-from april_server.rollout import rollout
-from april_server.store import BufferStore
 from tests.unit.fake_engine import EOS, next_token
 from tests.unit.test_background_properties import Watch
 

@@ -1,0 +1,425 @@
+"""Durable partial buffer: SQLite (stdlib) in the state dir, fsynced before acknowledging.
+
+What is durable: every buffered group (tokens, logprobs, segments, params) and the response
+of every completed call that carried a `request_id` (so a retry returns the same result).
+What is volatile: KV snapshots and in-flight generation (a crash loses only what no response
+has acknowledged yet; the buffered state before that call is intact).
+
+Nothing here runs on the event loop. One thread owns the connection and runs every operation
+in the order it was submitted, so commits land in call order and a read sees every commit
+submitted before it; callers await a future. WAL + `synchronous=FULL` makes each commit fsync
+the log before the future resolves (acknowledge after fsync). Commits queued behind one
+another share one transaction and one fsync, each in its own savepoint, so one that fails
+does not take the others with it. Every statement is O(log n) in the buffer's size: groups
+are keyed by id and ordered by an indexed `seq`; a restart reads only the summary columns
+(`buffer_index.py`), through a covering index, and bodies are read when a group is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import sqlite3
+import threading
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from april_server.buffer.buffer_index import BufferEntry, summarize
+from april_server.rules.samples import clear_snapshot
+from april_server.wire.protocol import Group
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS buffer (
+    group_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    num_samples INTEGER NOT NULL,
+    unfinished INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    versions BLOB NOT NULL,
+    context_tokens INTEGER NOT NULL,
+    remaining_tokens INTEGER NOT NULL,
+    boot TEXT NOT NULL,
+    body BLOB NOT NULL,
+    awaiting INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS calls (
+    request_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    body BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS calls_by_seq ON calls (seq);
+"""
+# The summaries, read at start-up from this covering index without touching the bodies.
+_SUMMARY_INDEX = """
+CREATE INDEX IF NOT EXISTS buffer_summary_by_seq_v3
+    ON buffer (seq, group_id, created_at, num_samples, unfinished, output_tokens, versions,
+               context_tokens, remaining_tokens, awaiting);
+DROP INDEX IF EXISTS buffer_summary_by_seq;
+"""
+_SUMMARY = (
+    "seq, group_id, created_at, num_samples, unfinished, output_tokens, versions,"
+    " context_tokens, remaining_tokens, awaiting"
+)
+MAX_REMEMBERED_CALLS = 10_000  # idempotency window; the oldest responses are forgotten first
+MAX_BATCHED_COMMITS = 64  # commits that may share one transaction (one fsync)
+_READ_CHUNK = 500  # ids per SELECT ... IN (...)
+
+_json_group = msgspec.json.Decoder(Group)
+_pack = msgspec.msgpack.Encoder()
+_unpack_group = msgspec.msgpack.Decoder(Group)
+_versions_dec = msgspec.msgpack.Decoder(list[str])
+
+T = TypeVar("T")
+
+
+def encode_group(g: Group) -> bytes:
+    return _pack.encode(g)
+
+
+def decode_group(body: bytes) -> Group:
+    # Version-1 state dirs stored JSON bodies; a JSON object never starts a msgpack map.
+    return _json_group.decode(body) if body[:1] == b"{" else _unpack_group.decode(body)
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    fn: Callable[[sqlite3.Connection], Any]
+    future: cf.Future[Any]
+    write: bool
+
+
+class _DbThread:
+    """The connection's own thread: operations run one at a time, in submission order."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._ops: deque[_Op] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        opened: cf.Future[None] = cf.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(path, opened), name="april-store", daemon=True
+        )
+        self._thread.start()
+        opened.result()  # raises what opening raised (bad path, corrupt file)
+
+    def submit(self, fn: Callable[[sqlite3.Connection], T], write: bool) -> cf.Future[T]:
+        fut: cf.Future[T] = cf.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the buffer store is closed")
+            self._ops.append(_Op(fn, fut, write))
+            self._cv.notify()
+        return fut
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self, path: Path | None, opened: cf.Future[None]) -> None:
+        try:
+            db = _open(path)
+        except BaseException as exc:
+            opened.set_exception(exc)
+            return
+        opened.set_result(None)
+        try:
+            while True:
+                with self._cv:
+                    while not self._ops and not self._stopping:
+                        self._cv.wait()
+                    if not self._ops:
+                        return
+                    batch = [self._ops.popleft()]
+                    while (
+                        batch[0].write
+                        and self._ops
+                        and self._ops[0].write
+                        and len(batch) < MAX_BATCHED_COMMITS
+                    ):
+                        batch.append(self._ops.popleft())
+                try:
+                    if batch[0].write:
+                        _run_writes(db, batch)
+                    else:
+                        _run_read(db, batch[0])
+                except BaseException as exc:
+                    # One operation must never take the thread down: every later one would hang.
+                    logger.exception("april: buffer store operation failed")
+                    for op in batch:
+                        _settle(op.future, False, exc)
+        finally:
+            db.close()
+
+
+def _open(path: Path | None) -> sqlite3.Connection:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(":memory:" if path is None else str(path), isolation_level=None)
+    if path is not None:
+        db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.executescript(_SCHEMA)
+    _migrate_v2(db)
+    db.executescript(_SUMMARY_INDEX)
+    _migrate_v1(db)
+    return db
+
+
+def _migrate_v2(db: sqlite3.Connection) -> None:
+    """Version 2 had no `awaiting` column (agent rollouts): add it; its rows await nothing."""
+    columns = [row[1] for row in db.execute("PRAGMA table_info(buffer)")]
+    if "awaiting" not in columns:
+        db.execute("ALTER TABLE buffer ADD COLUMN awaiting INTEGER NOT NULL DEFAULT 0")
+
+
+def _migrate_v1(db: sqlite3.Connection) -> None:
+    """Version 1 kept `groups(group_id, seq, body JSON)` and no summary columns: move its rows
+    over once, in age order, ids as they are (ids the contract now refuses stay reachable)."""
+    old = db.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='groups'")
+    if old.fetchone() is None:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        rows = db.execute("SELECT body FROM groups ORDER BY seq").fetchall()
+        for seq, (body,) in enumerate(rows, start=1):
+            g = decode_group(bytes(body))
+            _upsert(db, [(g, summarize(g, seq))], boot="v1")
+        db.execute("DROP TABLE groups")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    logger.info("april: moved %d buffered groups to the version-2 buffer table", len(rows))
+
+
+def _upsert(db: sqlite3.Connection, put: Iterable[tuple[Group, BufferEntry]], boot: str) -> None:
+    db.executemany(
+        "INSERT INTO buffer (group_id, seq, created_at, num_samples, unfinished, output_tokens,"
+        " versions, context_tokens, remaining_tokens, boot, body, awaiting)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT(group_id) DO UPDATE SET seq = excluded.seq,"
+        " created_at = excluded.created_at, num_samples = excluded.num_samples,"
+        " unfinished = excluded.unfinished, output_tokens = excluded.output_tokens,"
+        " versions = excluded.versions, context_tokens = excluded.context_tokens,"
+        " remaining_tokens = excluded.remaining_tokens, boot = excluded.boot,"
+        " body = excluded.body, awaiting = excluded.awaiting",
+        (
+            (
+                e.group_id,
+                e.seq,
+                e.created_at,
+                e.num_samples,
+                e.unfinished,
+                e.output_tokens,
+                _pack.encode(list(e.versions)),
+                e.context_tokens,
+                e.remaining_tokens,
+                boot,
+                encode_group(g),
+                e.awaiting,
+            )
+            for g, e in put
+        ),
+    )
+
+
+def _settle(future: cf.Future[Any], ok: bool, value: Any) -> None:
+    """Hand a result to whoever still waits. A caller that went away (a streamed call whose
+    client disconnected) has cancelled its future: setting it would raise and kill the thread."""
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _run_writes(db: sqlite3.Connection, batch: list[_Op]) -> None:
+    # A write runs even if its caller was cancelled meanwhile: the caller's memory already
+    # counts on it (persist is awaited to its end, `run_to_end`), so skipping it could lose data.
+    for op in batch:
+        op.future.set_running_or_notify_cancel()  # from now on a cancel is refused
+    results: list[tuple[bool, Any]] = []
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        for i, op in enumerate(batch):
+            db.execute(f"SAVEPOINT op{i}")
+            try:
+                results.append((True, op.fn(db)))
+                db.execute(f"RELEASE op{i}")
+            except Exception as exc:
+                db.execute(f"ROLLBACK TO op{i}")
+                db.execute(f"RELEASE op{i}")
+                results.append((False, exc))
+        db.execute("COMMIT")  # fsync: only now is anything acknowledged
+    except BaseException as exc:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        for op in batch:
+            _settle(op.future, False, exc)
+        return
+    for op, (ok, value) in zip(batch, results, strict=True):
+        _settle(op.future, ok, value)
+
+
+def _run_read(db: sqlite3.Connection, op: _Op) -> None:
+    if not op.future.set_running_or_notify_cancel():
+        return  # nobody waits for this read any more
+    try:
+        value = op.fn(db)
+    except BaseException as exc:
+        _settle(op.future, False, exc)
+        return
+    _settle(op.future, True, value)
+
+
+class BufferStore:
+    """One SQLite file. `path=None` keeps everything in memory (tests, no --april-state-dir).
+
+    Async methods are for the event loop (they only await the store's thread); the blocking
+    ones are for start-up, tests and integrity checks."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        # Bodies written by this process carry its boot id: a body from an earlier boot has
+        # snapshot figures of KV that died with that process.
+        self.boot = uuid.uuid4().hex
+        self._db = _DbThread(path)
+        self._finalizer = weakref.finalize(self, self._db.stop)
+        self._next_call_seq = self._blocking(
+            lambda db: int(db.execute("SELECT COALESCE(MAX(seq), 0) FROM calls").fetchone()[0]) + 1
+        )
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _blocking(self, fn: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
+        return self._db.submit(fn, write).result()
+
+    async def _async(self, fn: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
+        return await asyncio.wrap_future(self._db.submit(fn, write))
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def load_index(self) -> list[BufferEntry]:
+        """Summaries of every stored group, oldest first (bodies stay on disk)."""
+
+        def read(db: sqlite3.Connection) -> list[BufferEntry]:
+            rows = db.execute(f"SELECT {_SUMMARY} FROM buffer ORDER BY seq").fetchall()
+            return [
+                BufferEntry(
+                    gid, seq, created, n, unfinished, out, tuple(_versions(v)), ctx, left, aw
+                )
+                for seq, gid, created, n, unfinished, out, v, ctx, left, aw in rows
+            ]
+
+        return self._blocking(read)
+
+    # ---- the event loop's side ---------------------------------------------------------------
+
+    async def commit(
+        self,
+        put: list[tuple[Group, int]],
+        delete: list[str],
+        call: tuple[str, bytes] | None = None,
+    ) -> list[BufferEntry]:
+        """Atomically upsert `put` (each group at its `seq`), delete `delete` and remember
+        `call`; durable on return, with the summaries written. The groups are summarized and
+        encoded on the store's thread: the caller must not change them until this returns
+        (they are claimed by the caller's call)."""
+        call_seq = 0
+        if call is not None:
+            call_seq = self._next_call_seq
+            self._next_call_seq += 1
+        boot = self.boot
+
+        def write(db: sqlite3.Connection) -> list[BufferEntry]:
+            rows = [(g, summarize(g, seq)) for g, seq in put]
+            if delete:
+                db.executemany("DELETE FROM buffer WHERE group_id = ?", [(g,) for g in delete])
+            if rows:
+                _upsert(db, rows, boot)
+            if call is not None:
+                db.execute(
+                    "INSERT OR REPLACE INTO calls (request_id, seq, body) VALUES (?, ?, ?)",
+                    (call[0], call_seq, call[1]),
+                )
+                db.execute("DELETE FROM calls WHERE seq <= ?", (call_seq - MAX_REMEMBERED_CALLS,))
+            return [e for _, e in rows]
+
+        return await self._async(write, write=True)
+
+    async def read_groups(self, group_ids: list[str]) -> dict[str, Group]:
+        """The stored bodies of `group_ids` (absent ids are left out)."""
+        boot = self.boot
+
+        def read(db: sqlite3.Connection) -> dict[str, Group]:
+            out: dict[str, Group] = {}
+            for i in range(0, len(group_ids), _READ_CHUNK):
+                chunk = group_ids[i : i + _READ_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                q = f"SELECT group_id, boot, body FROM buffer WHERE group_id IN ({marks})"
+                for gid, row_boot, body in db.execute(q, chunk):
+                    out[gid] = _fresh_from(decode_group(bytes(body)), row_boot == boot)
+            return out
+
+        return await self._async(read)
+
+    async def load_call(self, request_id: str) -> bytes | None:
+        def read(db: sqlite3.Connection) -> bytes | None:
+            row = db.execute(
+                "SELECT body FROM calls WHERE request_id = ?", (request_id,)
+            ).fetchone()
+            return None if row is None else bytes(row[0])
+
+        return await self._async(read)
+
+    # ---- blocking, O(buffer): start-up tools, tests and integrity checks only -----------------
+
+    def bulk_put(self, rows: Iterable[tuple[Group, BufferEntry]]) -> None:
+        """Write many groups in one transaction (synthetic buffers for benchmarks and tests;
+        the server itself only commits through `commit`)."""
+        boot = self.boot
+
+        def write(db: sqlite3.Connection) -> None:
+            _upsert(db, rows, boot)
+
+        self._blocking(write, write=True)
+
+    def load_all(self) -> list[Group]:
+        """Every stored group, oldest first."""
+        boot = self.boot
+
+        def read(db: sqlite3.Connection) -> list[Group]:
+            rows = db.execute("SELECT boot, body FROM buffer ORDER BY seq").fetchall()
+            return [_fresh_from(decode_group(bytes(b)), boot_ == boot) for boot_, b in rows]
+
+        return self._blocking(read)
+
+
+def _versions(blob: bytes) -> list[str]:
+    return _versions_dec.decode(blob)
+
+
+def _fresh_from(g: Group, this_boot: bool) -> Group:
+    if not this_boot:  # KV snapshots are volatile: none survive a restart
+        for s in g.samples:
+            clear_snapshot(s)
+    return g

@@ -1,0 +1,175 @@
+"""Steps 4-7 of a call, where it ends and the background begins: stop what still generates
+(with a snapshot for `snapshot` and `continue`), answer exactly `target_groups` finished groups,
+buffer the rest, persist before answering, and hand a `continue` call's stragglers to the
+background (`background.py`). Where no other call or operation holds the background, those
+still generating pass to it in place and never stop (`Background.adopt`); otherwise they stop
+with a snapshot and the background restores them once no call runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from april_server.calls.turns_in_call import TurnsInCall
+from april_server.engine.segment_state import Running
+from april_server.rules import samples as S
+from april_server.rules.idempotency import attempt_record
+from april_server.wire.protocol import Keep, RolloutResp, RolloutStats
+
+_enc = msgspec.json.Encoder()
+
+
+class WindDown(TurnsInCall):
+    async def _wind_down(
+        self, t0: float, time_to_quota: float | None, deliver: bool
+    ) -> RolloutResp:
+        mgr = self.mgr
+        self.stopped = True
+        # Step 4: nothing of this call may keep generating.
+        runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
+        # `continue`: the stragglers the background can take as they are keep generating
+        # (handed over in `_finish`); the rest stop with a snapshot, which it restores.
+        going = self._going_on_in_place(runs)
+        runs = [r for r in runs if r.sample.group_id not in going]
+        keep: Keep | None = "snapshot" if self.req.on_quota in ("snapshot", "continue") else None
+        await mgr.stop_running(runs, keep)
+        # A segment leaves `running` when its request returned but still records its end
+        # (tokens, the snapshot taken) a few awaits later: persisting before that would store
+        # the group without it and lose track of the snapshot.
+        kept = {r.task for rs in going.values() for r in rs}
+        await _recorded([t for t in self.tasks if t not in kept])
+        # Agent rollouts: which members it interrupted (mid-turn or at a turn's start), and
+        # which reached a turn stop as they were stopped.
+        self._say_interrupted(runs)
+        for gid in dict.fromkeys(r.sample.group_id for r in runs):
+            if gid in mgr.groups:
+                self._announce_awaiting(gid)
+        resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
+        if going:
+            await self._hand_over_in_place(going)
+        for g in self.discarded:  # their KV snapshots go with them
+            for sample in g.samples:
+                await mgr.segments.forget(sample)
+        return resp
+
+    def _going_on_in_place(self, runs: list[Running]) -> dict[str, list[Running]]:
+        """The groups (and their runs) to hand to the background generating: a `continue`
+        call's, where nothing but this call holds the background. Not a group being aborted,
+        rejected, or of an agent episode (its turns are announced by the call that runs them)."""
+        mgr = self.mgr
+        if self.req.on_quota != "continue" or not mgr.background.may_adopt(self.batch_id):
+            return {}
+        by_group: dict[str, list[Running]] = {}
+        for r in runs:
+            by_group.setdefault(r.sample.group_id, []).append(r)
+        return {
+            gid: rs
+            for gid, rs in by_group.items()
+            if gid not in self.quota.rejected
+            and gid not in self.given_up
+            and not any(r.stopping or r.sample.turn_rule is not None for r in rs)
+        }
+
+    async def _hand_over_in_place(self, going: dict[str, list[Running]]) -> None:
+        """After the answer was persisted: the background takes the groups still generating.
+        Those it cannot take now (another call or operation came meanwhile, or a weight
+        update) stop with a snapshot, as they would have at step 4, and are persisted again
+        with what they generated since."""
+        mgr = self.mgr
+        refused = mgr.background.adopt(self.batch_id, going)
+        if not refused:
+            return
+        runs = [r for gid in refused for r in going[gid]]
+        # Not one an abort is stopping meanwhile: that keeps what the abort asked for.
+        await mgr.stop_running([r for r in runs if not r.stopping], "snapshot")
+        await _recorded([r.task for r in runs])
+        await mgr.persist([mgr.groups[g] for g in refused], [])
+
+    async def _finish(
+        self, wall_s: float, time_to_quota: float | None, deliver: bool
+    ) -> RolloutResp:
+        """Steps 5-6: split groups, persist, build the response. With `deliver=False` (the
+        caller is gone) nothing is returned, so every group goes back to the buffer."""
+        mgr, req = self.mgr, self.req
+        version = mgr.current_version()
+        accepted = self.quota.accepted
+        returned = accepted[: req.target_groups] if deliver else []
+        dropped = sorted(self.quota.rejected)
+        buffered = []
+        for gid in self.group_ids:
+            if gid in returned or gid in self.quota.rejected:
+                continue
+            unfinished = not S.group_finished(mgr.groups[gid])
+            if req.on_quota == "drop" and unfinished and gid in self.started:
+                dropped.append(gid)
+            else:
+                buffered.append(gid)
+        groups = [mgr.groups[g] for g in returned]
+        notes = list(self.tally.notes)
+        on_quota = req.on_quota
+        if on_quota == "snapshot" and not mgr.segments.snapshots_enabled:
+            on_quota = "tokens"
+            notes.append("on_quota=snapshot ran as tokens: this engine keeps no KV snapshots")
+        stats = RolloutStats(
+            wall_s=round(wall_s, 4),
+            weight_version=version,
+            num_finished_groups=len(returned),
+            num_buffered_groups=len(buffered),
+            output_tokens=self.tally.output_tokens,
+            offpolicy_tokens=sum(S.offpolicy_tokens(g, version) for g in groups),
+            resumed_samples=self.tally.resumed_samples,
+            restored_kv_tokens=self.tally.restored_kv_tokens,
+            recomputed_tokens=self.tally.recomputed_tokens,
+            quota_met=len(returned) == req.target_groups,
+            num_rejected_groups=len(self.quota.rejected),
+            num_dropped_groups=len(dropped) - len(self.quota.rejected),
+            time_to_quota_s=None if time_to_quota is None else round(time_to_quota, 4),
+            on_quota_effective=on_quota,
+            inflight_target=self.inflight_target,
+            num_started_groups=len(self.started),
+            peak_running_samples=self.peak_running,
+            offpolicy_fraction=round(
+                sum(S.offpolicy_tokens(g, version) for g in groups)
+                / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),
+                4,
+            ),
+            notes=notes,
+        )
+        resp = RolloutResp(
+            batch_id=self.batch_id,
+            groups=groups,
+            buffered_group_ids=buffered,
+            stats=stats,
+            dropped_group_ids=dropped,
+        )
+        call = None
+        if req.request_id is not None:
+            # Delivered: the response, for retries. Not delivered (the caller went away, or a
+            # bug): which sent groups this attempt handed in, so a retry runs again on them.
+            body = _enc.encode(resp) if deliver else attempt_record(req)
+            call = (req.request_id, body)
+        # Dropped groups and returned ones leave the server: so do their KV snapshots.
+        self.discarded = [mgr.groups[g] for g in dropped + returned]
+        await mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
+        mgr.background.forget(returned + dropped)  # they left the server
+        if req.on_quota == "continue":  # they go on generating once this call has ended
+            # Not those an abort named meanwhile (it landed during the persist): it ended
+            # their background life before it answered.
+            going_on = [g for g in buffered if g in self.started and g not in self.given_up]
+            mgr.background.add(
+                [g for g in going_on if not S.group_finished(mgr.groups[g])],
+                req.max_staleness,
+                self.batch_id,
+            )
+        mgr.counters.returned_groups += len(returned)
+        mgr.counters.dropped_groups += len(dropped)
+        return resp
+
+
+async def _recorded(tasks: list[asyncio.Task[None]]) -> None:
+    """Wait until these segment tasks have recorded their end (tokens, the snapshot taken)."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        await asyncio.wait(pending)

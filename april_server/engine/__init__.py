@@ -1,0 +1,10 @@
+"""The engine side, below any call: what an inference engine must offer and how segments
+run on it.
+
+- `base`: `BaseEngine`, `SnapshotEngine`, `SegmentCall`/`SegmentOutcome` (the door's
+  SGLang engine and the fleet's remote engines implement them; tests plug in fakes);
+- `segment_runner`: `SegmentRunner`, which plans, runs, records and stops segments, cuts them
+  at a weight update's version boundary, and sizes admission;
+- `segment_state`: `Running` (one sample generating), `CallTally`, `Counters`, `BACKGROUND`;
+- `versions`: `WeightVersions`, the versions served, in order;
+- `clock`: where the engine's time goes (`EngineClock`, idle shares)."""

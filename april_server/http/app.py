@@ -1,0 +1,416 @@
+"""The `/april/v1` routes. Each handler decodes, calls the manager, encodes.
+
+Bodies are decoded by msgspec (not FastAPI), so every rejection uses the contract's body:
+malformed JSON -> 400 `malformed_json`; wrong types or unknown fields -> 422 `invalid_schema`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from april_server.buffer.buffer_index import PartialsFilter
+from april_server.calls.rollout import rollout
+from april_server.http.metrics import CONTENT_TYPE, prometheus_text
+from april_server.operations.groups import add_groups
+from april_server.operations.inputs import post_input
+from april_server.operations.resume import resume as resume_samples
+from april_server.runtime.manager import RolloutManager
+from april_server.settings.config import AprilConfig
+from april_server.wire.auth import AuthPolicy
+from april_server.wire.errors import ApiError, bad_request, not_found
+from april_server.wire.protocol import (
+    AbortReq,
+    AbortResp,
+    DeleteResp,
+    DoneEvent,
+    ErrorDetail,
+    ErrorResp,
+    Group,
+    GroupFinishedEvent,
+    GroupsReq,
+    GroupsResp,
+    InputReq,
+    InputResp,
+    PartialsResp,
+    RejectReq,
+    ResumeReq,
+    ResumeResp,
+    RolloutReq,
+    RolloutResp,
+    StreamEvent,
+)
+
+logger = logging.getLogger(__name__)
+PREFIX = "/april/v1"
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a rollout body of prompts; larger is a client bug
+
+T = TypeVar("T")
+_enc = msgspec.json.Encoder()
+
+
+def error_response(status: int, code: str, message: str) -> Response:
+    body = ErrorResp(error=ErrorDetail(code=code, message=message))
+    return Response(_enc.encode(body), status_code=status, media_type="application/json")
+
+
+def json_response(obj: Any) -> Response:
+    return Response(_enc.encode(obj), media_type="application/json")
+
+
+async def decode(request: Request, typ: type[T]) -> T:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, "body_too_large", f"the body exceeds {MAX_BODY_BYTES} bytes")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as exc:
+        raise ApiError(422, "invalid_schema", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, "malformed_json", f"the body is not valid JSON: {exc}") from None
+
+
+def check_limits(req: RolloutReq | GroupsReq, config: AprilConfig) -> None:
+    if len(req.groups) > config.max_groups_per_call:
+        raise ApiError(
+            413, "too_many_groups", f"at most {config.max_groups_per_call} groups per call"
+        )
+    for g in req.groups:
+        if g.n > config.max_n:
+            raise ApiError(400, "invalid_n", f"group {g.group_id!r}: n is at most {config.max_n}")
+
+
+DEFAULT_PAGE = 1000
+MAX_PAGE = 10_000
+
+
+def partials_query(request: Request) -> tuple[int, int, PartialsFilter]:
+    """`?limit=N&cursor=C&status=partial|finished&min_age_s=S&weight_version=V`."""
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", DEFAULT_PAGE))
+        start = int(q.get("cursor", 0))
+        min_age = None if q.get("min_age_s") is None else float(q["min_age_s"])
+    except ValueError:
+        raise bad_request(
+            "invalid_request", "limit and cursor are integers, min_age_s a number"
+        ) from None
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request("invalid_request", f"limit must lie in [1, {MAX_PAGE}]")
+    if start < 0:
+        raise bad_request("invalid_request", "cursor comes from a previous page's next_cursor")
+    if min_age is not None and not min_age >= 0:
+        raise bad_request("invalid_request", "min_age_s must be >= 0")
+    status = q.get("status")
+    if status not in (None, "partial", "finished"):
+        raise bad_request("invalid_request", "status is 'partial' or 'finished'")
+    where = PartialsFilter(status, min_age, q.get("weight_version"))  # type: ignore[arg-type]
+    return start, limit, where
+
+
+def create_router(
+    get_manager: Callable[[], RolloutManager],
+    config: AprilConfig | None = None,
+    auth: AuthPolicy | None = None,
+    engine_ready: Callable[[], None] = lambda: None,
+) -> APIRouter:
+    """Routes over a manager that may be built lazily (SGLang starts its engine first).
+    `engine_ready` raises (503) when nothing could generate now: an owner whose engines are
+    all down still serves its buffer, but not generation."""
+    router = APIRouter()
+    config = config or AprilConfig()
+    auth = auth or AuthPolicy()
+
+    def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+        # One place checks the caller and turns ApiError into the contract's error body.
+        @functools.wraps(fn)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                request = kwargs.get("request")
+                header = None if request is None else request.headers.get("authorization")
+                auth.require_user(header)
+                return await fn(*args, **kwargs)
+            except ApiError as exc:
+                return error_response(exc.status, exc.code, exc.message)
+
+        return wrapper
+
+    @router.post(PREFIX + "/rollouts")
+    @guarded
+    async def rollouts(request: Request) -> Response:
+        """Batch-quota rollout (the APRIL step)."""
+        req = await decode(request, RolloutReq)
+        check_limits(req, config)
+        mgr = get_manager()
+        engine_ready()
+        if not req.stream:
+            return json_response(await rollout(mgr, req))
+        return await stream_rollout(mgr, req)
+
+    @router.post(PREFIX + "/groups")
+    @guarded
+    async def groups(request: Request) -> Response:
+        """Hand groups in without waiting (prefetch); `start: background` generates them
+        between calls."""
+        req = await decode(request, GroupsReq)
+        check_limits(req, config)
+        return json_response(await add_groups(get_manager(), req))
+
+    @router.post(PREFIX + "/rollouts/{batch_id}/reject")
+    @guarded
+    async def reject(batch_id: str, request: Request) -> Response:
+        """Un-count finished groups of a running streamed rollout."""
+        body = await decode(request, RejectReq)
+        call = get_manager().calls.get(batch_id)
+        if call is None:
+            raise not_found(f"no running rollout {batch_id!r}")
+        call.reject(body)
+        return json_response({"batch_id": batch_id, "rejected": body.group_ids})
+
+    @router.post(PREFIX + "/abort")
+    @guarded
+    async def abort(request: Request) -> Response:
+        """Stop generation in scope; returns when nothing in scope is generating."""
+        req = await decode(request, AbortReq)
+        if req.all:
+            auth.require_admin(request.headers.get("authorization"), "abort with all=true")
+        return json_response(await get_manager().abort(req))
+
+    @router.post(PREFIX + "/resume")
+    @guarded
+    async def resume(request: Request) -> Response:
+        """Continue buffered samples until they finish."""
+        req = await decode(request, ResumeReq)
+        mgr = get_manager()
+        engine_ready()
+        return json_response(ResumeResp(samples=await resume_samples(mgr, req)))
+
+    # `:path`: a sample id is "{group_id}/{index}".
+    @router.post(PREFIX + "/samples/{sample_id:path}/input")
+    @guarded
+    async def sample_input(sample_id: str, request: Request) -> Response:
+        """The tool's answer for a member awaiting input (agent rollouts)."""
+        req = await decode(request, InputReq)
+        return json_response(await post_input(get_manager(), sample_id, req))
+
+    @router.get(PREFIX + "/partials")
+    @guarded
+    async def partials(request: Request) -> Response:
+        """The idle buffer, a page at a time, oldest first (`?limit`, `?cursor`, filters)."""
+        mgr = get_manager()
+        start, limit, where = partials_query(request)
+        entries, next_seq = mgr.buffer.idle.page(start, limit, where, time.time())
+        bodies = await mgr.buffer.read_bodies([e.group_id for e in entries])
+        groups = [bodies[e.group_id] for e in entries if e.group_id in bodies]
+        await mgr.segments.refresh([s for g in groups for s in g.samples])
+        cursor = None if next_seq is None else str(next_seq)
+        return json_response(
+            PartialsResp(groups=[mgr.listed(g) for g in groups], next_cursor=cursor)
+        )
+
+    # `:path`, so a group id from before the contract's identifier rule (one with a "/") is
+    # still reachable, URL-encoded; new ids cannot contain "/".
+    @router.get(PREFIX + "/partials/{group_id:path}")
+    @guarded
+    async def partial(group_id: str, request: Request) -> Response:
+        mgr = get_manager()
+        return json_response(mgr.listed(await mgr.read_group(group_id)))
+
+    @router.delete(PREFIX + "/partials/{group_id:path}")
+    @guarded
+    async def delete_partial(group_id: str, request: Request) -> Response:
+        auth.require_admin(request.headers.get("authorization"), "deleting buffered groups")
+        return json_response(await get_manager().delete(group_id))
+
+    @router.get(PREFIX + "/stats")
+    @guarded
+    async def stats(request: Request) -> Response:
+        return json_response(await get_manager().stats())
+
+    @router.get(PREFIX + "/metrics", response_class=PlainTextResponse)
+    @guarded
+    async def april_metrics(request: Request) -> Response:
+        """The figures of /stats as Prometheus text."""
+        text = prometheus_text(await get_manager().stats())
+        return Response(content=text, media_type=CONTENT_TYPE)
+
+    # Registered before SGLang mounts its own /metrics (at start-up, with --enable-metrics), so
+    # this route answers first and includes SGLang's families: one scrape target, both sets.
+    # Open without a key, as SGLang keeps /metrics (its auth middleware exempts the path).
+    @router.get("/metrics", response_class=PlainTextResponse)
+    async def metrics(request: Request) -> Response:
+        """The figures of /stats, and SGLang's own when it runs with --enable-metrics. A
+        server that cannot build its figures yet (an owner before any engine answered) says
+        so with 200: a scrape is not an error."""
+        try:
+            text = prometheus_text(await get_manager().stats(), with_engine=True)
+        except ApiError as exc:
+            text = f"# april-server: no figures yet: {exc.message}\n".encode()
+        return Response(content=text, media_type=CONTENT_TYPE)
+
+    return router
+
+
+async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
+    """NDJSON: `group_finished` events as groups finish, then `done`. Validation errors come
+    back as a normal error response, before the stream starts."""
+    events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    task = loop.create_task(rollout(mgr, req, events, ready))
+    waiters: list[asyncio.Future[Any]] = [ready, task]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        task.result()  # validation failed: raises the ApiError
+
+    async def lines() -> AsyncIterator[bytes]:
+        sent: set[str] = set()
+        try:
+            while not (task.done() and events.empty()):
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                ev = getter.result()
+                if isinstance(ev, GroupFinishedEvent):
+                    sent.add(ev.group.group_id)
+                if ev is not None:  # turn events too (sample_awaiting, sample_interrupted)
+                    yield _enc.encode(ev) + b"\n"
+            resp: RolloutResp = task.result()
+            for g in resp.groups:  # a replayed (idempotent) call emits its stored groups
+                if g.group_id not in sent:
+                    event = GroupFinishedEvent(group=g, batch_id=resp.batch_id)
+                    yield _enc.encode(event) + b"\n"
+            done = DoneEvent(
+                batch_id=resp.batch_id, buffered_group_ids=resp.buffered_group_ids, stats=resp.stats
+            )
+            yield _enc.encode(done) + b"\n"
+        finally:
+            if not task.done():  # the client went away: stop the call, keep everything
+                task.cancel()  # the call winds down by itself (rollout.py)
+
+    async def stop_the_call() -> None:
+        if not task.done():
+            task.cancel()
+        await asyncio.wait([task])
+
+    return StreamThen(lines(), stop_the_call, media_type="application/x-ndjson")
+
+
+class StreamThen(StreamingResponse):
+    """A streamed response that runs `then` exactly once however it ends: the stream done,
+    the client gone before or after the first chunk, an error. A generator's own `finally` is
+    not enough: one that never started (a client gone before the first chunk) never runs it.
+    For a streamed call, `then` stops the call (it winds down and buffers everything, instead
+    of delivering its groups to nobody); for the owner's proxied `/generate`, it settles the
+    engine's in-flight count."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        then: Callable[[], Awaitable[None]],
+        status_code: int = 200,
+        media_type: str | None = None,
+    ) -> None:
+        super().__init__(content, status_code=status_code, media_type=media_type)
+        self.then = then
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.then()
+
+
+# Request and response types of each route, exported into /openapi.json (for clients and
+# fuzzers): the routes decode bodies with msgspec, so FastAPI cannot see these types itself.
+ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
+    ("post", PREFIX + "/rollouts"): (RolloutReq, RolloutResp),
+    ("post", PREFIX + "/rollouts/{batch_id}/reject"): (RejectReq, dict),
+    ("post", PREFIX + "/groups"): (GroupsReq, GroupsResp),
+    ("post", PREFIX + "/abort"): (AbortReq, AbortResp),
+    ("post", PREFIX + "/resume"): (ResumeReq, ResumeResp),
+    ("post", PREFIX + "/samples/{sample_id}/input"): (InputReq, InputResp),
+    ("post", PREFIX + "/samples/{sample_id:path}/input"): (InputReq, InputResp),
+    ("get", PREFIX + "/partials"): (None, PartialsResp),
+    ("get", PREFIX + "/partials/{group_id}"): (None, Group),
+    ("delete", PREFIX + "/partials/{group_id}"): (None, DeleteResp),
+    ("get", PREFIX + "/partials/{group_id:path}"): (None, Group),
+    ("delete", PREFIX + "/partials/{group_id:path}"): (None, DeleteResp),
+    ("get", PREFIX + "/stats"): (None, dict),
+}
+
+
+def extend_app(app: FastAPI) -> None:
+    """What the routes need from the app they are mounted on: the contract's error body for
+    routing errors under our prefix and on our /metrics (unknown path, wrong method), and our
+    schemas."""
+    previous = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        ours = request.url.path.startswith(PREFIX + "/") or request.url.path == "/metrics"
+        if ours and isinstance(exc, StarletteHTTPException):
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            return error_response(
+                exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}"
+            )
+        result = previous(request, exc)
+        return await result if inspect.isawaitable(result) else result
+
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    extend_openapi(app)
+
+
+def extend_openapi(app: FastAPI) -> None:
+    """Put our msgspec schemas into the app's OpenAPI document (once, lazily)."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema and app.openapi_schema.get("x-april"):
+            return app.openapi_schema
+        doc = original()
+        types = [t for pair in ROUTE_TYPES.values() for t in pair if t not in (None, dict)]
+        types.append(ErrorResp)
+        schemas, components = msgspec.json.schema_components(
+            types, ref_template="#/components/schemas/{name}"
+        )
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        by_type = dict(zip(types, schemas, strict=True))
+        error = {"content": {"application/json": {"schema": by_type[ErrorResp]}}}
+        for (method, path), (req_t, resp_t) in ROUTE_TYPES.items():
+            op = doc.get("paths", {}).get(path, {}).get(method)
+            if op is None:
+                continue
+            if req_t is not None:
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": by_type[req_t]}},
+                }
+            ok_schema = by_type.get(resp_t, {"type": "object"})
+            op["responses"] = {
+                "200": {
+                    "description": "OK",
+                    "content": {"application/json": {"schema": ok_schema}},
+                },
+                **{
+                    code: {"description": "error", **error}
+                    for code in ("400", "401", "403", "404", "409", "413", "422")
+                },
+            }
+        doc["x-april"] = True
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,5 @@
+"""The other operations on buffered groups, each a function the route calls.
+
+- `resume`: `resume()`, `POST /resume`;
+- `inputs`: `post_input()`, `POST /samples/{id}/input` (a tool's answer);
+- `groups`: `add_groups()`, `POST /groups` (hand groups in without waiting)."""

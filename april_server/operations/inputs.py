@@ -1,0 +1,118 @@
+"""`POST /april/v1/samples/{sample_id}/input`: the tool's answer for a member awaiting input.
+
+- A running call holds the member's group: the answer is appended and the member continues at
+  once under that call's quota (`call_turns.continue_answered`); it is made durable with the
+  call's outcome, like every token the call generates. An abort that named the group during
+  the call keeps the answer but does not continue the member (it waits idle after the call).
+- A call that is winding down holds it: the answer waits until the call has handed the group
+  back, then is taken as below (never lost between the call's persist and its release).
+- Otherwise (idle in the buffer, or held by the background, which is paused for it, after
+  which the holder is looked up again: a call may have taken the group meanwhile): the
+  group is claimed, the answer appended and persisted (fsync) before the route answers; the
+  member waits idle for the next call.
+Who holds the group is resolved by `PartialBuffer.resolve`, which waits out a claim whose body
+is still being read: a sample just announced as awaiting is never 404 for a moment.
+Answers for one group are taken one at a time, so a second answer for the same turn always
+sees the first and gets 409 `not_awaiting`, changing nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import TYPE_CHECKING
+
+from april_server.rules import samples as S
+from april_server.rules import turns as T
+from april_server.runtime.background import OWNER as BACKGROUND
+from april_server.runtime.manager import run_to_end
+from april_server.wire.errors import ApiError, bad_request, not_found
+from april_server.wire.protocol import InputReq, InputResp, Sample
+
+if TYPE_CHECKING:
+    from april_server.runtime.manager import RolloutManager
+
+
+async def post_input(mgr: RolloutManager, sample_id: str, req: InputReq) -> InputResp:
+    if (req.append_ids is None) == (req.text is None):
+        raise bad_request("invalid_request", "give exactly one of append_ids, text")
+    gid, sep, idx = sample_id.rpartition("/")
+    if not sep or not idx.isdigit() or not mgr.buffer.known(gid):
+        raise not_found(f"unknown sample_id {sample_id!r}")
+    if req.append_ids is not None:
+        ids = list(req.append_ids)
+    else:  # a tokenizer may take a while on a long answer: off the event loop
+        ids = await asyncio.to_thread(mgr.engine.tokenize, req.text or "")
+    locks = mgr.input_locks  # group id -> [its lock, answers using it]
+    held = locks.setdefault(gid, [asyncio.Lock(), 0])
+    held[1] += 1
+    try:
+        async with held[0]:
+            return await _take(mgr, sample_id, gid, ids, req.turn)
+    finally:
+        held[1] -= 1
+        if not held[1]:
+            del locks[gid]
+
+
+async def _take(
+    mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
+) -> InputResp:
+    while True:
+        try:  # waits out a claim whose body is still being read
+            holder = await mgr.buffer.resolve(gid)
+        except ApiError:
+            raise not_found(f"unknown sample_id {sample_id!r}") from None
+        if holder is None:  # idle: taken here, with no await between the look and the claim
+            return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+        call = mgr.calls.get(holder.owner)
+        if call is not None:
+            if call.stopped:  # winding down: take it once the call has handed the group back
+                await call.closed.wait()
+                continue
+            sample = mgr.sample(sample_id)
+            _check(mgr, sample, ids, turn)
+            T.apply_answer(sample, ids)
+            if call.holds_for_input(sample):
+                call.continue_answered(sample)
+                return InputResp(sample=sample, batch_id=call.batch_id)
+            return InputResp(sample=sample, batch_id=None)
+        if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
+            return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+        async with mgr.background.paused():  # handed back first, like for a call
+            if await _idle(mgr, gid, sample_id):
+                return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+        # A call took the group while the background paused: look again, and answer there.
+
+
+async def _idle(mgr: RolloutManager, gid: str, sample_id: str) -> bool:
+    try:
+        return await mgr.buffer.resolve(gid) is None
+    except ApiError:
+        raise not_found(f"unknown sample_id {sample_id!r}") from None
+
+
+async def _answer_idle(
+    mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
+) -> InputResp:
+    owner = f"input-{uuid.uuid4().hex[:12]}"
+    try:
+        (group,) = await mgr.buffer.claim([gid], owner, busy_code="group_busy")
+        sample = mgr.sample(sample_id)
+        _check(mgr, sample, ids, turn)
+        T.apply_answer(sample, ids)
+        await mgr.persist([group], [])  # durable before the route answers
+    finally:
+        mgr.release(owner)
+    return InputResp(sample=sample, batch_id=None)
+
+
+def _check(mgr: RolloutManager, sample: Sample, ids: list[int], turn: int | None) -> None:
+    T.check_answer(sample, ids, mgr.engine.vocab_size, turn)
+    S.check_budget(
+        len(sample.prompt_ids),
+        S.num_appended(sample) + len(ids),
+        sample.max_new_tokens,
+        mgr.engine.context_len,
+        f"sample {sample.sample_id!r}",
+    )

@@ -1,0 +1,120 @@
+"""`POST /april/v1/resume`: continue named buffered samples now, outside any call.
+
+1. Check the request (ids, appends, sampling overrides) before anything changes.
+2. Pause the background, claim the samples' groups, and check each sample can resume (not
+   finished, not awaiting an answer without one, a usable snapshot when `kv: restore`).
+3. Apply the appends (a tool's answer, or context), run one segment per sample, persist the
+   groups and release them, even if the caller went away meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from april_server.engine.segment_state import CallTally
+from april_server.rules import samples as S
+from april_server.rules import turns as turn_rules
+from april_server.runtime.manager import RolloutManager, run_to_end
+from april_server.wire.errors import bad_request, conflict, not_found
+from april_server.wire.protocol import ResumeReq, Sample
+
+
+async def resume(mgr: RolloutManager, req: ResumeReq) -> list[Sample]:
+    mgr.counters.resume_calls += 1
+    if not req.sample_ids:
+        raise bad_request("invalid_request", "sample_ids is empty")
+    if len(set(req.sample_ids)) != len(req.sample_ids):
+        raise bad_request("duplicate_sample_id", "sample_ids contains duplicates")
+    appends = req.append_ids or {}
+    stray = set(appends) - set(req.sample_ids)
+    if stray:
+        raise bad_request("invalid_request", f"append_ids for unlisted samples: {stray}")
+    if req.sampling_params:
+        if "max_new_tokens" in req.sampling_params:
+            raise bad_request(
+                "invalid_request", "the budget is the sample's own; omit max_new_tokens"
+            )
+        mgr.engine.check_sampling_params(req.sampling_params)
+    gids = sorted({sid.rpartition("/")[0] for sid in req.sample_ids})
+    for sid in req.sample_ids:
+        if not mgr.buffer.known(sid.rpartition("/")[0]):
+            raise not_found(f"unknown sample_id {sid!r}")
+    owner = f"resume-{uuid.uuid4().hex[:12]}"
+    # Claimed, run and persisted to the end even if the caller goes away meanwhile: a
+    # release before the segments ended would drop what they record (tokens, snapshots).
+    async with mgr.background.paused():
+        return await run_to_end(_resume_claimed(mgr, req, gids, owner, appends))
+
+
+async def _resume_claimed(
+    mgr: RolloutManager,
+    req: ResumeReq,
+    gids: list[str],
+    owner: str,
+    appends: dict[str, list[int]],
+) -> list[Sample]:
+    try:
+        for gid in gids:  # a claim whose body is still being read: wait it out, then 409
+            await mgr.buffer.resolve(gid)
+        await mgr.buffer.claim(gids, owner, busy_code="sample_busy")
+        chosen = [mgr.sample(sid) for sid in req.sample_ids]
+        _check_resumable(mgr, req, chosen, appends)
+        for sid, ids in appends.items():
+            sample = mgr.sample(sid)
+            if turn_rules.awaiting(sample):  # the tool's answer: recorded like POST .../input
+                turn_rules.apply_answer(sample, ids)
+            else:
+                S.append_context(sample, ids, mgr.engine.context_len)
+        tally = CallTally()
+        tasks = [
+            mgr.start_sample(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
+            for s in chosen
+            if S.remaining_budget(s) > 0 and not S.is_finished(s)
+        ]
+        for s in chosen:
+            if S.remaining_budget(s) <= 0:
+                s.status, s.finish_reason = "truncated", "length"
+        if tasks:
+            await asyncio.gather(*tasks)
+        await mgr.persist([mgr.groups[g] for g in gids], [])
+    finally:
+        mgr.release(owner)
+    return chosen
+
+
+def _check_resumable(
+    mgr: RolloutManager, req: ResumeReq, chosen: list[Sample], appends: dict[str, list[int]]
+) -> None:
+    """Raise before anything changes: finished samples, missing snapshots, bad appends."""
+    for s in chosen:
+        params = {**s.sampling_params, **(req.sampling_params or {})}
+        turn_rules.check_params(s.turn_rule, params, f"sample {s.sample_id!r}")
+        if S.is_finished(s) and s.sample_id not in appends:
+            raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
+        if turn_rules.awaiting(s) and s.sample_id not in appends:
+            raise conflict(
+                "awaiting_input",
+                f"sample {s.sample_id!r} awaits input: give its answer in append_ids",
+            )
+        if req.kv == "restore" and not mgr.segments.usable(
+            s, mgr.current_version(), mgr.version_history, req.max_staleness
+        ):
+            raise conflict(
+                "no_snapshot",
+                f"sample {s.sample_id!r} has no KV snapshot usable under weight version "
+                f"{mgr.current_version()!r} (kv: auto re-prefills instead)",
+            )
+    for sid, ids in appends.items():
+        if mgr.engine.vocab_size is not None and any(
+            t < 0 or t >= mgr.engine.vocab_size for t in ids
+        ):
+            raise bad_request("invalid_token", f"append_ids[{sid!r}] has bad token ids")
+        s = mgr.sample(sid)
+        S.check_budget(
+            len(s.prompt_ids),
+            S.num_appended(s) + len(ids),
+            s.max_new_tokens,
+            mgr.engine.context_len,
+            f"sample {sid!r}",
+        )
