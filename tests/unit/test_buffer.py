@@ -16,8 +16,8 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
-from april_server.buffer.buffer_index import BufferIndex, PartialsFilter, summarize
 from april_server.buffer import store as store_mod
+from april_server.buffer.buffer_index import BufferIndex, PartialsFilter, summarize
 from april_server.buffer.store import BufferStore
 from april_server.buffer.synthetic import fill, synthetic_group
 from april_server.calls.rollout import rollout
