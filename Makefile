@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo train-demo sweep bench-async test test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak chaos
+.PHONY: demo train-demo sweep bench-async test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -16,11 +16,16 @@ sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations,
 bench-async:  ## never idle: sync vs april vs april-async, a trainer of TRAIN_S s between calls (default auto: as long as sync's rollout in the same run), max_staleness 1, 3 interleaved repeats (~5 min)
 	@V=$(VENV) && $$V/bin/april-bench --quick --sweep-point tiny:512:8x4 --repeat 3 --modes sync,april,april-async --train-s $${TRAIN_S:-auto} --max-staleness 1 --json-out out/async.jsonl
 
-test:  ## the whole suite: unit, kernels (Triton interpreter), end to end on a real SGLang
-	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider
+PYTEST = python -m pytest -q -p no:cacheprovider --durations=25
+
+test:  ## every behaviour: unit + kernels in 2 workers, then end to end on a real SGLang (serial); not the slow tier
+	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2 && $$V/bin/$(PYTEST) -m "e2e and not slow"
+
+test-slow:  ## the slow tier: full-size storm and chaos soaks, the whole kernel grid in the Triton interpreter
+	@V=$(VENV) && $$V/bin/$(PYTEST) -m slow
 
 test-fast:  ## without the end-to-end tests (no SGLang server)
-	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
+	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2
 
 test-aot:  ## KV kernels compiled ahead of time for sm_80/90/100 and their code checked (no GPU, ~100 s)
 	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_aot.py
@@ -47,7 +52,7 @@ bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engi
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --json-out out/fleet.jsonl
 
 soak:  ## the storm test at 10x its CI size
-	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py
+	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py -k quick
 
 chaos:  ## random clients (calls, abandoned streams, retries, aborts, deletes, pushes) for 5 min on one server, then 5 min on an owner over 2 engines (one killed -9 twice)
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.chaos --duration-s $${CHAOS_S:-300} --mode server && $$V/bin/python -m april_client.bench.chaos --duration-s $${CHAOS_S:-300} --mode owner

@@ -12,7 +12,7 @@ PY=${APRIL_PYTHON:-python3}
 KEY=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import hashlib, sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-heavy = {k: v for k, v in p["optional-dependencies"].items() if k != "fleet"}  # LIGHT
+heavy = {k: v for k, v in p["optional-dependencies"].items() if k not in ("fleet", "test-parallel")}  # LIGHT
 blob = repr((p["dependencies"], heavy, "v1")).encode()
 print(hashlib.sha256(blob).hexdigest()[:12])
 PYEOF
@@ -43,7 +43,8 @@ STAMP="$VENV/.april-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/bootstrap.sh" | 
 if [ ! -f "$STAMP" ]; then
   light=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import sys, tomllib
-print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["fleet"]))
+o = tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]
+print("\n".join(o["fleet"] + o["test-parallel"]))
 PYEOF
 )
   # shellcheck disable=SC2086

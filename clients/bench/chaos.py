@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from .chaos_ledger import ChaosLedger
-from .launcher import LaunchedServer
+from .launcher import LaunchedServer, start_all
 
 R = "/april/v1"
 CALL_TIMEOUT_S = 180.0  # a call on the tiny model takes seconds; past this it is a hang
@@ -83,8 +83,7 @@ def launch(mode: str) -> Target:
         server.start()
         return Target(server.url, model, vocab_of(model), procs=[server])
     engines = [LaunchedServer(env=cpu_share_env(1)) for _ in range(2)]
-    for e in engines:
-        e.start()
+    start_all(engines)
     owner = LaunchedServer(["--april-engines", ",".join(e.url for e in engines)])
     owner.start()
     return Target(owner.url, model, vocab_of(model), engines=engines, procs=[*engines, owner])

@@ -53,6 +53,11 @@ class LaunchedServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        self.spawn()
+        self.wait_healthy(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the process and return at once (`wait_healthy` waits for it)."""
         args = [
             sys.executable, "-m", "april_server",
             "--port", str(self.port),
@@ -69,6 +74,9 @@ class LaunchedServer:
                 env=None if self.env is None else {**os.environ, **self.env},
                 preexec_fn=None if self.cpus is None else self._pin,
             )
+
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -119,3 +127,11 @@ class LaunchedServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def start_all(servers: list[LaunchedServer], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Start several servers side by side (their start-ups overlap), then wait for each."""
+    for s in servers:
+        s.spawn()
+    for s in servers:
+        s.wait_healthy(timeout_s)

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from april_client.bench.launcher import free_port
+from april_client.bench.launcher import free_port, start_all
 from tests.e2e.test_rollouts_e2e import (
     R,
     clear_buffer,
@@ -44,8 +44,7 @@ class Fleet:
         self.root = root
         args = ["--april-kv-host-bytes", str(KV_BYTES)]
         self.engines = [ServerProc(self._dir(f"engine{i}"), args) for i in range(2)]
-        for e in self.engines:
-            e.start()
+        start_all(list(self.engines))  # side by side: their start-ups overlap
         urls = ",".join(e.url for e in self.engines)
         self.owner = ServerProc(self._dir("owner"), ["--april-engines", urls])
         self.owner.start()

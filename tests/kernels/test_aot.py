@@ -9,6 +9,7 @@ does fail on a de-vectorized kernel, on 32-bit offsets and on a tile that spills
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import triton
 
 from april_client.bench.gpu_check.aot_inspect import (
     Access,
@@ -34,17 +36,45 @@ ARCHS = {80, 90, 100}
 KERNEL_SOURCE = ROOT / "kernels" / "kv_copy_triton.py"
 
 
-def _run_checker(tmp: Path, *args: str, module_dir: Path | None = None):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (module_dir, ROOT) if p)
-    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")  # not the user's cache
-    return subprocess.run(
-        [sys.executable, "-m", "april_client.bench.gpu_check.aot_check", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+CHECKER_SOURCES = [
+    *sorted((ROOT / "kernels").glob("*.py")),
+    *sorted((ROOT / "clients" / "bench" / "gpu_check").glob("aot_*.py")),
+]
+# The checker's results, kept between runs (a full check compiles ~75 s on 2 cores), keyed by
+# everything they depend on: the kernel and checker sources, the arguments, Triton's and torch's
+# versions. APRIL_AOT_FRESH=1 compiles anew.
+RESULTS_CACHE = Path(os.environ.get("APRIL_CACHE", Path.home() / ".cache" / "april-server"))
+
+
+def _run_checker(
+    tmp: Path, *args: str, module_dir: Path | None = None, json_out: Path | None = None
+):
+    sources = [*CHECKER_SOURCES, *(sorted(module_dir.glob("*.py")) if module_dir else [])]
+    key = hashlib.sha256(
+        repr((args, triton.__version__, torch.__version__)).encode()
+        + b"".join(p.name.encode() + p.read_bytes() for p in sources)
+    ).hexdigest()[:16]
+    kept = RESULTS_CACHE / "aot-check" / key
+    if (kept / "result.json").exists() and os.environ.get("APRIL_AOT_FRESH") != "1":
+        result = json.loads((kept / "result.json").read_text())
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (module_dir, ROOT) if p)
+        env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")  # not the user's cache
+        report = tmp / "aot-report.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "april_client.bench.gpu_check.aot_check", *args,
+             "--json-out", str(report)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        result = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+        result["report"] = json.loads(report.read_text()) if report.exists() else None
+        kept.mkdir(parents=True, exist_ok=True)
+        (kept / "result.json").write_text(json.dumps(result))
+    if json_out is not None and result["report"] is not None:
+        json_out.write_text(json.dumps(result["report"]))
+    return subprocess.CompletedProcess(
+        args, result["returncode"], result["stdout"], result["stderr"]
     )
 
 
@@ -53,7 +83,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The full check (~75 s on 2 cores), once per session."""
     tmp = tmp_path_factory.mktemp("aot")
     out = tmp / "aot.json"
-    proc = _run_checker(tmp, "--json-out", str(out))
+    proc = _run_checker(tmp, json_out=out)
     if not out.exists():
         pytest.fail(f"aot_check wrote no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     data = json.loads(out.read_text())

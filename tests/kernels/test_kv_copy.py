@@ -40,6 +40,31 @@ GRID = list(itertools.product(NUM_TOKENS, DTYPES, PAGE_SIZES, NUM_LAYERS, HEAD_S
 GRID_IDS = [f"t{t}-{str(d)[6:]}-p{p}-l{n}-h{h}x{dim}" for t, d, p, n, (h, dim) in GRID]
 
 
+def covering(grid: list[tuple]) -> set[tuple]:
+    """A subset where every (token count, dtype) pair occurs, and every combination of page
+    size, layer count and head shape: each dtype, layout and edge size at least once."""
+    chosen = set()
+    for i, (t, d) in enumerate(itertools.product(NUM_TOKENS, DTYPES)):
+        p, n, h = PAGE_SIZES[i % 2], NUM_LAYERS[i // 2 % 2], HEAD_SHAPES[i // 4 % 2]
+        chosen.add((t, d, p, n, h))
+    return chosen
+
+
+COVER = covering(GRID)
+
+
+def grid_params() -> list:
+    """The torch backend on the whole grid; Triton too on a GPU. In the Triton interpreter
+    (CPU, ~50x slower) the covering subset runs in `make test`, the rest in `make test-slow`."""
+    out = []
+    for backend in ("triton", "torch"):
+        for case, case_id in zip(GRID, GRID_IDS, strict=True):
+            slow = backend == "triton" and DEVICE == "cpu" and case not in COVER
+            marks = [pytest.mark.slow] if slow else []
+            out.append(pytest.param(backend, *case, id=f"{backend}-{case_id}", marks=marks))
+    return out
+
+
 def _make_pool(num_layers, num_pages, page_size, heads, head_dim, dtype):
     """(k_buffers, v_buffers): L tensors [num_pages * page_size, H, D] of random bytes."""
     size = num_pages * page_size
@@ -92,8 +117,7 @@ def _assert_pools_equal(actual, expected):
         _assert_same_bytes(a, e)
 
 
-@pytest.mark.parametrize("num_tokens,dtype,page_size,num_layers,head_shape", GRID, ids=GRID_IDS)
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend,num_tokens,dtype,page_size,num_layers,head_shape", grid_params())
 def test_save_matches_ref(backend, num_tokens, dtype, page_size, num_layers, head_shape):
     k, v, src, _ = _setup(num_tokens, dtype, page_size, num_layers, head_shape)
     k0, v0 = _clone(k), _clone(v)
@@ -106,8 +130,7 @@ def test_save_matches_ref(backend, num_tokens, dtype, page_size, num_layers, hea
     _assert_pools_equal(k + v, k0 + v0)  # saving never writes the pool
 
 
-@pytest.mark.parametrize("num_tokens,dtype,page_size,num_layers,head_shape", GRID, ids=GRID_IDS)
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend,num_tokens,dtype,page_size,num_layers,head_shape", grid_params())
 def test_round_trip_into_new_slots(backend, num_tokens, dtype, page_size, num_layers, head_shape):
     k, v, src, dst = _setup(num_tokens, dtype, page_size, num_layers, head_shape)
     original = _clone(k + v)
@@ -125,6 +148,15 @@ def test_round_trip_into_new_slots(backend, num_tokens, dtype, page_size, num_la
     for now, before in zip(k + v, original, strict=True):
         _assert_same_bytes(now[dst], before[src])
         _assert_same_bytes(now[untouched], before[untouched])
+
+
+def test_the_covering_subset_covers() -> None:
+    for values, at in ((NUM_TOKENS, 0), (DTYPES, 1), (PAGE_SIZES, 2), (NUM_LAYERS, 3)):
+        assert {c[at] for c in COVER} == set(values)
+    assert {c[4] for c in COVER} == set(HEAD_SHAPES)
+    assert {(c[0], c[1]) for c in COVER} == set(itertools.product(NUM_TOKENS, DTYPES))
+    assert len({(c[2], c[3], c[4]) for c in COVER}) == 8
+    assert len(COVER) < len(GRID) // 4
 
 
 @pytest.mark.parametrize("block_tokens,block_cols", [(1, 4), (2, 16), (4, 8), (64, 16), (None, 4)])
