@@ -23,6 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from april_server.buffer.buffer_index import PartialsFilter
 from april_server.calls.rollout import rollout
 from april_server.http.metrics import CONTENT_TYPE, prometheus_text
+from april_server.operations.abort import abort as abort_samples
+from april_server.operations.delete import delete as delete_group
 from april_server.operations.groups import add_groups
 from april_server.operations.inputs import post_input
 from april_server.operations.resume import resume as resume_samples
@@ -185,7 +187,7 @@ def create_router(
         req = await decode(request, AbortReq)
         if req.all:
             auth.require_admin(request.headers.get("authorization"), "abort with all=true")
-        return json_response(await get_manager().abort(req))
+        return json_response(await abort_samples(get_manager(), req))
 
     @router.post(PREFIX + "/resume")
     @guarded
@@ -231,7 +233,7 @@ def create_router(
     @guarded
     async def delete_partial(group_id: str, request: Request) -> Response:
         auth.require_admin(request.headers.get("authorization"), "deleting buffered groups")
-        return json_response(await get_manager().delete(group_id))
+        return json_response(await delete_group(get_manager(), group_id))
 
     @router.get(PREFIX + "/stats")
     @guarded

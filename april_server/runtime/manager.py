@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -40,9 +39,6 @@ from april_server.runtime.loop_lag import LoopLagMonitor
 from april_server.runtime.snapshot_sweep import SnapshotSweep
 from april_server.wire.errors import not_found
 from april_server.wire.protocol import (
-    AbortReq,
-    AbortResp,
-    DeleteResp,
     Group,
     Keep,
     KvMode,
@@ -207,73 +203,6 @@ class RolloutManager:
     async def stop_running(self, runs: list[Running], keep: Keep | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
         await self.segments.stop(runs, keep)
-
-    # ---- routes other than rollouts ----------------------------------------------------------
-
-    async def abort(self, req: AbortReq) -> AbortResp:
-        self.counters.abort_calls += 1
-        scope: set[str] = set()  # sample ids whose state is returned
-        if req.batch_id is not None:
-            if req.batch_id not in self.calls and req.batch_id not in self.finished_batches:
-                raise not_found(f"unknown batch_id {req.batch_id!r}")
-        # Background samples stop like any (with a snapshot when they are paused, the keep
-        # asked for when they are aborted) and are no longer wanted there.
-        named = self._groups_of(req)
-        for call in list(self.calls.values()):  # stop waiting for these groups' answers
-            if req.all or req.batch_id == call.batch_id:
-                call.give_up(None)
-            elif named & set(call.group_ids):
-                call.give_up(named & set(call.group_ids))
-        scope.update(self.background.sample_ids(None if req.all else named))
-        mine = [
-            r
-            for r in self.running.values()
-            if r.owner == BACKGROUND and (req.all or r.sample.group_id in named)
-        ]
-        await self.stop_running(mine, req.keep)
-        async with self.background.paused():
-            self.background.forget(None if req.all else named)
-            return await self._abort(req, scope)
-
-    def _groups_of(self, req: AbortReq) -> set[str]:
-        """The groups an abort names (a finished call's: those it left in the background)."""
-        named = set(req.group_ids or []) | {s.rpartition("/")[0] for s in req.sample_ids or []}
-        if req.batch_id is not None:
-            named |= self.background.handed_in_by(req.batch_id)
-        return named
-
-    async def _abort(self, req: AbortReq, scope: set[str]) -> AbortResp:
-        named = await self.buffer.read(list(dict.fromkeys(req.group_ids or [])))
-        for g in named.values():
-            scope.update(s.sample_id for s in g.samples)
-        scope.update(await self.read_samples(req.sample_ids or []))
-        runs = [
-            r
-            for sid, r in self.running.items()
-            if req.all or sid in scope or (req.batch_id is not None and r.owner == req.batch_id)
-        ]
-        scope.update(r.sample.sample_id for r in runs)
-        await self.stop_running(runs, req.keep)
-        known = [sid for sid in sorted(scope) if self.buffer.known(sid.rpartition("/")[0])]
-        now = await self.read_samples(known)
-        return AbortResp(samples=[now[sid] for sid in known])
-
-    async def delete(self, group_id: str) -> DeleteResp:
-        async with self.background.paused():
-            self.background.forget([group_id], gone=True)
-            return await run_to_end(self._delete(group_id))
-
-    async def _delete(self, group_id: str) -> DeleteResp:
-        owner = f"delete-{uuid.uuid4().hex[:12]}"
-        try:
-            await self.buffer.resolve(group_id)  # a claim in flight: wait it out, then 409
-            (group,) = await self.buffer.claim([group_id], owner, busy_code="group_busy")
-            await self.persist([], [group_id])
-        finally:
-            self.release(owner)
-        for s in group.samples:
-            await self.segments.forget(s)
-        return DeleteResp(group_id=group_id, deleted=True)
 
     def _inflight_stats(self) -> dict[str, Any]:
         if self.last_inflight is None:

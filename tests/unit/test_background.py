@@ -13,6 +13,8 @@ import pytest
 
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
+from april_server.operations.delete import delete
 from april_server.operations.groups import add_groups
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
@@ -177,7 +179,7 @@ def test_an_abort_while_a_continue_call_persists_keeps_what_it_asked_for(tmp_pat
 
         async def persist_while_aborted(*args: Any, **kw: Any) -> None:
             if not aborts:
-                aborts.append(asyncio.create_task(mgr.abort(AbortReq(all=True, keep="tokens"))))
+                aborts.append(asyncio.create_task(abort(mgr, AbortReq(all=True, keep="tokens"))))
                 stopping = lambda: any(r.stopping for r in mgr.running.values())  # noqa: E731
                 await until(lambda: aborts[0].done() or stopping())
             await persist(*args, **kw)
@@ -233,9 +235,9 @@ def test_abort_and_delete_stop_background_samples_for_good(tmp_path: Path) -> No
         await add_groups(mgr, GroupsReq(groups=[spec("a", 450), spec("d", 450)]))
         await until(lambda: len(mgr.background.running_groups()) == 2)
         await asyncio.sleep(0.1)
-        await mgr.delete("d")
+        await delete(mgr, "d")
         assert not mgr.buffer.known("d")
-        out = await mgr.abort(AbortReq(all=True, keep="tokens"))
+        out = await abort(mgr, AbortReq(all=True, keep="tokens"))
         assert [s.sample_id for s in out.samples] == ["a/0"]
         assert 0 < len(out.samples[0].output_ids) < 450
         await asyncio.sleep(0.2)
@@ -276,7 +278,7 @@ def test_aborting_a_finished_call_stops_what_it_left_in_the_background(tmp_path:
         req = RolloutReq(groups=[spec("q", 3), spec("left", 450)], on_quota="continue")
         r = await rollout(mgr, req)
         await until(lambda: "left" in mgr.background.running_groups())
-        out = await mgr.abort(AbortReq(batch_id=r.batch_id, keep="tokens"))
+        out = await abort(mgr, AbortReq(batch_id=r.batch_id, keep="tokens"))
         assert [s.sample_id for s in out.samples] == ["left/0"]
         await asyncio.sleep(0.1)
         assert not mgr.running and not mgr.background.wanted

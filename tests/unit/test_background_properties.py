@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
+from april_server.operations.delete import delete
 from april_server.operations.groups import add_groups
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
@@ -104,10 +106,10 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
                     budgets.update(dict.fromkeys(gids, budget))
                     await add_groups(mgr, GroupsReq(groups=[spec(g, budget) for g in gids]))
                 elif op == "abort":
-                    await mgr.abort(AbortReq(all=True, keep="tokens"))
+                    await abort(mgr, AbortReq(all=True, keep="tokens"))
                 elif op == "delete" and len(mgr.buffer.idle):
                     gid = next(iter(mgr.buffer.idle.oldest())).group_id
-                    await mgr.delete(gid)
+                    await delete(mgr, gid)
                     gone.add(gid)
                 elif op == "push":
                     await mgr.segments.before_update()
@@ -120,7 +122,7 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
                     created.difference_update(gids)
 
         await asyncio.gather(*(one(k, *op) for k, op in enumerate(ops)))
-        await mgr.abort(AbortReq(all=True, keep="tokens"))  # settle the background
+        await abort(mgr, AbortReq(all=True, keep="tokens"))  # settle the background
         assert not mgr.running and not eng.double, eng.double
         assert len(delivered) == len(set(delivered)), "a group was delivered twice"
         buffered = {e.group_id for e in mgr.buffer.idle.oldest()}

@@ -22,6 +22,8 @@ from april_server.buffer.store import BufferStore
 from april_server.buffer.synthetic import fill, synthetic_group
 from april_server.calls.rollout import rollout
 from april_server.http.app import create_router
+from april_server.operations.abort import abort
+from april_server.operations.delete import delete
 from april_server.operations.resume import resume
 from april_server.rules.inflight import EngineCapacity
 from april_server.runtime.manager import RolloutManager
@@ -339,14 +341,14 @@ def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> N
         await asyncio.sleep(0.05)
         # "long" is stopped with a snapshot while "short" runs on and meets the quota during
         # the slow snapshot_info: the call winds down before "long" has recorded its end.
-        abort = asyncio.ensure_future(mgr.abort(AbortReq(sample_ids=["long/0"], keep="snapshot")))
+        stop = asyncio.ensure_future(abort(mgr, AbortReq(sample_ids=["long/0"], keep="snapshot")))
         r = await call
-        await abort
+        await stop
         assert [g.group_id for g in r.groups] == ["short"]
         (stored,) = mgr.idle_groups()
         assert stored.samples[0].snapshot_bytes == 100  # what the scheduler holds is known
         assert eng.snaps == {"long/0"}
-        await mgr.delete("long")
+        await delete(mgr, "long")
         assert eng.snaps == set()  # ... so deleting the group frees it
 
     asyncio.run(go())

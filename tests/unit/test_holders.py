@@ -13,6 +13,7 @@ import pytest
 
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
 from april_server.operations.inputs import post_input
 from april_server.rules import samples as S
 from april_server.rules import turns as T
@@ -109,7 +110,7 @@ async def start_call(
 
 async def settle(task: asyncio.Task[Any], mgr: RolloutManager) -> None:
     """End what still runs (the runnable member's long budget) and wait for the call."""
-    await mgr.abort(AbortReq(all=True, keep="tokens"))
+    await abort(mgr, AbortReq(all=True, keep="tokens"))
     await asyncio.wait_for(task, 30)
     mgr.check_integrity()
 
@@ -147,7 +148,7 @@ def test_an_abort_during_the_read_makes_the_claiming_call_give_the_group_up(
         store.hold_next()
         task, _ = await start_call(mgr, call_req(stream=False, turns=None))
         await store.entered.wait()
-        aborted = await mgr.abort(AbortReq(group_ids=["g"], keep="tokens"))
+        aborted = await abort(mgr, AbortReq(group_ids=["g"], keep="tokens"))
         assert {s.sample_id for s in aborted.samples} == {"g/0", "g/1"}
         store.release.set()
         resp = await asyncio.wait_for(task, 30)

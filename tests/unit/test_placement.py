@@ -25,6 +25,7 @@ from april_server.buffer import store as store_mod
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.engine.base import SegmentCall, SnapshotEngine
+from april_server.operations.abort import abort
 from april_server.operations.resume import resume
 from april_server.rules.inflight import StepCurve, StepStat, aggregate_curve, pool_steps
 from april_server.rules.placement import (
@@ -206,7 +207,7 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         await resume(mgr, ResumeReq(sample_ids=[other], kv="recompute"))
         assert eng.acts[0] == ("drop", other, other_rank)
         assert not any(a[0] == "restore" for a in eng.acts)
-        await mgr.abort(AbortReq(all=True))
+        await abort(mgr, AbortReq(all=True))
 
     asyncio.run(go())
 
@@ -227,7 +228,7 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
             for i, b in enumerate([120, 140, 6, 150, 8, 33])
         ]
         await rollout(mgr, RolloutReq(groups=groups, target_groups=2, max_inflight_groups=6))
-        await mgr.abort(AbortReq(all=True))
+        await abort(mgr, AbortReq(all=True))
         loads = mgr.segments.loads()
         assert [(x.running, x.kv_tokens) for x in loads] == [(0, 0.0), (0, 0.0)]
         assert (mgr.admission.samples, mgr.admission.tokens) == (0, 0.0)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
 from april_server.operations.resume import resume
 from april_server.rules.samples import context_ids
 from april_server.runtime.manager import RolloutManager
@@ -157,10 +158,10 @@ def test_abort_is_idempotent_and_waits_for_idle() -> None:
             rollout(mgr, RolloutReq(groups=[spec("a", 2, [500, 500])], target_groups=1))
         )
         await asyncio.sleep(0.05)
-        first = await mgr.abort(AbortReq(all=True))
+        first = await abort(mgr, AbortReq(all=True))
         assert not mgr.running and not mgr.engine.active  # type: ignore[attr-defined]
         assert {s.sample_id for s in first.samples} == {"a/0", "a/1"}
-        second = await mgr.abort(AbortReq(all=True))
+        second = await abort(mgr, AbortReq(all=True))
         assert second.samples == []
         resp = await call
         assert resp.groups == [] and not resp.stats.quota_met

@@ -8,6 +8,8 @@ import asyncio
 
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
+from april_server.operations.delete import delete
 from april_server.rules.placement import LOCAL, Slot
 from april_server.runtime.manager import RolloutManager
 from april_server.runtime.snapshot_sweep import SnapshotSweep
@@ -43,7 +45,7 @@ async def buffered_with_snapshot(eng: ListingEngine, mgr: RolloutManager) -> Non
     req = RolloutReq(groups=[spec("long", 400), spec("short", 40)], max_inflight_groups=2)
     call = asyncio.ensure_future(rollout(mgr, req))
     await asyncio.sleep(0.05)
-    await mgr.abort(AbortReq(sample_ids=["long/0"], keep="snapshot"))
+    await abort(mgr, AbortReq(sample_ids=["long/0"], keep="snapshot"))
     await call
     (stored,) = mgr.idle_groups()
     assert stored.samples[0].snapshot_bytes == 100 and eng.snaps == {"long/0"}
@@ -69,7 +71,7 @@ def test_only_old_snapshots_nobody_refers_to_are_freed_on_the_second_sweep() -> 
         got = await sweep._unreferenced([(other, "long/0"), (HERE, "long/0")])
         assert got == {(other, "long/0")}
         # Once the group is deleted its snapshot is freed by the delete, not the sweep.
-        await mgr.delete("long")
+        await delete(mgr, "long")
         assert eng.snaps == {"young/0"}
 
     asyncio.run(go())
@@ -88,7 +90,7 @@ def test_a_snapshot_whose_sample_runs_or_is_held_by_a_call_is_never_freed() -> N
         for _ in range(3):
             assert await sweep.sweep_once() == 0
         assert "run/0" in eng.snaps
-        await mgr.abort(AbortReq(all=True))
+        await abort(mgr, AbortReq(all=True))
         await call
         # Held by nothing now (aborted without a snapshot kept): swept on two more rounds.
         eng.snaps.add("run/0")

@@ -12,6 +12,7 @@ import pytest
 
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
 from april_server.operations.inputs import post_input
 from april_server.rules import turns as T
 from april_server.rules.samples import SegmentResult, apply_segment
@@ -250,7 +251,7 @@ def test_an_abort_ends_a_call_waiting_for_answers_and_keeps_them_awaiting(
 
         async def abort_instead(ev: StreamEvent) -> bool:
             if isinstance(ev, SampleAwaitingEvent):
-                await mgr.abort(AbortReq(all=True))
+                await abort(mgr, AbortReq(all=True))
             return False
 
         resp, seen = await asyncio.wait_for(drive(mgr, req, abort_instead), 30)

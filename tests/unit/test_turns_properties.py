@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
+from april_server.operations.delete import delete
 from april_server.operations.inputs import post_input
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
@@ -140,7 +142,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
                     late.append(asyncio.create_task(answer(sid, turn)))
                 else:
                     pending.append((sid, turn))
-                    await mgr.abort(AbortReq(group_ids=[ev.sample.group_id], keep="tokens"))
+                    await abort(mgr, AbortReq(group_ids=[ev.sample.group_id], keep="tokens"))
             r = task.result()
             await asyncio.gather(*late)
             delivered.extend(g.group_id for g in r.groups)
@@ -155,14 +157,15 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
                     on_quota = "continue" if op == "call_continue" else "tokens"
                     await call(gids, budget, how, on_quota)
                 elif op == "abort":
-                    await mgr.abort(AbortReq(all=True, keep="tokens"))
+                    await abort(mgr, AbortReq(all=True, keep="tokens"))
                 elif op == "abort_group" and created:
-                    await mgr.abort(
-                        AbortReq(group_ids=[sorted(created)[n - 1 if n <= len(created) else 0]])
+                    await abort(
+                        mgr,
+                        AbortReq(group_ids=[sorted(created)[n - 1 if n <= len(created) else 0]]),
                     )
                 elif op == "delete" and len(mgr.buffer.idle):
                     gid = next(iter(mgr.buffer.idle.oldest())).group_id
-                    await mgr.delete(gid)
+                    await delete(mgr, gid)
                     gone.add(gid)
                 elif op == "answer" and pending:
                     await answer(*pending.pop(0))
@@ -175,7 +178,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
         await asyncio.wait_for(asyncio.gather(*(one(k, *op) for k, op in enumerate(ops))), 120)
         for sid, turn in pending:  # answers that come after everything
             await answer(sid, turn)
-        await mgr.abort(AbortReq(all=True, keep="tokens"))  # settle the background
+        await abort(mgr, AbortReq(all=True, keep="tokens"))  # settle the background
         assert not mgr.running and not eng.double, eng.double
         assert len(delivered) == len(set(delivered)), "a group was delivered twice"
         buffered = {e.group_id for e in mgr.buffer.idle.oldest()}

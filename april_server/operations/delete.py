@@ -1,0 +1,28 @@
+"""`DELETE /april/v1/partials/{group_id}`: a buffered group leaves the server (durably, with
+its KV snapshots); 409 `group_busy` while someone else holds it, 404 when unknown."""
+
+from __future__ import annotations
+
+import uuid
+
+from april_server.runtime.manager import RolloutManager, run_to_end
+from april_server.wire.protocol import DeleteResp
+
+
+async def delete(mgr: RolloutManager, group_id: str) -> DeleteResp:
+    async with mgr.background.paused():
+        mgr.background.forget([group_id], gone=True)
+        return await run_to_end(_delete(mgr, group_id))
+
+
+async def _delete(mgr: RolloutManager, group_id: str) -> DeleteResp:
+    owner = f"delete-{uuid.uuid4().hex[:12]}"
+    try:
+        await mgr.buffer.resolve(group_id)  # a claim in flight: wait it out, then 409
+        (group,) = await mgr.buffer.claim([group_id], owner, busy_code="group_busy")
+        await mgr.persist([], [group_id])
+    finally:
+        mgr.release(owner)
+    for s in group.samples:
+        await mgr.segments.forget(s)
+    return DeleteResp(group_id=group_id, deleted=True)
