@@ -14,7 +14,8 @@ between; requests still generating are aborted again, as the caller asked), then
 Without `abort_all_requests` SGLang's writer lock already waits for every request, so the
 flush cannot race and the hook passes the answer through.
 
-Weight pushes never wait for our stragglers (AROUND every `update_weights_from_*`): SGLang's
+Weight pushes never wait for our stragglers (AROUND every `update_weights_from_*`, and the
+session's `begin_weight_update` and `end_weight_update`): SGLang's
 update takes a writer lock that waits until every request has finished. Without
 `abort_all_requests`, the rollout manager first cuts its running segments at the version
 boundary (`SegmentRunner.before_update`: abort; their tokens are kept, with the old version),
@@ -65,6 +66,12 @@ def register_weight_hooks() -> None:
         HookRegistry.register(
             _TM + "update_weights_from_" + name, _around_other_update, HookType.AROUND
         )
+    # SGLang's weight-update session (`/begin_weight_update` ... `/end_weight_update`, which
+    # 0.5.23 requires around `update_weights_from_distributed`): each takes the writer lock for
+    # its message, so it too would wait for every running request (issue #34: 72-92 s behind
+    # background generation). Our segments are cut for it and continue once it has answered.
+    for name in ("begin_weight_update", "end_weight_update"):
+        HookRegistry.register(_TM + name, _around_other_update, HookType.AROUND)
 
 
 @asynccontextmanager

@@ -101,3 +101,33 @@ def test_a_push_during_background_generation_is_fast_and_exact(http: httpx.Clien
         assert_same_or_near_tie(s["output_ids"], wants[i][0], wants[i][1])
     r = ok(http.post(R + "/rollouts", json={"groups": [], "target_groups": 2}))
     assert sorted(g["group_id"] for g in r["groups"]) == ["pf0", "pf1"]
+
+
+def test_a_weight_update_session_does_not_wait_for_background_generation(
+    http: httpx.Client,
+) -> None:
+    """SGLang 0.5.23's session (`/begin_weight_update` ... `/end_weight_update`, required
+    around `/update_weights_from_distributed`) takes the update lock like a push: each call
+    must cut our background segments, not wait for them to end (#34: it waited 72-92 s)."""
+    prompts, budget = [[43, 4, 5], [44, 4, 5]], 1200
+    wants = [reference(http, p, budget) for p in prompts]
+    groups = [group(f"ws{i}", p, [budget], ignore_eos=True) for i, p in enumerate(prompts)]
+    ok(http.post(R + "/groups", json={"groups": groups, "start": "background"}))
+    end = time.monotonic() + 60
+    while ok(http.get(R + "/stats"))["background_running_samples"] < 2:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    time.sleep(0.5)
+    for route in ("/begin_weight_update", "/end_weight_update"):
+        r = http.post(route, json={})
+        assert r.status_code == 200 and r.json().get("success", True), (route, r.text)
+        # It answered while the background samples still had most of their budget to go.
+        left = [s for g in ok(http.get(R + "/partials"))["groups"] for s in g["samples"]]
+        assert len(left) == 2 and all(len(s["output_ids"]) < budget for s in left), route
+    for i in range(2):  # cut and continued: every token kept, the same tokens
+        g = wait_for(http, f"ws{i}", "finished")
+        (s,) = g["samples"]
+        assert len(s["output_ids"]) == budget and len(s["segments"]) >= 2, s["segments"]
+        assert_same_or_near_tie(s["output_ids"], wants[i][0], wants[i][1])
+    r = ok(http.post(R + "/rollouts", json={"groups": [], "target_groups": 2}))
+    assert sorted(g["group_id"] for g in r["groups"]) == ["ws0", "ws1"]
