@@ -148,8 +148,11 @@ def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
     http: httpx.Client, fleet: Fleet
 ) -> None:
     # 8 samples at once over two idle engines: they alternate, so each long group has a
-    # sample on each engine. The shorts meet the quota; the longs keep snapshots.
-    longs = [group(f"l{i}", [20 + i, 7], [120, 140]) for i in range(2)]
+    # sample on each engine. The shorts meet the quota; the longs keep snapshots. The longs
+    # must outlast the shorts on the other engine whatever the load: 120 tokens did not once
+    # (the tiny model made them in 0.3 s on one engine while the other started late), so
+    # they ran out before the quota and kept no snapshot.
+    longs = [group(f"l{i}", [20 + i, 7], [1500, 1600], ignore_eos=True) for i in range(2)]
     shorts = [group(f"s{i}", [5 + i, 9], [6, 6]) for i in range(2)]
     body = {"groups": longs + shorts, "target_groups": 2, "max_inflight_groups": 4}
     r = ok(http.post(R + "/rollouts", json=body))
