@@ -181,7 +181,8 @@ class Refill(TurnsInCall):
                 self._announce_awaiting(gid)
 
     def _start_group(self, gid: str, tasks: dict[asyncio.Task[None], str]) -> int:
-        n = self.mgr.start_group(gid, self.batch_id, self.tally, self.req.max_staleness, tasks)
+        group, limit = self.mgr.groups[gid], self.req.max_staleness
+        n = self.mgr.segments.start_group(group, self.batch_id, self.tally, limit, tasks)
         if n:
             self.started.add(gid)
         return n

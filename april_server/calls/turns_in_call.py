@@ -62,7 +62,7 @@ class TurnsInCall(CallState):
     def continue_answered(self, sample: Sample) -> None:
         """Start the answered member's next turn now, under this call's quota."""
         gid = sample.group_id
-        task = self.mgr.start_sample(sample, self.batch_id, self.tally, self.req.max_staleness)
+        task = self.mgr.segments.start(sample, self.batch_id, self.tally, self.req.max_staleness)
         self.started.add(gid)
         self.tasks[task] = gid
         self.active[gid] = self.active.get(gid, 0) + 1

@@ -22,6 +22,7 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
+from april_server.buffer.partial_buffer import Holder
 from april_server.rules import samples as S
 from april_server.rules import turns as T
 from april_server.runtime.background import OWNER as BACKGROUND
@@ -59,10 +60,7 @@ async def _take(
     mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
 ) -> InputResp:
     while True:
-        try:  # waits out a claim whose body is still being read
-            holder = await mgr.buffer.resolve(gid)
-        except ApiError:
-            raise not_found(f"unknown sample_id {sample_id!r}") from None
+        holder = await _holder(mgr, gid, sample_id)  # waits out a claim still reading its body
         if holder is None:  # idle: taken here, with no await between the look and the claim
             return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
         call = mgr.calls.get(holder.owner)
@@ -80,14 +78,14 @@ async def _take(
         if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
             return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
         async with mgr.background.paused():  # handed back first, like for a call
-            if await _idle(mgr, gid, sample_id):
+            if await _holder(mgr, gid, sample_id) is None:
                 return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
         # A call took the group while the background paused: look again, and answer there.
 
 
-async def _idle(mgr: RolloutManager, gid: str, sample_id: str) -> bool:
+async def _holder(mgr: RolloutManager, gid: str, sample_id: str) -> Holder | None:
     try:
-        return await mgr.buffer.resolve(gid) is None
+        return await mgr.buffer.resolve(gid)
     except ApiError:
         raise not_found(f"unknown sample_id {sample_id!r}") from None
 

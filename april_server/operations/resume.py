@@ -68,7 +68,7 @@ async def _resume_claimed(
                 S.append_context(sample, ids, mgr.engine.context_len)
         tally = CallTally()
         tasks = [
-            mgr.start_sample(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
+            mgr.segments.start(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
             for s in chosen
             if S.remaining_budget(s) > 0 and not S.is_finished(s)
         ]

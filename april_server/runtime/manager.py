@@ -22,7 +22,7 @@ from april_server.buffer.store import BufferStore
 from april_server.engine.base import BaseEngine
 from april_server.engine.clock import idle_shares
 from april_server.engine.segment_runner import SegmentRunner
-from april_server.engine.segment_state import CallTally, Counters, Running
+from april_server.engine.segment_state import Counters, Running
 from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as S
 from april_server.rules import turns as turn_rules
@@ -41,7 +41,6 @@ from april_server.wire.errors import not_found
 from april_server.wire.protocol import (
     Group,
     Keep,
-    KvMode,
     Sample,
 )
 
@@ -176,29 +175,6 @@ class RolloutManager:
         return await self.segments.admission_ready()
 
     # ---- running segments (segment_runner.py) ---------------------------------------------
-
-    def start_sample(
-        self,
-        sample: Sample,
-        owner: str,
-        tally: CallTally,
-        max_staleness: int | None = None,
-        override_params: dict[str, Any] | None = None,
-        kv_mode: KvMode = "auto",
-    ) -> asyncio.Task[None]:
-        """Start the next segment of `sample` on the engine; the task records the result."""
-        return self.segments.start(sample, owner, tally, max_staleness, override_params, kv_mode)
-
-    def start_group(
-        self,
-        gid: str,
-        owner: str,
-        tally: CallTally,
-        max_staleness: int | None,
-        tasks: dict[asyncio.Task[None], str],
-    ) -> int:
-        """Start every unfinished member of claimed group `gid` (`SegmentRunner.start_group`)."""
-        return self.segments.start_group(self.groups[gid], owner, tally, max_staleness, tasks)
 
     async def stop_running(self, runs: list[Running], keep: Keep | None = None) -> None:
         """Abort `runs` and return only when none of them is generating any more."""
