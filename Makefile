@@ -8,7 +8,7 @@ demo:  ## server on the embedded CPU default + the APRIL load test: table + plot
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
 
 train-demo:  ## TRL's GRPOTrainer on april-server, sync vs APRIL vs APRIL + background (server and trainer on separate cores), same seed, equal wall time (TRAIN_ARGS="--seeds 0,1,2": three seeds): out/train.jsonl + out/train.png
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.train_demo --out out/train.jsonl --plot out/train.png $(TRAIN_ARGS)
+	@V=$(VENV) && $$V/bin/python -m examples.train_demo --out out/train.jsonl --plot out/train.png $(TRAIN_ARGS)
 
 sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations, 3 runs each (~60 min on a 2-core CPU)
 	@V=$(VENV) && $$V/bin/april-bench --quick --sweep --repeat 3 --json-out out/sweep.jsonl --plot-dir out/sweep
@@ -37,7 +37,7 @@ gpu-check-dry:  ## what a CPU can check of the GPU run (~2 min)
 	@bash scripts/gpu-check.sh --dry-run
 
 check:  ## format, lint, types
-	@V=$(VENV) && $$V/bin/ruff format --check . && $$V/bin/ruff check . && $$V/bin/mypy
+	@V=$(VENV) && mkdir -p build/mypy && ln -sfn ../../clients build/mypy/april_client && $$V/bin/ruff format --check . && $$V/bin/ruff check . && $$V/bin/mypy
 
 bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
 	@V=$(VENV) && $$V/bin/python -m kernels.bench_kv_copy --quick
@@ -55,4 +55,4 @@ soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py -k quick
 
 chaos:  ## random clients (calls, abandoned streams, retries, aborts, deletes, pushes) for 5 min on one server, then 5 min on an owner over 2 engines (one killed -9 twice)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.chaos --duration-s $${CHAOS_S:-300} --mode server && $$V/bin/python -m april_client.bench.chaos --duration-s $${CHAOS_S:-300} --mode owner
+	@V=$(VENV) && $$V/bin/python -m tests.chaos --duration-s $${CHAOS_S:-300} --mode server && $$V/bin/python -m tests.chaos --duration-s $${CHAOS_S:-300} --mode owner

@@ -2,7 +2,7 @@
 
 Importing this package needs only httpx and msgspec: `AprilClient`/`AsyncAprilClient` cover
 every `/april/v1` route and the SGLang routes a trainer needs; their wire types are in
-`april_server.wire.protocol`, which imports only msgspec. The sources live in the `clients/` folder;
+`april_client.protocol`, which imports only msgspec. The sources live in the `clients/` folder;
 the package is `april_client` (`from april_client import AprilClient`). The folder's own name is
 not an import name: from a checkout, `import clients` fails with a pointer to `april_client`
 (a second copy under another name would make every class exist twice). A vendored copy under

@@ -8,11 +8,10 @@ from typing import Any
 
 import httpx
 
-from april_server.wire.protocol import GroupSpec
-
 from . import _routes as routes
 from ._errors import ServerError, TransportError
 from ._routes import Call, RetryPolicy
+from .protocol import GroupSpec
 
 # NOTE: read is the longest wait for the next bytes of an answer: a whole non-streamed rollout,
 # or one group of a streamed one. A rollout of long generations takes minutes; an hour is an

@@ -15,7 +15,14 @@ from urllib.parse import quote, urlencode
 
 import msgspec
 
-from april_server.wire.protocol import (
+from ._errors import (
+    AprilError,
+    ProtocolError,
+    ServerError,
+    TransportError,
+    error_from_response,
+)
+from .protocol import (
     AbortReq,
     AbortResp,
     DeleteResp,
@@ -40,14 +47,6 @@ from april_server.wire.protocol import (
     SampleInterruptedEvent,
     StreamEvent,
     TurnsSpec,
-)
-
-from ._errors import (
-    AprilError,
-    ProtocolError,
-    ServerError,
-    TransportError,
-    error_from_response,
 )
 
 logger = logging.getLogger("april_client")

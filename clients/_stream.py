@@ -13,10 +13,9 @@ from typing import Any
 
 import httpx
 
-from april_server.wire.protocol import DoneEvent, Group
-
 from ._errors import TransportError
 from ._routes import Call, Event, EventReader
+from .protocol import DoneEvent, Group
 
 
 class _StreamBase:

@@ -13,7 +13,12 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
-from april_server.wire.protocol import (
+from . import _routes as routes
+from ._base import DEFAULT_TIMEOUT, UNHEALTHY, GroupArg, _ClientBase
+from ._errors import AprilError
+from ._routes import Call
+from ._stream import RolloutStream
+from .protocol import (
     AbortResp,
     DeleteResp,
     Group,
@@ -26,12 +31,6 @@ from april_server.wire.protocol import (
     ResumeResp,
     RolloutResp,
 )
-
-from . import _routes as routes
-from ._base import DEFAULT_TIMEOUT, UNHEALTHY, GroupArg, _ClientBase
-from ._errors import AprilError
-from ._routes import Call
-from ._stream import RolloutStream
 
 T = TypeVar("T")
 R = TypeVar("R")

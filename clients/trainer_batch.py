@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from april_server.wire.protocol import Group, Sample
+from .protocol import Group, Sample
 
 StaleTokens = Literal["mask", "keep", "correct"]  # "correct": kept, see trl_correction.py
 

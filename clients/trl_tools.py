@@ -22,10 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from april_server.wire.protocol import Group, RolloutResp, Sample, SampleAwaitingEvent
-
 from ._routes import TurnsArg
 from ._sync import AprilClient
+from .protocol import Group, RolloutResp, Sample, SampleAwaitingEvent
 from .trainer_batch import Rows, StaleTokens, fresh_mask, response_mask
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU readiness check in one command: kernel parity, KV save/restore GB/s, resume restore vs
 # re-prefill on an 8B-shaped model, april-bench sync/static/adaptive. One JSON + one markdown
-# table under out/gpu-check/ (clients/bench/gpu_check/__main__.py says what each part does).
+# table under out/gpu-check/ (kernels/gpu_check/__main__.py says what each part does).
 #
 #   scripts/gpu-check.sh --dry-run     # CPU: everything a CPU can check (~2 min here)
 #   scripts/gpu-check.sh               # on one CUDA device: all parts, <= 10 min, no network
@@ -30,4 +30,4 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # The interpreter is for CPU-only test runs; a device run must use the real kernels.
 unset TRITON_INTERPRET
-exec "$PY" -m april_client.bench.gpu_check "$@"
+exec "$PY" -m kernels.gpu_check "$@"

@@ -15,7 +15,7 @@ from typing import Literal
 import msgspec
 from sortedcontainers import SortedDict
 
-from april_server.wire.protocol import Group
+from april_client.protocol import Group
 
 StatusFilter = Literal["partial", "finished"]
 MAX_SCAN_PER_PAGE = 20_000  # a filtered page stops scanning here and says where to go on

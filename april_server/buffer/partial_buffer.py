@@ -22,10 +22,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from april_client.protocol import Group
 from april_server.buffer.buffer_index import BufferEntry, BufferIndex, summarize
 from april_server.buffer.store import BufferStore
 from april_server.wire.errors import conflict, not_found
-from april_server.wire.protocol import Group
 
 logger = logging.getLogger(__name__)
 

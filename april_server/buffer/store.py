@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from april_client.protocol import Group
 from april_server.buffer.buffer_index import BufferEntry, summarize
 from april_server.rules.samples import clear_snapshot
-from april_server.wire.protocol import Group
 
 logger = logging.getLogger(__name__)
 

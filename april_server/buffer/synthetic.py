@@ -11,9 +11,9 @@ import random
 import time
 from collections.abc import Iterator
 
+from april_client.protocol import Group, Sample, Segment
 from april_server.buffer.buffer_index import BufferEntry, summarize
 from april_server.buffer.store import BufferStore
-from april_server.wire.protocol import Group, Sample, Segment
 
 
 def synthetic_group(

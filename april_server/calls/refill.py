@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from april_client.protocol import Group, GroupFinishedEvent
 from april_server.buffer.buffer_index import BufferEntry, open_footprint
 from april_server.calls.turns_in_call import TurnsInCall
 from april_server.rules import samples as S
 from april_server.rules.inflight import kv_need
-from april_server.wire.protocol import Group, GroupFinishedEvent
 
 
 class Refill(TurnsInCall):

@@ -30,6 +30,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from april_client.protocol import (
+    Group,
+    GroupSpec,
+    RejectReq,
+    RolloutReq,
+    RolloutResp,
+    StreamEvent,
+    TurnsSpec,
+)
 from april_server.calls.refill import Refill
 from april_server.calls.wind_down import WindDown
 from april_server.engine.segment_state import BACKGROUND
@@ -39,15 +48,6 @@ from april_server.rules.turns import check_spec
 from april_server.runtime.manager import run_to_end
 from april_server.wire.errors import bad_request, conflict
 from april_server.wire.ids import check_id
-from april_server.wire.protocol import (
-    Group,
-    GroupSpec,
-    RejectReq,
-    RolloutReq,
-    RolloutResp,
-    StreamEvent,
-    TurnsSpec,
-)
 
 if TYPE_CHECKING:
     from april_server.runtime.manager import RolloutManager

@@ -8,10 +8,10 @@ import uuid
 from collections import deque
 from typing import TYPE_CHECKING
 
+from april_client.protocol import Group, RolloutReq, StreamEvent
 from april_server.buffer.buffer_index import BufferEntry
 from april_server.engine.segment_state import CallTally
 from april_server.rules.quota import QuotaTracker
-from april_server.wire.protocol import Group, RolloutReq, StreamEvent
 
 if TYPE_CHECKING:
     from april_server.runtime.manager import RolloutManager

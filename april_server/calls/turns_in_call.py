@@ -8,11 +8,11 @@ a turn are `turns.py`'s."""
 
 from __future__ import annotations
 
+from april_client.protocol import Sample, SampleAwaitingEvent, SampleInterruptedEvent
 from april_server.calls.state import CallState
 from april_server.engine.segment_state import Running
 from april_server.rules import samples as S
 from april_server.rules import turns as T
-from april_server.wire.protocol import Sample, SampleAwaitingEvent, SampleInterruptedEvent
 
 
 class TurnsInCall(CallState):

@@ -12,11 +12,11 @@ import time
 
 import msgspec
 
+from april_client.protocol import Keep, RolloutResp, RolloutStats
 from april_server.calls.turns_in_call import TurnsInCall
 from april_server.engine.segment_state import Running
 from april_server.rules import samples as S
 from april_server.rules.idempotency import attempt_record
-from april_server.wire.protocol import Keep, RolloutResp, RolloutStats
 
 _enc = msgspec.json.Encoder()
 

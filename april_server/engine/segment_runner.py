@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from april_client.protocol import Group, Keep, KvMode, Sample
 from april_server.engine.base import (
     BaseEngine,
     EngineUnavailable,
@@ -35,7 +36,6 @@ from april_server.rules.inflight import Admission, kv_need
 from april_server.rules.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
 from april_server.rules.stops import reached_stop
 from april_server.wire.errors import conflict
-from april_server.wire.protocol import Group, Keep, KvMode, Sample
 
 logger = logging.getLogger(__name__)
 

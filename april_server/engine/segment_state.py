@@ -11,8 +11,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from april_client.protocol import Keep, Sample
 from april_server.rules.placement import Slot
-from april_server.wire.protocol import Keep, Sample
 
 BACKGROUND = "background"  # the owner of background segments (background.py)
 

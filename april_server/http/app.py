@@ -20,19 +20,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from april_server.buffer.buffer_index import PartialsFilter
-from april_server.calls.rollout import rollout
-from april_server.http.metrics import CONTENT_TYPE, prometheus_text
-from april_server.operations.abort import abort as abort_samples
-from april_server.operations.delete import delete as delete_group
-from april_server.operations.groups import add_groups
-from april_server.operations.inputs import post_input
-from april_server.operations.resume import resume as resume_samples
-from april_server.runtime.manager import RolloutManager
-from april_server.settings.config import AprilConfig
-from april_server.wire.auth import AuthPolicy
-from april_server.wire.errors import ApiError, bad_request, not_found
-from april_server.wire.protocol import (
+from april_client.protocol import (
     AbortReq,
     AbortResp,
     DeleteResp,
@@ -53,6 +41,18 @@ from april_server.wire.protocol import (
     RolloutResp,
     StreamEvent,
 )
+from april_server.buffer.buffer_index import PartialsFilter
+from april_server.calls.rollout import rollout
+from april_server.http.metrics import CONTENT_TYPE, prometheus_text
+from april_server.operations.abort import abort as abort_samples
+from april_server.operations.delete import delete as delete_group
+from april_server.operations.groups import add_groups
+from april_server.operations.inputs import post_input
+from april_server.operations.resume import resume as resume_samples
+from april_server.runtime.manager import RolloutManager
+from april_server.settings.config import AprilConfig
+from april_server.wire.auth import AuthPolicy
+from april_server.wire.errors import ApiError, bad_request, not_found
 
 logger = logging.getLogger(__name__)
 PREFIX = "/april/v1"

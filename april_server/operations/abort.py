@@ -10,10 +10,10 @@
 
 from __future__ import annotations
 
+from april_client.protocol import AbortReq, AbortResp
 from april_server.engine.segment_state import BACKGROUND
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import not_found
-from april_server.wire.protocol import AbortReq, AbortResp
 
 
 async def abort(mgr: RolloutManager, req: AbortReq) -> AbortResp:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import uuid
 
+from april_client.protocol import DeleteResp
 from april_server.runtime.manager import RolloutManager, run_to_end
-from april_server.wire.protocol import DeleteResp
 
 
 async def delete(mgr: RolloutManager, group_id: str) -> DeleteResp:

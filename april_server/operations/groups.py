@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from april_client.protocol import Group, GroupsReq, GroupsResp
 from april_server.calls.rollout import new_groups
 from april_server.rules import samples as S
 from april_server.runtime.manager import run_to_end
 from april_server.wire.errors import bad_request, conflict
 from april_server.wire.ids import check_id
-from april_server.wire.protocol import Group, GroupsReq, GroupsResp
 
 if TYPE_CHECKING:
     from april_server.runtime.manager import RolloutManager

@@ -22,13 +22,13 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
+from april_client.protocol import InputReq, InputResp, Sample
 from april_server.buffer.partial_buffer import Holder
 from april_server.rules import samples as S
 from april_server.rules import turns as T
 from april_server.runtime.background import OWNER as BACKGROUND
 from april_server.runtime.manager import run_to_end
 from april_server.wire.errors import ApiError, bad_request, not_found
-from april_server.wire.protocol import InputReq, InputResp, Sample
 
 if TYPE_CHECKING:
     from april_server.runtime.manager import RolloutManager

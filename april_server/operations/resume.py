@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from april_client.protocol import ResumeReq, Sample
 from april_server.engine.segment_state import CallTally
 from april_server.rules import samples as S
 from april_server.rules import turns as turn_rules
 from april_server.runtime.manager import RolloutManager, run_to_end
 from april_server.wire.errors import bad_request, conflict, not_found
-from april_server.wire.protocol import ResumeReq, Sample
 
 
 async def resume(mgr: RolloutManager, req: ResumeReq) -> list[Sample]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from april_server.wire.protocol import RolloutReq
+from april_client.protocol import RolloutReq
 
 _ATTEMPT = b"attempt:"  # a `calls` row that holds no response, only what an attempt handed in
 _ids_enc = msgspec.json.Encoder()

@@ -15,10 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from april_server.rules.turns import check_params as check_turn_params
-from april_server.rules.turns import rule_of, with_turn_stops
-from april_server.wire.errors import bad_request
-from april_server.wire.protocol import (
+from april_client.protocol import (
     Appended,
     Group,
     GroupSpec,
@@ -27,6 +24,9 @@ from april_server.wire.protocol import (
     Segment,
     TurnsSpec,
 )
+from april_server.rules.turns import check_params as check_turn_params
+from april_server.rules.turns import rule_of, with_turn_stops
+from april_server.wire.errors import bad_request
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's own default, so an omitted budget means the same thing
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from april_client.protocol import KvMode, Sample
 from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.samples import clear_snapshot, version_lag
-from april_server.wire.protocol import KvMode, Sample
 
 
 def usable(

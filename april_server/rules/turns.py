@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from typing import Any, Final
 
+from april_client.protocol import Appended, Sample, Turn, TurnEnd, TurnRule, TurnsSpec
 from april_server.wire.errors import bad_request, conflict
-from april_server.wire.protocol import Appended, Sample, Turn, TurnEnd, TurnRule, TurnsSpec
 
 AWAITING: Final = "awaiting_input"
 MAX_TURN_STOPS = 64  # stop strings + stop token ids of one rule

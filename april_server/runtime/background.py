@@ -45,13 +45,13 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from april_client.protocol import Group
 from april_server.buffer.buffer_index import open_footprint
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import BACKGROUND, CallTally, Running
 from april_server.rules import samples as S
 from april_server.rules.inflight import kv_need
-from april_server.wire.protocol import Group
 
 logger = logging.getLogger(__name__)
 OWNER = BACKGROUND

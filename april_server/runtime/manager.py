@@ -17,6 +17,11 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
+from april_client.protocol import (
+    Group,
+    Keep,
+    Sample,
+)
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import BaseEngine
@@ -38,11 +43,6 @@ from april_server.runtime.background import Background
 from april_server.runtime.loop_lag import LoopLagMonitor
 from april_server.runtime.snapshot_sweep import SnapshotSweep
 from april_server.wire.errors import not_found
-from april_server.wire.protocol import (
-    Group,
-    Keep,
-    Sample,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
+from april_client.protocol import Sample
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.base import SnapshotEngine
 from april_server.engine.segment_state import Running
 from april_server.rules import snapshots as K
 from april_server.rules.placement import Slot
-from april_server.wire.protocol import Sample
 
 logger = logging.getLogger(__name__)
 

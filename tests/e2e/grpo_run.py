@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from april_client.protocol import RolloutResp
 from april_client.trl import AprilRollout
 from april_server.models import ensure_tiny_model
-from april_server.wire.protocol import RolloutResp
 from tests.server_proc import ServerProc
 
 PROMPTS, N = 8, 4  # groups per step, samples per group

@@ -1,5 +1,5 @@
 """A 20-second chaos run (300 s in `make test-slow`) against a real server (the client is
-`april_client.bench.chaos`; `make chaos` runs it for minutes, on one server and on an owner over
+`tests.chaos.harness`; `make chaos` runs it for minutes, on one server and on an owner over
 two engines, one killed)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from april_client.bench.chaos import Target, run, vocab_of
 from april_server.models import ensure_tiny_model
+from tests.chaos.harness import Target, run, vocab_of
 from tests.e2e.test_rollouts_e2e import clear_buffer
 from tests.server_proc import ServerProc
 

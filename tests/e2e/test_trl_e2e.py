@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 
 from april_client import AprilClient
-from april_client.bench import train_task
 from april_client.trainer_batch import rows_from_groups
 from april_client.trl import AprilRollout
 from april_server.models import ensure_tiny_model
+from examples import train_task
 from tests.e2e.grpo_run import PROMPTS, N, grpo_run, trained, welch_z
 
 pytestmark = pytest.mark.e2e

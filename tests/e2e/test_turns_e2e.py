@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from april_client import AprilClient, Conflict, NotFound
-from april_server.wire.protocol import (
+from april_client.protocol import (
     GroupFinishedEvent,
     Sample,
     SampleAwaitingEvent,

@@ -1,6 +1,6 @@
 """The KV copy kernels compiled ahead of time for sm_80, sm_90a and sm_100a, no GPU needed.
 
-`python -m april_client.bench.gpu_check.aot_check` runs in a subprocess (the kernels must be
+`python -m kernels.gpu_check.aot_check` runs in a subprocess (the kernels must be
 JITFunctions, and this session runs Triton in its interpreter): every launch the launcher can
 make, specialized as Triton's JIT would on a GPU, compiled to PTX and cubin by the bundled
 ptxas. The tests below restate each property on the JSON it writes, and check that the checker
@@ -21,7 +21,8 @@ import pytest
 import torch
 import triton
 
-from april_client.bench.gpu_check.aot_inspect import (
+from kernels import kv_copy_triton
+from kernels.gpu_check.aot_inspect import (
     Access,
     ptx_accesses,
     ptx_target,
@@ -29,7 +30,6 @@ from april_client.bench.gpu_check.aot_inspect import (
     sass_accesses,
     ttir_narrow_int_ops,
 )
-from kernels import kv_copy_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = {80, 90, 100}
@@ -63,7 +63,7 @@ def _run_checker(
         env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")  # not the user's cache
         report = tmp / "aot-report.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "april_client.bench.gpu_check.aot_check", *args,
+            [sys.executable, "-m", "kernels.gpu_check.aot_check", *args,
              "--json-out", str(report)],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
         )  # fmt: skip

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
+from april_client.protocol import RejectReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.http.app import create_router
@@ -18,7 +19,6 @@ from april_server.runtime.manager import RolloutManager
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
 from april_server.wire.errors import ApiError
-from april_server.wire.protocol import RejectReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 R = "/april/v1"

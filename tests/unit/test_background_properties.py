@@ -13,6 +13,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from april_client.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.abort import abort
@@ -20,7 +21,6 @@ from april_server.operations.delete import delete
 from april_server.operations.groups import add_groups
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
-from april_server.wire.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine, next_token
 
 OPS = st.lists(

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from april_client.protocol import GroupsReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.groups import add_groups
 from april_server.runtime.manager import RolloutManager
-from april_server.wire.protocol import GroupsReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 from tests.unit.test_background import make, reference, spec, until
 

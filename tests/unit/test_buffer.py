@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
+from april_client.protocol import AbortReq, GroupSpec, RolloutReq
 from april_server.buffer import store as store_mod
 from april_server.buffer.buffer_index import BufferIndex, PartialsFilter, summarize
 from april_server.buffer.store import BufferStore
@@ -28,7 +29,6 @@ from april_server.operations.resume import resume
 from april_server.rules.inflight import EngineCapacity
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
-from april_server.wire.protocol import AbortReq, GroupSpec, RolloutReq
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
 R = "/april/v1"
@@ -193,7 +193,7 @@ def test_version_1_state_dirs_load_and_their_odd_ids_stay_reachable(tmp_path: Pa
 
 
 def _resume_t() -> Any:
-    from april_server.wire.protocol import ResumeReq
+    from april_client.protocol import ResumeReq
 
     return ResumeReq
 

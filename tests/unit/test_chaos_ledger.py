@@ -1,11 +1,11 @@
-"""The chaos client's ledger (clients/bench/chaos_ledger.py): what counts as lost, twice,
+"""The chaos client's ledger (tests/chaos/ledger.py): what counts as lost, twice,
 unknown or incomplete."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from april_client.bench.chaos_ledger import ChaosLedger, whole
+from tests.chaos.ledger import ChaosLedger, whole
 
 
 def sample(sid: str, n: int, status: str = "completed") -> dict[str, Any]:

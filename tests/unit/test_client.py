@@ -26,7 +26,7 @@ from april_client import (
     Unauthorized,
 )
 from april_client.client import DEFAULT_TIMEOUT
-from april_server.wire.protocol import (
+from april_client.protocol import (
     AbortResp,
     DeleteResp,
     Group,

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -55,39 +56,89 @@ def test_the_folder_name_is_not_an_import_name() -> None:
     assert not (ROOT / "clients" / "_legacy.py").exists()
 
 
+# What a machine without the server has not got: importing any of it from the client is a defect.
+SERVER_SIDE = [
+    "april_server", "torch", "sglang", "fastapi", "uvicorn", "starlette", "triton", "numpy",
+    "pydantic", "transformers", "trl", "datasets", "matplotlib", "tqdm",
+]  # fmt: skip
+
+# Run in a fresh interpreter: drop the editable install's finder (it would map `april_client` to
+# the checkout), block every server-side package, then import each module named in `argv[1:]`.
+IMPORT_ALONE = (
+    "import importlib, sys, warnings\n"
+    "warnings.simplefilter('error')\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path"
+    " if 'editable' not in getattr(f, '__module__', '')]\n"
+    f"for m in {SERVER_SIDE!r}: sys.modules[m] = None\n"
+    "for name in sys.argv[1:]:\n"
+    "    print(importlib.import_module(name).__file__)\n"
+)
+
+
+def run_alone(where: Path, *modules: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", IMPORT_ALONE, *modules],
+        capture_output=True,
+        text=True,
+        cwd=where,
+        env={**os.environ, "PYTHONPATH": str(where)},
+    )
+
+
+def client_modules(prefix: str) -> list[str]:
+    """Every module of the client proper (not bench/), under the package name `prefix`."""
+    names = sorted(p.stem for p in (ROOT / "clients").glob("*.py") if p.stem != "__init__")
+    return [prefix, *(f"{prefix}.{n}" for n in names)]
+
+
 def test_a_vendored_copy_works_under_its_own_name(tmp_path: Path) -> None:
-    """The README's vendoring recipe: clients/ (without bench/) under any package name, next to
-    a top-level april_server/ holding only its __init__.py and wire/ (__init__.py, protocol.py)."""
+    """The README's vendoring recipe: clients/ (without bench/) under any package name. Its
+    imports are relative and it carries its wire types, so nothing else is copied."""
     shutil.copytree(
         ROOT / "clients",
         tmp_path / "mytrainer" / "vendored",
-        ignore=shutil.ignore_patterns("bench", "__pycache__"),
+        ignore=shutil.ignore_patterns("bench", "__pycache__", "pyproject.toml"),
     )
     (tmp_path / "mytrainer" / "__init__.py").write_text("")
-    (tmp_path / "april_server" / "wire").mkdir(parents=True)
-    for name in ("__init__.py", "wire/__init__.py", "wire/protocol.py"):
-        shutil.copy(ROOT / "april_server" / name, tmp_path / "april_server" / name)
-    code = (
-        "import sys, warnings\n"
-        "warnings.simplefilter('error')\n"
-        "sys.meta_path[:] = [f for f in sys.meta_path"
-        " if 'editable' not in getattr(f, '__module__', '')]\n"
-        "from mytrainer.vendored import AprilClient, NotFound\n"
-        "import april_server\n"
-        "assert 'clients' not in sys.modules and 'april_client' not in sys.modules\n"
-        "print(AprilClient.__module__, april_server.__file__)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-    )
+    out = run_alone(tmp_path, *client_modules("mytrainer.vendored"))
     assert out.returncode == 0, out.stderr
-    module, server = out.stdout.split()
-    assert module == "mytrainer.vendored._sync"
-    assert server == str(tmp_path / "april_server" / "__init__.py")
+    files = out.stdout.split()
+    assert files[0] == str(tmp_path / "mytrainer" / "vendored" / "__init__.py")
+    assert all(f.startswith(str(tmp_path)) for f in files)
+
+
+def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
+    """clients/pyproject.toml builds `april-client`: a wheel that requires httpx and msgspec
+    (TRL only in its `trl` extra), holds every client module and not the bench, and imports
+    with nothing of the server present (the wheel unpacked is what pip would install)."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT / "clients", src, ignore=shutil.ignore_patterns("bench", "__pycache__", "*.egg-info")
+    )
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         str(src), "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("april_client-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+        names = set(zf.namelist())
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        requires = [
+            line.removeprefix("Requires-Dist: ")
+            for line in zf.read(meta).decode().splitlines()
+            if line.startswith("Requires-Dist: ")
+        ]
+    assert requires == ["httpx", "msgspec", 'trl==1.16.0; extra == "trl"']
+    shipped = {n.removesuffix(".py") for n in names if n.endswith(".py")}
+    assert shipped == {m.replace(".", "/") + ("/__init__" if m == "april_client" else "")
+                       for m in client_modules("april_client")}  # fmt: skip
+    out = run_alone(site, *client_modules("april_client"))
+    assert out.returncode == 0, out.stderr
+    assert all(f.startswith(str(site)) for f in out.stdout.split())
 
 
 def test_the_distribution_ships_april_client_and_not_clients() -> None:

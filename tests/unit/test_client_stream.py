@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from april_client import AprilClient, AsyncAprilClient, InvalidRequest, ProtocolError, ServerError
-from april_server.wire.protocol import DoneEvent, GroupFinishedEvent
+from april_client.protocol import DoneEvent, GroupFinishedEvent
 from tests.unit.client_fakes import (
     DONE_LINE,
     FINISHED_LINE,

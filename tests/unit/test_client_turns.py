@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from april_client import AprilClient, Conflict
-from april_client.trainer_batch import response_mask
-from april_server.wire.protocol import (
+from april_client.protocol import (
     Appended,
     DoneEvent,
     InputResp,
@@ -20,6 +19,7 @@ from april_server.wire.protocol import (
     SampleInterruptedEvent,
     Segment,
 )
+from april_client.trainer_batch import response_mask
 from tests.unit.client_fakes import DONE_LINE, SAMPLE, SPEC, URL, both, both_raise, recorder
 
 AWAITING = {

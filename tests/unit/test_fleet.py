@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from april_client.protocol import GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.engine import segment_runner as segments_mod
@@ -28,7 +29,6 @@ from april_server.operations.resume import resume
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 from april_server.runtime.manager import RolloutManager
-from april_server.wire.protocol import GroupSpec, ResumeReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 NO_EOS = {"ignore_eos": True}

@@ -11,15 +11,7 @@ from typing import Any
 
 import pytest
 
-from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.inputs import post_input
-from april_server.rules import samples as S
-from april_server.rules import turns as T
-from april_server.runtime.manager import RolloutManager
-from april_server.wire.errors import ApiError
-from april_server.wire.protocol import (
+from april_client.protocol import (
     AbortReq,
     Group,
     GroupSpec,
@@ -29,6 +21,14 @@ from april_server.wire.protocol import (
     StreamEvent,
     TurnsSpec,
 )
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
+from april_server.operations.inputs import post_input
+from april_server.rules import samples as S
+from april_server.rules import turns as T
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
 
 PROMPT = [5, 6, 7]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from april_client.protocol import GroupSpec, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.rules.inflight import (
@@ -19,7 +20,6 @@ from april_server.rules.inflight import (
     kv_need,
 )
 from april_server.runtime.manager import RolloutManager
-from april_server.wire.protocol import GroupSpec, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 SIZES = [1, 2, 4, 8, 16, 32]

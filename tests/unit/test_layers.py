@@ -16,13 +16,17 @@ from tests.unit.test_structure import ROOT
 # runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one manager and
 # the holder that builds it. The fleet builds on those to drive engines on other machines.
 # `entry` (the command line, the model builder) wires a process from all of them. The client and
-# its benchmarks, which launch servers, sit on top.
+# its benchmarks, which launch servers, sit on top; its wire types (`april_client.protocol`) are
+# the server's wire layer, shared. The GPU-check harness (kernels/gpu_check/) starts servers and
+# benchmarks, so it is above everything.
 LAYERS = [
     "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
-    "door", "http", "fleet", "entry", "april_client",
+    "door", "http", "fleet", "entry", "april_client", "harness",
 ]  # fmt: skip
 NAMED = {
     **{f"april_server.{pkg}": pkg for pkg in LAYERS[1:12]},
+    "april_client.protocol": "wire",  # msgspec only: the contract both sides speak
+    "kernels.gpu_check": "harness",
     "april_server.cpu_shim": "kernels",  # SGLang's CPU stand-ins: nothing of ours
     "april_server.cli": "entry",
     "april_server.models": "entry",
@@ -98,14 +102,16 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
         return layer
 
     assert at("april_server.fleet.engine_routes") > at("april_server.door.engine")
-    assert at("april_server.wire.protocol") > at("kernels.kv_copy")
+    assert at("april_client.protocol") > at("kernels.kv_copy")
     assert at("april_server.http.app") > at("april_server.door.engine")
     assert at("april_server.cli") > at("april_server.fleet.gateway")
-    assert at("april_client.bench.gpu_check.parts") > at("april_server.cli")
+    assert at("kernels.gpu_check.parts") > at("april_server.cli")
     assert at("april_client") > at("april_server.cli")
     assert at("april_server.runtime.manager") > at("april_server.engine.segment_runner")
     assert at("april_server.calls.rollout") > at("april_server.runtime.manager")
-    assert at("april_server.wire.protocol") > at("april_server.settings.config")
+    assert at("april_client.protocol") > at("april_server.settings.config")
+    assert at("april_server.buffer.store") > at("april_client.protocol")
+    assert at("kernels.gpu_check.parts") > at("april_client.bench.launcher")
     assert layer_of("torch") is None
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
 

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from april_client.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer import store as store_mod
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
@@ -40,7 +41,6 @@ from april_server.rules.placement import (
 from april_server.rules.ranks import merge_rank_stats
 from april_server.rules.samples import SegmentResult
 from april_server.runtime.manager import RolloutManager
-from april_server.wire.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,11 +11,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from april_client.protocol import GroupSpec, RejectReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
-from april_server.wire.protocol import GroupSpec, RejectReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
 NO_EOS = {"ignore_eos": True, "temperature": 0.0}

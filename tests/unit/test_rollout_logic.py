@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from april_client.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.abort import abort
@@ -17,7 +18,6 @@ from april_server.operations.resume import resume
 from april_server.rules.samples import context_ids
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
-from april_server.wire.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from tests.unit.fake_engine import FakeEngine, next_token
 
 

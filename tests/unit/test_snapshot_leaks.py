@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 
+from april_client.protocol import ResumeReq
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.operations.resume import resume
 from april_server.rules.placement import Slot
 from april_server.runtime.manager import RolloutManager
-from april_server.wire.protocol import ResumeReq
 from tests.unit.test_fleet import fleet_over
 from tests.unit.test_fleet_defects import DropServers
 from tests.unit.test_snapshot_sweep import ListingEngine, buffered_with_snapshot

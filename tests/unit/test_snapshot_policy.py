@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from april_client.protocol import Sample, Segment
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.rules import snapshots as K
 from april_server.rules.placement import LOCAL, Slot
-from april_server.wire.protocol import Sample, Segment
 from tests.unit.fake_engine import FakeEngine
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from april_client.protocol import AbortReq, GroupSpec, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.abort import abort
@@ -13,7 +14,6 @@ from april_server.operations.delete import delete
 from april_server.rules.placement import LOCAL, Slot
 from april_server.runtime.manager import RolloutManager
 from april_server.runtime.snapshot_sweep import SnapshotSweep
-from april_server.wire.protocol import AbortReq, GroupSpec, RolloutReq
 from tests.unit.fake_engine import SnapshotFakeEngine
 
 NO_EOS = {"ignore_eos": True}

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from april_client.protocol import GroupSpec, InputReq, RolloutReq, Sample, TurnsSpec
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.inputs import post_input
 from april_server.rules import turns as T
 from april_server.rules.stops import reached_stop
 from april_server.runtime.manager import RolloutManager
-from april_server.wire.protocol import GroupSpec, InputReq, RolloutReq, Sample, TurnsSpec
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
 from tests.unit.test_turns import BUDGET, PROMPT, STOPS, answer, episode
 

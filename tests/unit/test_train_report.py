@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from april_client.bench import train_task
-from april_client.bench.train_report import (
+from examples import train_task
+from examples.train_report import (
     WINDOW,
     overlap_bound,
     plot,
@@ -124,7 +124,7 @@ def test_restarts_are_the_servers_running_total_at_the_last_step() -> None:
 @pytest.mark.parametrize("flags", [[], ["--same-wall"]])
 def test_equal_wall_time_needs_sync_first(flags: list[str]) -> None:
     """Equal wall time (the default) gives the other modes sync's time: sync must run first."""
-    from april_client.bench.train_demo import main
+    from examples.train_demo import main
 
     with pytest.raises(SystemExit) as e:
         main([*flags, "--modes", "april,sync"])
@@ -132,7 +132,7 @@ def test_equal_wall_time_needs_sync_first(flags: list[str]) -> None:
 
 
 def test_same_steps_and_same_wall_exclude_each_other() -> None:
-    from april_client.bench.train_demo import main
+    from examples.train_demo import main
 
     with pytest.raises(SystemExit) as e:
         main(["--same-steps", "--same-wall"])
@@ -143,7 +143,7 @@ def test_loss_type_is_cispo_by_default_and_dapo_on_request(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The demo runs every mode with the loss it names, with that loss's `epsilon_high`."""
-    from april_client.bench import train_demo
+    from examples import train_demo
 
     seen: list[train_demo.DemoConfig] = []
     monkeypatch.setattr(train_demo, "run_mode", lambda mode, cfg: seen.append(cfg) or [])

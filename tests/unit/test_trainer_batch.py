@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from april_client.protocol import Group, Sample, Segment
 from april_client.trainer_batch import (
     Ledger,
     extra_groups,
@@ -16,7 +17,6 @@ from april_client.trainer_batch import (
     stale_tokens,
     unique_prompts,
 )
-from april_server.wire.protocol import Group, Sample, Segment
 
 
 def sample(gid: str, index: int, cuts: list[tuple[int, str]], status: str = "completed") -> Sample:

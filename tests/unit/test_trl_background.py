@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from april_client.protocol import Group, RolloutResp, RolloutStats, Sample, Segment
 from april_client.trainer_batch import background_level, extra_groups, prefetch_groups
 from april_client.trl import AprilRollout
-from april_server.wire.protocol import Group, RolloutResp, RolloutStats, Sample, Segment
 
 P, N = 4, 2
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from april_client import AprilClient
+from april_client.protocol import Appended, Group, Sample, Segment
 from april_client.trl_tools import ToolCall, ToolLoop, answer_ids, response_logprobs, tool_rows
-from april_server.wire.protocol import Appended, Group, Sample, Segment
 from tests.unit.client_fakes import DONE_LINE, SAMPLE, URL
 
 CALL = 7

@@ -15,14 +15,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.delete import delete
-from april_server.operations.inputs import post_input
-from april_server.runtime.manager import RolloutManager
-from april_server.wire.errors import ApiError
-from april_server.wire.protocol import (
+from april_client.protocol import (
     AbortReq,
     GroupSpec,
     InputReq,
@@ -32,6 +25,13 @@ from april_server.wire.protocol import (
     StreamEvent,
     TurnsSpec,
 )
+from april_server.buffer.store import BufferStore
+from april_server.calls.rollout import rollout
+from april_server.operations.abort import abort
+from april_server.operations.delete import delete
+from april_server.operations.inputs import post_input
+from april_server.runtime.manager import RolloutManager
+from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import EOS, next_token
 from tests.unit.test_background_properties import Watch
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]  # clients/bench/gpu_check/run.py
+ROOT = Path(__file__).resolve().parents[2]  # kernels/gpu_check/run.py
 MARGIN_S = 10.0  # kept back from every part for writing the report and stopping the server
 
 

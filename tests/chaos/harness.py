@@ -1,7 +1,7 @@
 """`make chaos`: random clients against a real april-server, checking nothing hangs or is lost.
 
-    python -m april_client.bench.chaos --duration-s 600 --clients 6 --mode server
-    python -m april_client.bench.chaos --duration-s 600 --mode owner   # 2 engines, one killed
+    python -m tests.chaos --duration-s 600 --clients 6 --mode server
+    python -m tests.chaos --duration-s 600 --mode owner   # 2 engines, one killed
 
 Several clients at random send quota calls (plain; streamed; streamed and abandoned at a random
 moment; retried later with the same `request_id`), duplicate group ids, aborts (all or named,
@@ -13,7 +13,7 @@ turns at stop tokens, their tool answers posted at once, twice (the second must 
 (after an abort of the group let the call go on), or never (the group aborted, left awaiting);
 the drain answers what still awaits. In `owner` mode an owner drives two engine servers
 and one of them is killed (-9) and restarted during the run. Then everything left is drained.
-The ledger (`chaos_ledger.py`) checks: no request hangs, no 5xx (an owner's 503 `no_engine`
+The ledger (`ledger.py`) checks: no request hangs, no 5xx (an owner's 503 `no_engine`
 while no engine is healthy is counted apart), every acknowledged group delivered once or
 deleted/dropped, none delivered twice, every delivered sample whole, and once drained the buffer
 is empty and no snapshot bytes are held. The last line says it all; the exit status is 1 on any
@@ -34,8 +34,8 @@ from typing import Any
 
 import httpx
 
-from .chaos_ledger import ChaosLedger
-from .launcher import LaunchedServer, start_all
+from april_client.bench.launcher import LaunchedServer, start_all
+from tests.chaos.ledger import ChaosLedger
 
 R = "/april/v1"
 CALL_TIMEOUT_S = 180.0  # a call on the tiny model takes seconds; past this it is a hang

@@ -1,5 +1,5 @@
 """The chaos client's ledger (pure): what it sent, what the server acknowledged, where every
-acknowledged group ended, and the checks of `april_client.bench.chaos`.
+acknowledged group ended, and the checks of `tests.chaos.harness`.
 
 - A group is *acknowledged* once a call that sent it answered 200 (its groups were adopted),
   or a streamed call that sent it started its stream (the same, before the first line).

@@ -1,6 +1,6 @@
 """Compile every launch of the KV copy kernels for real GPU targets and check the code. No GPU.
 
-    python -m april_client.bench.gpu_check.aot_check [--archs 80,90,100] [--kernels save,restore]
+    python -m kernels.gpu_check.aot_check [--archs 80,90,100] [--kernels save,restore]
         [--itemsizes 1,2,4,8] [--kernels-module kernels.kv_copy_triton] [--sass some]
         [--json-out FILE]
 
@@ -42,7 +42,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from april_client.bench.gpu_check.aot_inspect import (
+from kernels.gpu_check.aot_inspect import (
     Access,
     histogram,
     loop_accesses,
@@ -52,7 +52,7 @@ from april_client.bench.gpu_check.aot_inspect import (
     sass_accesses,
     ttir_narrow_int_ops,
 )
-from april_client.bench.gpu_check.aot_variants import (
+from kernels.gpu_check.aot_variants import (
     ITEMSIZES,
     KERNELS,
     Launch,
@@ -61,7 +61,7 @@ from april_client.bench.gpu_check.aot_variants import (
     launches,
     tiles,
 )
-from april_client.bench.gpu_check.aot_variants import specialize as jit_specialize
+from kernels.gpu_check.aot_variants import specialize as jit_specialize
 
 ARCHS = (80, 90, 100)
 

@@ -1,4 +1,4 @@
-"""`make gpu-check`'s harness (scripts/gpu-check.sh runs `python -m april_client.bench.gpu_check`):
+"""`make gpu-check`'s harness (scripts/gpu-check.sh runs `python -m kernels.gpu_check`):
 on one CUDA device, kernel parity, KV GB/s, resume times and april-bench, each part with its own
 timeout, into one JSON + Markdown report; `--dry-run` runs what a CPU can. The ahead-of-time
 compile check of the KV kernels (`aot_*.py`) lives here too.

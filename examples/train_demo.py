@@ -74,9 +74,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, get_args
 
-from ..trainer_batch import StaleTokens
-from .launcher import LaunchedServer
-from .train_report import by_seed, plot, seeds_table, split_table, summarize, table
+from april_client.bench.launcher import LaunchedServer
+from april_client.trainer_batch import StaleTokens
+from examples.train_report import by_seed, plot, seeds_table, split_table, summarize, table
 
 MODES = ("sync", "april", "april-async")
 TRAINER_CPU, SERVER_CPU = 0, 1
@@ -118,11 +118,10 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
     from trl.trainer.grpo_config import GRPOConfig
     from trl.trainer.grpo_trainer import GRPOTrainer
 
+    from april_client import AprilClient
+    from april_client.trl import AprilRollout
     from april_server.models import ensure_tiny_model
-
-    from .. import AprilClient
-    from ..trl import AprilRollout
-    from . import train_task
+    from examples import train_task
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per weight push
     model_path = ensure_tiny_model()

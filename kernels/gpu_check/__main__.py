@@ -32,9 +32,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from april_client.bench.gpu_check import parts
-from april_client.bench.gpu_check.report import markdown
-from april_client.bench.gpu_check.run import ROOT, Context
+from kernels.gpu_check import parts
+from kernels.gpu_check.report import markdown
+from kernels.gpu_check.run import ROOT, Context
 
 Part = Callable[[Context], dict[str, Any]]
 

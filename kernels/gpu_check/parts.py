@@ -1,4 +1,4 @@
-"""The parts of `april_client.bench.gpu_check`, each returning a JSON-able entry with a ``status``:
+"""The parts of `kernels.gpu_check`, each returning a JSON-able entry with a ``status``:
 "ok", "failed", "not run: no CUDA" or "skipped: <why>". Device parts record the exact
 commands they run (or would run), so a dry run shows them."""
 
@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from april_client.bench.gpu_check.run import (
+from kernels.gpu_check.run import (
     ROOT,
     Context,
     child_env,
@@ -107,7 +107,7 @@ def configs(ctx: Context) -> dict[str, Any]:
 def aot(ctx: Context) -> dict[str, Any]:
     out = ctx.out_dir / "aot.json"
     res = run_cmd(
-        ctx.python("-m", "april_client.bench.gpu_check.aot_check", "--json-out", str(out)),
+        ctx.python("-m", "kernels.gpu_check.aot_check", "--json-out", str(out)),
         ctx.allow(300),
         child_env(interpret=False),
     )
