@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 
 from . import _routes as routes
+from . import _weight_routes as weights
 from ._base import DEFAULT_TIMEOUT, UNHEALTHY, GroupArg, _ClientBase
 from ._errors import AprilError
 from ._routes import Call
@@ -27,6 +28,7 @@ from .protocol import (
     PartialsResp,
     ResumeResp,
     RolloutResp,
+    WeightGroupInfo,
 )
 
 T = TypeVar("T")
@@ -286,7 +288,44 @@ class AsyncAprilClient(_ClientBase):
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, **extra: Any
     ) -> dict[str, Any]:
-        return await self._send(routes.update_weights_from_disk(model_path, weight_version, extra))
+        return await self._send(weights.update_weights_from_disk(model_path, weight_version, extra))
+
+    # ---- weights over the wire (`april_client.weight_sync` drives these) ---------------------
+
+    async def weight_group(self) -> WeightGroupInfo:
+        """GET /april/v1/weights/group: the ranks a weight-update group needs, and its state."""
+        return await self._send(weights.weight_group())
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl", rank_offset: int = 1,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Returns once every rank joined: the trainer joins at the same time (rank 0)."""
+        call = weights.init_weights_update_group(
+            master_address, master_port, world_size, group_name, backend, rank_offset
+        )
+        return await self._send(call)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        return await self._send(weights.destroy_weights_update_group(group_name))
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        return await self._send(weights.weight_session("begin"))
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self._send(weights.weight_session("end"))
+
+    async def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group", weight_version: str | None = None, **extra: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Returns once the trainer's broadcast of these tensors (in this order) arrived."""
+        call = weights.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, weight_version, extra
+        )
+        return await self._send(call)
 
     async def flush_cache(self) -> None:
         """POST /flush_cache; SGLang answers 400 (`InvalidRequest`) while requests run."""

@@ -412,17 +412,6 @@ def generate(
     return Call("POST", "/generate", _any_decoder.decode, _encode_obj(body))
 
 
-def update_weights_from_disk(
-    model_path: str, weight_version: str | None, extra: Mapping[str, Any]
-) -> Call[dict[str, Any]]:
-    body: dict[str, Any] = {"model_path": model_path}
-    if weight_version is not None:
-        body["weight_version"] = weight_version
-    body.update(extra)
-    path = "/update_weights_from_disk"
-    return Call("POST", path, _dict_decoder.decode, _encode_obj(body))
-
-
 # ---- NDJSON stream ---------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 
 from . import _routes as routes
+from . import _weight_routes as weights
 from ._base import DEFAULT_TIMEOUT, UNHEALTHY, GroupArg, _ClientBase
 from ._errors import AprilError
 from ._routes import Call
@@ -30,6 +31,7 @@ from .protocol import (
     PartialsResp,
     ResumeResp,
     RolloutResp,
+    WeightGroupInfo,
 )
 
 T = TypeVar("T")
@@ -290,7 +292,44 @@ class AprilClient(_ClientBase):
     def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, **extra: Any
     ) -> dict[str, Any]:
-        return self._send(routes.update_weights_from_disk(model_path, weight_version, extra))
+        return self._send(weights.update_weights_from_disk(model_path, weight_version, extra))
+
+    # ---- weights over the wire (`april_client.weight_sync` drives these) ---------------------
+
+    def weight_group(self) -> WeightGroupInfo:
+        """GET /april/v1/weights/group: the ranks a weight-update group needs, and its state."""
+        return self._send(weights.weight_group())
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl", rank_offset: int = 1,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Returns once every rank joined: the trainer joins at the same time (rank 0)."""
+        call = weights.init_weights_update_group(
+            master_address, master_port, world_size, group_name, backend, rank_offset
+        )
+        return self._send(call)
+
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        return self._send(weights.destroy_weights_update_group(group_name))
+
+    def begin_weight_update(self) -> dict[str, Any]:
+        return self._send(weights.weight_session("begin"))
+
+    def end_weight_update(self) -> dict[str, Any]:
+        return self._send(weights.weight_session("end"))
+
+    def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group", weight_version: str | None = None, **extra: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Returns once the trainer's broadcast of these tensors (in this order) arrived."""
+        call = weights.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, weight_version, extra
+        )
+        return self._send(call)
 
     def flush_cache(self) -> None:
         """POST /flush_cache; SGLang answers 400 (`InvalidRequest`) while requests run."""

@@ -301,6 +301,19 @@ class DeleteResp(_Resp):
     deleted: bool
 
 
+class WeightGroupInfo(_Resp):
+    """`GET /april/v1/weights/group`: what a trainer needs to push weights over a torch
+    distributed group (docs/api.md, "Weights over the wire"). The trainer is rank 0; the
+    server's engines take `ranks` ranks after it, so a new group's world size is 1 + `ranks`."""
+
+    ranks: int  # the ranks this server's engines (every engine of an owner's that is up) take
+    weight_version: str
+    group: str | None = None  # the weight-update group they are in (the last one initialised)
+    world_size: int | None = None
+    in_sync: bool = True  # every engine that is up is in `group`: a push reaches them all
+    behind: list[str] = []  # engines outside it (restarted, joined later): held out of serving
+
+
 class ErrorDetail(_Resp):
     code: str
     message: str

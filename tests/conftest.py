@@ -55,3 +55,24 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
     proc.start()
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def _weights_server_proc(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
+    proc = ServerProc(state_dir=tmp_path_factory.mktemp("april-weights-state"))
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def weights_server(_weights_server_proc: ServerProc) -> ServerProc:
+    """A server for the tests that change its weights (TRL runs, pushes over the wire), shared
+    by them, not tiny_server: each test gets it with the tiny model's weights, and gives them
+    back when it ends (pushed from disk)."""
+    yield _weights_server_proc
+    from april_server.models import ensure_tiny_model
+
+    body = {"model_path": str(ensure_tiny_model()), "weight_version": "reset"}
+    with _weights_server_proc.client() as c:
+        assert c.post("/update_weights_from_disk", json=body).status_code == 200

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from april_client.protocol import WeightGroupInfo
+from april_server.door.weight_hooks import JoinedGroup
 from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.rules.placement import LOCAL, Slot
@@ -208,6 +210,15 @@ class SGLangEngine(SnapshotEngine):
 
     def weight_version(self) -> str:
         return str(self.tm.config_value("weight_version"))
+
+    def weight_group(self) -> WeightGroupInfo:
+        return WeightGroupInfo(
+            ranks=int(getattr(self.tm.server_args, "tp_size", 1) or 1),
+            weight_version=self.weight_version(),
+            group=JoinedGroup.name,
+            world_size=JoinedGroup.world_size,
+            in_sync=JoinedGroup.name is not None,
+        )
 
     def tokenize(self, text: str) -> list[int]:
         if self.tm.tokenizer is None:

@@ -72,6 +72,33 @@ def register_weight_hooks() -> None:
     # background generation). Our segments are cut for it and continue once it has answered.
     for name in ("begin_weight_update", "end_weight_update"):
         HookRegistry.register(_TM + name, _around_other_update, HookType.AROUND)
+    # Which weight-update group the scheduler is in (`GET /april/v1/weights/group`): a trainer
+    # learns from it whether a push reaches this server (a restarted server is in none).
+    HookRegistry.register(_TM + "init_weights_update_group", _around_init_group, HookType.AROUND)
+    HookRegistry.register(
+        _TM + "destroy_weights_update_group", _around_destroy_group, HookType.AROUND
+    )
+
+
+class JoinedGroup:
+    """The weight-update group this server's scheduler joined last (None: none, or destroyed)."""
+
+    name: str | None = None
+    world_size: int | None = None
+
+
+async def _around_init_group(original: Any, tm: Any, obj: Any, *args: Any, **kw: Any) -> Any:
+    success, message = await original(tm, obj, *args, **kw)
+    if success:
+        JoinedGroup.name, JoinedGroup.world_size = obj.group_name, int(obj.world_size)
+    return success, message
+
+
+async def _around_destroy_group(original: Any, tm: Any, obj: Any, *args: Any, **kw: Any) -> Any:
+    success, message = await original(tm, obj, *args, **kw)
+    if obj.group_name == JoinedGroup.name:
+        JoinedGroup.name = JoinedGroup.world_size = None
+    return success, message
 
 
 @asynccontextmanager

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from april_client.protocol import WeightGroupInfo
 from april_server.rules.inflight import EngineCapacity, StepStat
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
@@ -73,6 +74,10 @@ class BaseEngine(ABC):
     @abstractmethod
     def weight_version(self) -> str:
         """The version of the weights that new tokens are generated with."""
+
+    def weight_group(self) -> WeightGroupInfo:
+        """The ranks a trainer's weight-update group needs here and the group they are in."""
+        return WeightGroupInfo(ranks=1, weight_version=self.weight_version())
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:

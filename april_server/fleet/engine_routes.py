@@ -38,6 +38,7 @@ DISCONNECT_POLL_S = 1.0  # how often a running segment checks that its owner is 
 
 def engine_info(engine: BaseEngine) -> EngineInfo:
     stats = engine.engine_stats()
+    group = engine.weight_group()
     return EngineInfo(
         context_len=engine.context_len,
         vocab_size=engine.vocab_size,
@@ -48,6 +49,8 @@ def engine_info(engine: BaseEngine) -> EngineInfo:
         model_path=str(stats.get("model_path", "")),
         has_tokenizer=bool(stats.get("has_tokenizer", True)),
         eos_token_ids=sorted(engine.eos_token_ids),
+        tp_size=group.ranks,
+        weight_group=group.group,
     )
 
 

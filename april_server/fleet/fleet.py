@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from april_client.protocol import WeightGroupInfo
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome, SnapshotEngine
 from april_server.fleet.remote import MakeClient, RemoteEngine, engine_name, new_client
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
@@ -37,6 +38,7 @@ from april_server.rules.samples import SegmentResult
 from april_server.wire.errors import ApiError, bad_request
 
 logger = logging.getLogger(__name__)
+DISK = "/update_weights_from_disk"
 
 Discover = Callable[[], Awaitable[list[str]]]
 LEFT_REGISTRY = "left the registry"
@@ -75,6 +77,9 @@ class FleetEngine(SnapshotEngine):
         self._tokenizer: Any = None
         self._open = asyncio.Event()  # closed while a weight update runs
         self._open.set()
+        self.session_open = False  # a begin_weight_update ... end session keeps it closed
+        # `GET /april/v1/weights/group` (the owner's weight-update group: `weight_group.py`)
+        self.group_info: Callable[[], WeightGroupInfo] = self._no_group
         self._update_lock = asyncio.Lock()
         self._first_lock = asyncio.Lock()
         self._syncing: set[str] = set()
@@ -175,7 +180,8 @@ class FleetEngine(SnapshotEngine):
             m.set_state(
                 "stale",
                 f"weights {info.weight_version!r}, the fleet's {self.version!r}: push weights "
-                "(POST /update_weights_from_disk) to bring them level",
+                "(POST /update_weights_from_disk, or a broadcast to a weight-update group it "
+                "is in: GET /april/v1/weights/group) to bring them level",
             )
 
     async def _bring_level(self, m: RemoteEngine, body: dict[str, Any]) -> None:
@@ -373,35 +379,66 @@ class FleetEngine(SnapshotEngine):
 
     # ---- weights ------------------------------------------------------------------------
 
-    async def update_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Load new weights on every reachable engine; new segments wait meanwhile. Succeeds
-        when every one of them reports the same new version."""
+    async def update_weights(
+        self, body: dict[str, Any], path: str = DISK, names: Collection[str] | None = None
+    ) -> dict[str, Any]:
+        """Load new weights (SGLang's route `path`) on every reachable engine, or on `names`;
+        new segments wait meanwhile. Succeeds when every one of them reports the new version."""
         async with self._update_lock:
-            self._open.clear()
+            self.hold_segments()
             try:
-                return await self._update(body)
+                return await self._update(body, path, names)
             finally:
-                self._open.set()
+                self.release_segments()
 
-    async def _update(self, body: dict[str, Any]) -> dict[str, Any]:
-        targets = [m for m in self.members.values() if m.state != "down"]
+    def hold_segments(self, session: bool = False) -> None:
+        """New segments wait (`run_segment`) until `release_segments`; a weight-update
+        session (`weight_group.py`) holds them from its begin to its end."""
+        self.session_open = self.session_open or session
+        self._open.clear()
+
+    def release_segments(self, session: bool = False) -> None:
+        if session:
+            self.session_open = False
+        if not self.session_open:
+            self._open.set()
+
+    def weight_group(self) -> WeightGroupInfo:
+        return self.group_info()
+
+    def _no_group(self) -> WeightGroupInfo:
+        live = [m.info for m in self.members.values() if m.state != "down" and m.info]
+        return WeightGroupInfo(
+            ranks=sum(i.tp_size for i in live), weight_version=self.version or ""
+        )
+
+    async def _update(
+        self, body: dict[str, Any], path: str, names: Collection[str] | None
+    ) -> dict[str, Any]:
+        targets = [
+            m
+            for m in self.members.values()
+            if m.state != "down" and (names is None or m.name in names)
+        ]
         if not targets:
             raise ApiError(503, "no_engine", "no engine is reachable to update")
         results = await asyncio.gather(
-            *(m.update_weights(body) for m in targets), return_exceptions=True
+            *(m.update_weights(body, path) for m in targets), return_exceptions=True
         )
         failed = {
             m.name: str(r)
             for m, r in zip(targets, results, strict=True)
             if isinstance(r, BaseException)
         }
-        await asyncio.gather(*(self._probe_quietly(m) for m in targets))
+        await asyncio.gather(*(self.probe_quietly(m) for m in targets))
         versions = {m.name: m.weight_version() for m in targets if m.name not in failed}
         wanted = body.get("weight_version")
         new = str(wanted) if wanted is not None else next(iter(versions.values()), None)
         if new is not None and new in versions.values():
             self.version = new
-            self.last_update = dict(body)
+            # Only a disk push can be replayed to an engine that rejoins; after a broadcast it
+            # waits, held out, for the trainer's next push (`weight_group.py`).
+            self.last_update = dict(body) if path == DISK else None
         for m in targets:
             if m.name in failed or versions.get(m.name) != self.version:
                 m.set_state("stale", failed.get(m.name, f"weights {versions.get(m.name)!r}"))
@@ -414,7 +451,7 @@ class FleetEngine(SnapshotEngine):
         return {"success": ok, "message": message, "weight_version": self.version,
                 "engines": versions, "num_paused_requests": 0}  # fmt: skip
 
-    async def _probe_quietly(self, m: RemoteEngine) -> None:
+    async def probe_quietly(self, m: RemoteEngine) -> None:
         try:
             await m.probe()
         except (httpx.HTTPError, ValueError) as exc:

@@ -3,6 +3,9 @@
 
 SGLang routes, as the owner answers them:
 - `POST /update_weights_from_disk`: every engine, then one version everywhere (`fleet.py`);
+- `POST /init_weights_update_group`, `/begin_weight_update`, `/update_weights_from_distributed`,
+  `/end_weight_update`, `/destroy_weights_update_group`: one group over every engine, so a
+  trainer broadcasts once (`weight_group.py`);
 - `POST /generate`: passed through to the healthy engine with the fewest such requests
   (plain generation, e.g. a trainer-side baseline; streamed answers stream);
 - `POST /abort_request`, `POST /flush_cache`: every healthy engine;
@@ -28,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from april_server.door.engine import preload_sampling_params
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
+from april_server.fleet.weight_group import FleetWeights
 from april_server.http.app import StreamThen, create_router, error_response, extend_app
 from april_server.http.server import ManagerHolder
 from april_server.runtime.manager import RolloutManager
@@ -45,6 +49,10 @@ ADMIN_ROUTES = frozenset(
         "/update_weights_from_tensor",
         "/update_weights_from_distributed",
         "/update_weights_from_ipc",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
         "/flush_cache",
         "/abort_request",
         "/pause_generation",
@@ -186,6 +194,37 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             if mgr is not None and cut:
                 mgr.segments.after_update()
         return JSONResponse(out, status_code=200 if out["success"] else 502)
+
+    def listener() -> Any:
+        mgr = holder.peek()
+        return None if mgr is None else mgr.segments
+
+    weights = FleetWeights(fleet, listener)
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise ApiError(400, "invalid_request", "send a JSON object")
+        return body
+
+    # A broadcast over a weight-update group, through the owner (`weight_group.py`).
+    for path, act in (
+        ("/init_weights_update_group", weights.init),
+        ("/destroy_weights_update_group", weights.destroy),
+        ("/begin_weight_update", weights.begin),
+        ("/update_weights_from_distributed", weights.update),
+        ("/end_weight_update", weights.end),
+    ):
+
+        async def route(request: Request, act: Any = act) -> Response:
+            out = await act(await json_body(request))
+            return JSONResponse(out, status_code=200 if out.get("success", True) else 502)
+
+        route.__name__ = path.strip("/")
+        app.post(path)(guarded(route))
 
     @app.post("/generate")
     @guarded

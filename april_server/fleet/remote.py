@@ -368,10 +368,14 @@ class RemoteEngine(SnapshotEngine):
     async def engine_clock(self) -> dict[str, float]:
         return {k: float(v) for k, v in ((await self.figures()).get("clock") or {}).items()}
 
-    async def update_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        """SGLang's own `/update_weights_from_disk` on the engine server."""
+    async def update_weights(
+        self, body: dict[str, Any], path: str = "/update_weights_from_disk"
+    ) -> dict[str, Any]:
+        """SGLang's own weight route `path` on the engine server (disk, or a broadcast's
+        receiving end: `/update_weights_from_distributed`, the session's begin and end, the
+        group's init and destroy); raises unless it succeeded."""
         resp = await self.http.post(
-            self.url + "/update_weights_from_disk",
+            self.url + path,
             json=body,
             headers=self.headers,
             timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=UPDATE_TIMEOUT_S),

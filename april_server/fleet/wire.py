@@ -25,6 +25,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     model_path: str = ""
     has_tokenizer: bool = True
     eos_token_ids: list[int] = []  # what ends generation unless ignore_eos (stops.py)
+    tp_size: int = 1  # its ranks in a trainer's weight-update group
+    weight_group: str | None = None  # the weight-update group it is in (a restart: none)
 
 
 class ControlOp(msgspec.Struct, frozen=True):

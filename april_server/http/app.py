@@ -40,6 +40,7 @@ from april_client.protocol import (
     RolloutReq,
     RolloutResp,
     StreamEvent,
+    WeightGroupInfo,
 )
 from april_server.buffer.buffer_index import PartialsFilter
 from april_server.calls.rollout import rollout
@@ -235,6 +236,12 @@ def create_router(
         auth.require_admin(request.headers.get("authorization"), "deleting buffered groups")
         return json_response(await delete_group(get_manager(), group_id))
 
+    @router.get(PREFIX + "/weights/group")
+    @guarded
+    async def weight_group(request: Request) -> Response:
+        """What a trainer's weight-update group needs here (docs/api.md)."""
+        return json_response(get_manager().engine.weight_group())
+
     @router.get(PREFIX + "/stats")
     @guarded
     async def stats(request: Request) -> Response:
@@ -352,6 +359,7 @@ ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
     ("get", PREFIX + "/partials/{group_id:path}"): (None, Group),
     ("delete", PREFIX + "/partials/{group_id:path}"): (None, DeleteResp),
     ("get", PREFIX + "/stats"): (None, dict),
+    ("get", PREFIX + "/weights/group"): (None, WeightGroupInfo),
 }
 
 

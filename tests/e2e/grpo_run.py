@@ -1,6 +1,12 @@
 """What the TRL end-to-end tests share: a GRPO run of TRL's own trainer on april-server through
 the adapter, every call's response and every step's rows recorded, run in a fresh interpreter
-on a fresh server (in the full suite, training in-process learned measurably less)."""
+(in the full suite, training in-process learned measurably less). The TRL tests share one server
+(`weights_server`); each run pushes its own weights from its first step, and the server is given
+the tiny model's weights back after each run, so no run sees another's.
+
+Each test runs at two sizes: `quick` (a few steps: every check of the rows, versions, staleness
+and ledger; `make test`) and `full` (the learning-curve run: the same checks and the reward rising
+beyond noise; `make test-slow`)."""
 
 from __future__ import annotations
 
@@ -91,16 +97,9 @@ def grpo_run(
 
 @contextlib.contextmanager
 def trained(
-    tmp_path: Path, train: Callable[[str, str], dict[str, Any]]
-) -> Iterator[tuple[ServerProc, dict[str, Any]]]:
-    """A fresh server, `train(url, workdir)` run on it in a fresh interpreter; the server is
-    stopped when the block ends."""
-    (tmp_path / "state").mkdir()
-    server = ServerProc(tmp_path / "state")
-    server.start()
-    try:
-        with mp.get_context("spawn").Pool(1) as pool:
-            run = pool.apply(train, (server.url, str(tmp_path)))
-        yield server, run
-    finally:
-        server.stop()
+    server: ServerProc, tmp_path: Path, train: Callable[[str, str, int], dict[str, Any]], steps: int
+) -> Iterator[dict[str, Any]]:
+    """`train(url, workdir, steps)` run on `server` (`weights_server`, which gets the tiny
+    model's weights back after the test) in a fresh interpreter."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        yield pool.apply(train, (server.url, str(tmp_path), steps))

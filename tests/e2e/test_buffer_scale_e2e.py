@@ -1,4 +1,5 @@
-"""A real server beside a million buffered samples (issue #11): it stays up and answers, calls
+"""A real server beside a million buffered samples (issue #11; `make test` runs it beside
+100,000): it stays up and answers, calls
 return their quota, and a default call claims only what it runs (not the whole buffer, which
 once flooded SGLang's queue with 110,976 requests until its watchdog killed the server).
 
@@ -21,17 +22,27 @@ from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
 R = "/april/v1"
-GROUPS = 250_000  # x 4 samples
+GROUPS = 250_000  # x 4 samples: the million of issue #11 (`full`, make test-slow)
+QUICK_GROUPS = 25_000  # `make test`: 100,000 samples, still 25x what one call may claim
 STALL_BOUND_S = 10.0  # generous (CPU under load); the regression it guards against was 99 s
 
 
-@pytest.fixture(scope="module")
-def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(QUICK_GROUPS, id="quick"),
+        pytest.param(GROUPS, id="full", marks=pytest.mark.slow),
+    ],
+)
+def big(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProc]:
     root = tmp_path_factory.mktemp("big-buffer")
     store = BufferStore(root / "state" / "buffer.sqlite")
-    fill(store, GROUPS, n=4, prompt_len=16, output_len=32, budget=48)
+    fill(store, request.param, n=4, prompt_len=16, output_len=32, budget=48)
     store.close()
     srv = ServerProc(state_dir=root)
+    srv.groups = request.param  # type: ignore[attr-defined]
     srv.start()
     yield srv
     srv.stop()
@@ -91,7 +102,7 @@ def stats(c: httpx.Client) -> Any:
 def test_a_default_call_beside_a_million_samples_returns_its_quota(big: ServerProc) -> None:
     with big.client() as c, HealthPoller(big.url) as poll:
         before = stats(c)
-        assert before["buffered_samples"] == 4 * GROUPS
+        assert before["buffered_samples"] == 4 * big.groups  # type: ignore[attr-defined]
         r = c.post(R + "/rollouts", json={"groups": [group("one")], "target_groups": 1})
         assert r.status_code == 200, r.text
         body = r.json()

@@ -1,11 +1,15 @@
 """kill -9 and restart on the same state dir: what was acknowledged survives, nothing is
-duplicated, and a killed call is recoverable by retrying its request_id."""
+duplicated, and a killed call is recoverable by retrying its request_id.
+
+The tests share one server lifecycle (`crashing`): each kills and restarts it on its state dir,
+and leaves it running with an empty buffer, so the next starts where it left (one start less
+than a server per test; a test run alone starts it itself)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -53,96 +57,109 @@ def swallow(c: httpx.Client, method: str, path: str, body: Any) -> None:
         pass  # the server died under it, as intended
 
 
-def test_crash_during_and_after_calls(tmp_path: Path) -> None:
-    srv = ServerProc(state_dir=tmp_path)
-    srv.start()
+@pytest.fixture(scope="module")
+def crashing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    srv = ServerProc(state_dir=tmp_path_factory.mktemp("april-crash"))
     try:
-        # 1. An acknowledged rollout leaves buffered groups.
-        with srv.client() as c:
-            groups = [group("done", [3], [4]), group("p", [8, 9], [4, 400]), group("q", [7], [500])]
-            body = {"groups": groups, "target_groups": 1, "max_inflight_groups": 3}
-            r = ok(c.post(R + "/rollouts", json=body))
-            assert sorted(r["buffered_group_ids"]) == ["p", "q"]
-            before = partials(c)
-        # 2. kill -9 after the acknowledgement: the buffer is intact.
-        srv.kill9()
-        srv.start()
-        with srv.client() as c:
-            assert partials(c) == before
-        # 3. kill -9 during a rollout that claimed the buffered groups and sent new ones.
-        body = {
-            "groups": [group("new1", [5], [3000]), group("new2", [6], [3000])],
-            "target_groups": 4,
-            "request_id": "step-2",
-        }
-        kill_while(srv, lambda: swallow(srv.client(), "POST", R + "/rollouts", body))
-        srv.start()
-        with srv.client() as c:
-            assert partials(c) == before  # nothing half-written; the killed call acked nothing
-            # 4. kill -9 during a resume: the sample keeps its acknowledged state.
-            kill_while(
-                srv,
-                lambda: swallow(srv.client(), "POST", R + "/resume", {"sample_ids": ["q/0"]}),
-            )
-        srv.start()
-        with srv.client() as c:
-            assert partials(c) == before
-            # 5. Retrying the killed call's request_id runs it (once) to completion.
-            small = {**body, "groups": [group("new1", [5], [30]), group("new2", [6], [30])]}
-            r1 = ok(c.post(R + "/rollouts", json=small))
-            r2 = ok(c.post(R + "/rollouts", json=small))
-            assert r1 == r2  # idempotent: the second answer is the stored first one
-            got = sorted(g["group_id"] for g in r1["groups"])
-            assert got == ["new1", "new2", "p", "q"]
-            lens = {
-                g["group_id"]: [len(s["output_ids"]) for s in g["samples"]] for g in r1["groups"]
-            }
-            assert lens["p"] == [4, 400] and lens["q"] == [500]
-            assert partials(c) == []
+        yield srv
     finally:
         srv.stop()
 
 
-def test_crash_during_background_generation_loses_no_acknowledged_token(tmp_path: Path) -> None:
+def running(srv: ServerProc) -> ServerProc:
+    """The shared server, started if no test left it running, with nothing buffered."""
+    if srv.proc is None or srv.proc.poll() is not None:
+        srv.start()
+    with srv.client() as c:
+        assert partials(c) == []
+    return srv
+
+
+def test_crash_during_and_after_calls(crashing: ServerProc) -> None:
+    srv = running(crashing)
+    # 1. An acknowledged rollout leaves buffered groups.
+    with srv.client() as c:
+        groups = [group("done", [3], [4]), group("p", [8, 9], [4, 400]), group("q", [7], [500])]
+        body = {"groups": groups, "target_groups": 1, "max_inflight_groups": 3}
+        r = ok(c.post(R + "/rollouts", json=body))
+        assert sorted(r["buffered_group_ids"]) == ["p", "q"]
+        before = partials(c)
+    # 2. kill -9 after the acknowledgement: the buffer is intact.
+    srv.kill9()
+    srv.start()
+    with srv.client() as c:
+        assert partials(c) == before
+    # 3. kill -9 during a rollout that claimed the buffered groups and sent new ones.
+    body = {
+        "groups": [group("new1", [5], [3000]), group("new2", [6], [3000])],
+        "target_groups": 4,
+        "request_id": "step-2",
+    }
+    kill_while(srv, lambda: swallow(srv.client(), "POST", R + "/rollouts", body))
+    srv.start()
+    with srv.client() as c:
+        assert partials(c) == before  # nothing half-written; the killed call acked nothing
+        # 4. kill -9 during a resume: the sample keeps its acknowledged state.
+        kill_while(
+            srv,
+            lambda: swallow(srv.client(), "POST", R + "/resume", {"sample_ids": ["q/0"]}),
+        )
+    srv.start()
+    with srv.client() as c:
+        assert partials(c) == before
+        # 5. Retrying the killed call's request_id runs it (once) to completion.
+        small = {**body, "groups": [group("new1", [5], [30]), group("new2", [6], [30])]}
+        r1 = ok(c.post(R + "/rollouts", json=small))
+        r2 = ok(c.post(R + "/rollouts", json=small))
+        assert r1 == r2  # idempotent: the second answer is the stored first one
+        got = sorted(g["group_id"] for g in r1["groups"])
+        assert got == ["new1", "new2", "p", "q"]
+        lens = {g["group_id"]: [len(s["output_ids"]) for s in g["samples"]] for g in r1["groups"]}
+        assert lens["p"] == [4, 400] and lens["q"] == [500]
+        assert partials(c) == []
+
+
+def test_crash_during_background_generation_loses_no_acknowledged_token(
+    crashing: ServerProc,
+) -> None:
     """#19: kill -9 while stragglers of an answered call (`on_quota: continue`) and prefetched
     groups generate in the background; after a restart every acknowledged token is there."""
-    srv = ServerProc(state_dir=tmp_path)
+    srv = running(crashing)
+    with srv.client() as c:
+        body = {
+            "groups": [group("fast", [3], [4]), group("slow", [8, 9], [3000])],
+            "target_groups": 1,
+            "on_quota": "continue",
+        }
+        r = ok(c.post(R + "/rollouts", json=body))
+        assert r["buffered_group_ids"] == ["slow"]
+
+        def background_running() -> None:
+            deadline = time.monotonic() + 60
+            while ok(c.get(R + "/stats"))["background_running_samples"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+        # The straggler passed to the background generating: what its segment makes is
+        # acknowledged when the segment ends. A call that takes nothing over pauses it.
+        background_running()
+        time.sleep(0.3)
+        mid = {"groups": [group("mid", [4], [4])], "target_groups": 1, "resume_first": False}
+        ok(c.post(R + "/rollouts", json=mid))
+        acked = ok(c.get(R + "/partials/slow"))["samples"][0]["output_ids"]
+        pre = ok(c.post(R + "/groups", json={"groups": [group("pre", [5], [3000])]}))
+        assert pre["group_ids"] == ["pre"]
+        background_running()
+        time.sleep(0.5)
+    srv.kill9()
     srv.start()
-    try:
-        with srv.client() as c:
-            body = {
-                "groups": [group("fast", [3], [4]), group("slow", [8, 9], [3000])],
-                "target_groups": 1,
-                "on_quota": "continue",
-            }
-            r = ok(c.post(R + "/rollouts", json=body))
-            assert r["buffered_group_ids"] == ["slow"]
-
-            def background_running() -> None:
-                deadline = time.monotonic() + 60
-                while ok(c.get(R + "/stats"))["background_running_samples"] < 1:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
-
-            # The straggler passed to the background generating: what its segment makes is
-            # acknowledged when the segment ends. A call that takes nothing over pauses it.
-            background_running()
-            time.sleep(0.3)
-            mid = {"groups": [group("mid", [4], [4])], "target_groups": 1, "resume_first": False}
-            ok(c.post(R + "/rollouts", json=mid))
-            acked = ok(c.get(R + "/partials/slow"))["samples"][0]["output_ids"]
-            pre = ok(c.post(R + "/groups", json={"groups": [group("pre", [5], [3000])]}))
-            assert pre["group_ids"] == ["pre"]
-            background_running()
-            time.sleep(0.5)
-        srv.kill9()
-        srv.start()
-        with srv.client() as c:
-            slow = ok(c.get(R + "/partials/slow"))
-            assert slow["state"] == "idle"  # a restart treats them like any buffered group
-            got = slow["samples"][0]["output_ids"]
-            assert len(got) >= len(acked) > 0 and got[: len(acked)] == acked
-            assert ok(c.get(R + "/partials/pre"))["samples"][0]["status"] == "partial"
-            assert ok(c.get(R + "/stats"))["background_groups"] == 0
-    finally:
-        srv.stop()
+    with srv.client() as c:
+        slow = ok(c.get(R + "/partials/slow"))
+        assert slow["state"] == "idle"  # a restart treats them like any buffered group
+        got = slow["samples"][0]["output_ids"]
+        assert len(got) >= len(acked) > 0 and got[: len(acked)] == acked
+        assert ok(c.get(R + "/partials/pre"))["samples"][0]["status"] == "partial"
+        assert ok(c.get(R + "/stats"))["background_groups"] == 0
+        for gid in ("slow", "pre"):  # leave the shared server's buffer empty
+            ok(c.delete(R + f"/partials/{gid}"))
+        assert partials(c) == []

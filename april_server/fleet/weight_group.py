@@ -1,0 +1,239 @@
+"""An owner's weight-update group: a trainer broadcasts once to every engine (issue #34).
+
+SGLang's route set for a push over a torch.distributed group, as the owner answers it:
+- `POST /init_weights_update_group`: the trainer is rank 0 (`rank_offset`: where the engines
+  start, 1 for one trainer rank); every engine that is up joins with its own offset (engines in
+  name order, each taking its TP size in ranks), so the trainer initialises one group of world
+  size `rank_offset` + the fleet's ranks (`GET /april/v1/weights/group` says how many);
+- `POST /begin_weight_update` ... `POST /update_weights_from_distributed` ...
+  `POST /end_weight_update`: fanned out to the group's engines. The owner's running segments are
+  cut at the version boundary for the session (they continue under the new weights after its
+  end, like a disk push), and no new segment starts meanwhile;
+- `POST /destroy_weights_update_group`: every engine in the group leaves it.
+
+An engine that was down during a push, restarted, or joined later is not in the group: its
+weights are older than the fleet's, so it stays `stale` (out of placement, no segment runs on
+it) until it has the current version. It gets it from the trainer's next broadcast: the group
+info lists it in `behind` and `in_sync` is false, the trainer (the TRL adapter does this before
+each push) initialises a new group over every engine that is up and pushes; once the engine
+reports the fleet's version it serves again. A disk push brings it level too. Nothing replays a
+broadcast to it, since only the trainer holds the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from april_client.protocol import WeightGroupInfo
+from april_server.fleet.fleet import FleetEngine
+from april_server.fleet.remote import RemoteEngine
+from april_server.wire.errors import ApiError
+
+logger = logging.getLogger(__name__)
+SESSION_LIMIT_S = 300.0  # a session the trainer never ended gives the engines back after this
+
+
+class Listener:
+    """What cuts the owner's segments at a version boundary (`SegmentRunner`)."""
+
+    async def before_update(self) -> None: ...
+
+    def after_update(self) -> None: ...
+
+
+@dataclass
+class Group:
+    name: str
+    world_size: int
+    offsets: dict[str, int]  # engine name -> its first rank
+
+
+def rank_offsets(engines: list[tuple[str, int]], first: int) -> dict[str, int]:
+    """Each engine's first rank: in name order, each taking its TP size in ranks."""
+    out, rank = {}, first
+    for name, ranks in sorted(engines):
+        out[name] = rank
+        rank += ranks
+    return out
+
+
+class FleetWeights:
+    def __init__(self, fleet: FleetEngine, listener: Callable[[], Listener | None]) -> None:
+        self.fleet = fleet
+        self.listener = listener
+        self.group: Group | None = None
+        self._cut: Listener | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        fleet.group_info = self.info  # the fleet's `weight_group()` (`GET .../weights/group`)
+
+    def live(self) -> list[RemoteEngine]:
+        return [m for m in self.fleet.members.values() if m.state != "down" and m.info]
+
+    def members(self) -> list[RemoteEngine]:
+        """The group's engines that are still in it (a restart leaves a group)."""
+        g = self.group
+        if g is None:
+            return []
+        return [
+            m
+            for m in self.fleet.members.values()
+            if m.name in g.offsets and m.info is not None and m.info.weight_group == g.name
+        ]
+
+    def info(self) -> WeightGroupInfo:
+        live = self.live()
+        inside = {m.name for m in self.members() if m.state != "down"}
+        behind = sorted(m.name for m in live if m.name not in inside)
+        g = self.group
+        lost = g is not None and any(n not in inside for n in g.offsets)  # down or restarted
+        return WeightGroupInfo(
+            ranks=sum(m.info.tp_size for m in live if m.info is not None),
+            weight_version=self.fleet.version or "",
+            group=None if g is None else g.name,
+            world_size=None if g is None else g.world_size,
+            in_sync=g is not None and not behind and not lost,
+            behind=behind,
+        )
+
+    # ---- the group ------------------------------------------------------------------------
+
+    async def init(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = str(body.get("group_name", "weight_update_group"))
+        first = int(body.get("rank_offset", 1))
+        live = self.live()
+        ranks = sum(m.info.tp_size for m in live if m.info is not None)
+        if not live:
+            raise ApiError(503, "no_engine", "no engine is up to join a weight-update group")
+        if int(body.get("world_size", -1)) != first + ranks:
+            raise ApiError(
+                400,
+                "invalid_world_size",
+                f"world_size must be {first + ranks}: rank_offset {first} + the {ranks} ranks of "
+                f"the {len(live)} engines that are up (GET /april/v1/weights/group)",
+            )
+        offsets = rank_offsets([(m.name, m.info.tp_size) for m in live if m.info], first)
+        by_name = {m.name: m for m in live}
+        sends = [
+            by_name[n].update_weights({**body, "rank_offset": off}, "/init_weights_update_group")
+            for n, off in offsets.items()
+        ]
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        failed = {
+            n: str(r) for n, r in zip(offsets, results, strict=True) if isinstance(r, Exception)
+        }
+        await asyncio.gather(*(self.fleet.probe_quietly(m) for m in live))
+        if failed:
+            self.group = None
+            # Those that joined leave the half-made group (best effort): the trainer's join
+            # fails too, and a later init may reuse nothing of it.
+            joined = [by_name[n] for n in offsets if n not in failed]
+            leave = {"group_name": name}
+            await asyncio.gather(
+                *(m.update_weights(leave, "/destroy_weights_update_group") for m in joined),
+                return_exceptions=True,
+            )
+            raise ApiError(502, "engine_failed", f"joining the group failed on {failed}")
+        self.group = Group(name, first + ranks, offsets)
+        return {"success": True, "message": f"{len(offsets)} engines joined {name!r}",
+                "rank_offsets": offsets}  # fmt: skip
+
+    async def destroy(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = str(body.get("group_name", "weight_update_group"))
+        inside = [m for m in self.members() if m.state != "down"]
+        if self.group is not None and self.group.name == name:
+            self.group = None
+        results = await asyncio.gather(
+            *(m.update_weights(body, "/destroy_weights_update_group") for m in inside),
+            return_exceptions=True,
+        )
+        await asyncio.gather(*(self.fleet.probe_quietly(m) for m in inside))
+        failed = {
+            m.name: str(r) for m, r in zip(inside, results, strict=True) if isinstance(r, Exception)
+        }
+        return {"success": not failed, "message": f"left by {len(inside) - len(failed)} engines",
+                "failed": failed}  # fmt: skip
+
+    # ---- a push: begin, update, end ---------------------------------------------------------
+
+    def _targets(self) -> list[str]:
+        g = self.info()
+        if self.group is None:
+            raise ApiError(409, "no_weight_group", "no weight-update group: init one first")
+        if not g.in_sync:
+            raise ApiError(
+                409,
+                "weight_group_behind",
+                f"engines {g.behind} are not in group {g.group!r} (restarted or joined later), "
+                "or one of its engines is down: destroy it, init a new one over the engines that "
+                "are up (GET /april/v1/weights/group) and push again",
+            )
+        return [m.name for m in self.members()]
+
+    async def begin(self, body: dict[str, Any]) -> dict[str, Any]:
+        names = self._targets()
+        if not self.fleet.session_open:
+            self.fleet.hold_segments(session=True)  # new segments wait for the session's end
+            self._cut = self.listener()
+            if self._cut is not None:
+                await self._cut.before_update()
+            self._watchdog = asyncio.get_running_loop().create_task(self._expire())
+        return await self._each(names, "/begin_weight_update", body)
+
+    async def update(self, body: dict[str, Any]) -> dict[str, Any]:
+        names = self._targets()
+        if not self.fleet.session_open:
+            raise ApiError(
+                400,
+                "no_weight_session",
+                "update_weights_from_distributed runs between /begin_weight_update and "
+                "/end_weight_update (SGLang 0.5.23)",
+            )
+        if body.get("weight_version") is None:
+            # As for a disk push (#23): an engine restarted with its first weights must not
+            # report the pushed version.
+            body["weight_version"] = f"owner-{uuid.uuid4().hex[:12]}"
+        return await self.fleet.update_weights(body, "/update_weights_from_distributed", names)
+
+    async def end(self, body: dict[str, Any]) -> dict[str, Any]:
+        names = [m.name for m in self.members() if m.state != "down"]
+        try:
+            return await self._each(names, "/end_weight_update", body)
+        finally:
+            self._close_session()
+
+    async def _each(self, names: list[str], path: str, body: dict[str, Any]) -> dict[str, Any]:
+        ms = [self.fleet.members[n] for n in names]
+        results = await asyncio.gather(
+            *(m.update_weights(body, path) for m in ms), return_exceptions=True
+        )
+        failed = {
+            m.name: str(r) for m, r in zip(ms, results, strict=True) if isinstance(r, Exception)
+        }
+        if failed:
+            raise ApiError(502, "engine_failed", f"{path} failed on {failed}")
+        return {"success": True, "message": f"{path} on {len(ms)} engines"}
+
+    def _close_session(self) -> None:
+        if not self.fleet.session_open:
+            return
+        self.fleet.release_segments(session=True)
+        if self._cut is not None:
+            self._cut.after_update()
+            self._cut = None
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        self._watchdog = None
+
+    async def _expire(self) -> None:
+        await asyncio.sleep(SESSION_LIMIT_S)
+        logger.warning(
+            "april: a weight-update session began %.0f s ago and never ended: the engines "
+            "serve again",
+            SESSION_LIMIT_S,
+        )
+        self._close_session()
