@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo train-demo sweep bench-async test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-fleet gpu-check gpu-check-dry soak chaos
+.PHONY: demo train-demo sweep bench-async test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-weights bench-fleet gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -18,8 +18,8 @@ bench-async:  ## never idle: sync vs april vs april-async, a trainer of TRAIN_S 
 
 PYTEST = python -m pytest -q -p no:cacheprovider --durations=25
 
-test:  ## every behaviour: unit + kernels in 2 workers, then end to end on a real SGLang (serial); not the slow tier
-	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2 && $$V/bin/$(PYTEST) -m "e2e and not slow"
+test:  ## every behaviour (not the slow tier): 2 workers; unit + kernel tests one by one, each end-to-end module (real SGLang) whole on one worker
+	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not slow" -n 2 --dist loadgroup
 
 test-slow:  ## the slow tier: full-size storm and chaos soaks, the whole kernel grid in the Triton interpreter
 	@V=$(VENV) && $$V/bin/$(PYTEST) -m slow
@@ -47,6 +47,9 @@ bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (t
 
 bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.buffer --json-out out/bench-buffer.json
+
+bench-weights:  ## a weight push from disk vs over the wire (gloo), tiny and SmolLM2, idle and beside background generation (~4 min)
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.weights --json-out out/bench-weights.jsonl
 
 bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engine servers on the same cores (~5 min)
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --json-out out/fleet.jsonl

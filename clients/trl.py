@@ -3,10 +3,13 @@
 Install with `pip install "april-server[trl]"` (pins TRL 1.16.0; `rollout_func` is experimental
 there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
 
-1. Weights: once per optimizer step it saves the trainer's model to `weights_dir` and calls
-   `/update_weights_from_disk` with `weight_version = str(global_step)`, so every segment the
-   server returns names the step whose weights produced it. The directory must be readable by
-   the server (same machine or a shared filesystem).
+1. Weights: once per optimizer step the trainer's model becomes weight version
+   `str(global_step)`, so every segment the server returns names the step whose weights
+   produced it. `weight_sync="distributed"` (the default) broadcasts the parameters over a
+   torch.distributed group with the server's engines (`weight_sync.py`: gloo for a model on
+   CPU, nccl on GPU; no shared storage; through an owner, one broadcast for every engine);
+   `"disk"` saves the model to `weights_dir` and calls `/update_weights_from_disk` (the
+   directory must be readable by the server).
 2. Groups: TRL hands `P * n` prompts (each repeated `n = num_generations` times, contiguously).
    Each unique prompt becomes one group of `n`, with its dataset row as `metadata`; with
    `over_provision = F > 1` extra prompts drawn from the training set make `F * P` groups in
@@ -99,6 +102,7 @@ from .trainer_batch import (
 )
 from .trl_correction import use_sampling_policy_as_old
 from .trl_tools import Tool, ToolLoop
+from .weight_sync import WeightBroadcaster
 
 logger = logging.getLogger(__name__)
 # Warn (once per run) when at least this share of a step's returned samples had been thrown
@@ -140,6 +144,8 @@ class AprilRollout:
     on_quota: Literal["snapshot", "tokens", "drop"] = "snapshot"
     max_inflight_groups: int | Literal["auto"] = "auto"
     push_weights: bool = True
+    weight_sync: Literal["distributed", "disk"] = "distributed"
+    master_address: str | None = None  # distributed: where the server reaches this trainer
     background: bool = False
     max_tokens_column: str | None = None
     weights_dir: str | None = None
@@ -149,6 +155,7 @@ class AprilRollout:
     records: list[StepRecord] = field(default_factory=list)
     _pushed_step: int | None = None
     _pushed_dir: Path | None = None
+    _broadcaster: WeightBroadcaster | None = None
     _calls: int = 0
     _metadata: dict[str, dict[str, Any]] | None = None  # prompt key -> row as JSON metadata
     _pool: list[tuple[str, Any]] = field(default_factory=list)  # training prompts, with keys
@@ -166,6 +173,10 @@ class AprilRollout:
             )
         if self.over_provision < 1.0:
             raise ValueError(f"over_provision must be >= 1.0, got {self.over_provision}")
+        if self.weight_sync not in ("distributed", "disk"):
+            raise ValueError(
+                f"weight_sync must be 'distributed' or 'disk', got {self.weight_sync!r}"
+            )
 
     # ---- the rollout function ----------------------------------------------------------------
 
@@ -290,11 +301,19 @@ class AprilRollout:
     # ---- weights -----------------------------------------------------------------------------
 
     def push(self, trainer: Any, step: int) -> None:
-        """Save the policy and load it into the server as weight version `step`."""
+        """The policy's weights into the server as weight version `step`."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if self.weight_sync == "distributed":
+            if self._broadcaster is None:
+                self._broadcaster = WeightBroadcaster(self.client, self.master_address)
+            resp = self._broadcaster.push(model.named_parameters(), str(step))
+            if not resp.get("success", False):
+                raise RuntimeError(f"weight push for step {step} failed: {resp.get('message')}")
+            self._pushed_step = step
+            return
         root = Path(self.weights_dir or tempfile.mkdtemp(prefix="april-weights-"))
         self.weights_dir = str(root)
         path = root / f"step-{step}"
-        model = trainer.accelerator.unwrap_model(trainer.model)
         model.save_pretrained(path, safe_serialization=True)
         resp = self.client.update_weights_from_disk(str(path), weight_version=str(step))
         if not resp.get("success", False):
@@ -318,6 +337,9 @@ class AprilRollout:
                 self.ledger.cleared.add(gid)
         if self._pushed_dir is not None:
             shutil.rmtree(self._pushed_dir, ignore_errors=True)
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
         return left
 
     def callback(self) -> Any:

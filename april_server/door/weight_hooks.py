@@ -1,11 +1,14 @@
 """HTTP-process side of weight updates, installed through SGLang's plugin hooks.
 
-AROUND `TokenizerManager.update_weights_from_disk`: SGLang 0.5.23 loads the new weights, stamps
-their version on the scheduler, then flushes the prefix cache. With `abort_all_requests` the
-flush can come before the aborted requests have left the running batch; SGLang then answers
-400 "Weights were updated, but the cache was not flushed" and leaves the tokenizer's version at
-the old one, while the scheduler already stamps outputs with the new one. A trainer that checks
-the status (AReaL does) believes its update failed while the server runs the new weights.
+AROUND every `TokenizerManager.update_weights_from_*`: SGLang 0.5.23 loads the new weights,
+stamps their version on the scheduler, then flushes the prefix cache. With `abort_all_requests`,
+or when segments we cut are still leaving the batch (seen with `update_weights_from_distributed`
+inside a session during background generation: the session's writer lock is released between
+its messages), the flush can come before the aborted requests have left the running batch;
+SGLang then answers 400 "Weights were updated, but the cache was not flushed" and leaves the
+tokenizer's version at the old one, while the scheduler already stamps outputs with the new
+one. A trainer that checks the status (AReaL does) believes its update failed while the server
+runs the new weights.
 
 The hook finishes the update the caller asked for: it records the new version where the
 tokenizer (our `/stats`, the KV-reuse rule) reads it, so it equals the stamp on outputs, and
@@ -59,12 +62,9 @@ _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager."
 def register_weight_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(
-        _TM + "update_weights_from_disk", _around_update_from_disk, HookType.AROUND
-    )
-    for name in ("tensor", "distributed", "ipc"):
+    for name in ("disk", "tensor", "distributed", "ipc"):
         HookRegistry.register(
-            _TM + "update_weights_from_" + name, _around_other_update, HookType.AROUND
+            _TM + "update_weights_from_" + name, _around_update_flushing, HookType.AROUND
         )
     # SGLang's weight-update session (`/begin_weight_update` ... `/end_weight_update`, which
     # 0.5.23 requires around `update_weights_from_distributed`): each takes the writer lock for
@@ -121,26 +121,27 @@ async def _around_other_update(original: Any, tm: Any, obj: Any, *args: Any, **k
         return await original(tm, obj, *args, **kw)
 
 
-async def _around_update_from_disk(
+async def _around_update_flushing(
     original: Any, tm: Any, obj: Any, *args: Any, **kwargs: Any
-) -> tuple[bool, str, int]:
+) -> tuple[Any, ...]:
+    """Every `update_weights_from_*` (disk answers (success, message, paused), the others
+    (success, message)): the flush SGLang refuses while cut requests are still leaving the
+    batch is done once they have left (seen with a broadcast during background generation)."""
     # Our cut segments continue only after the flush: they would make it fail again.
     async with cut_at_version_boundary(obj):
-        success, message, paused = await original(tm, obj, *args, **kwargs)
+        result = tuple(await original(tm, obj, *args, **kwargs))
+        success, message = result[0], result[1]
         if success or not str(message).startswith(UPDATED_BUT_NOT_FLUSHED):
-            return success, message, paused
+            return result
         # The scheduler runs the new weights and stamps their version: say it here too.
         if obj.weight_version is not None:
             tm._update_weight_version_if_provided(obj.weight_version)
-        if await flush_when_idle(tm, abort=bool(obj.abort_all_requests)):
+        if await flush_when_idle(tm, abort=bool(getattr(obj, "abort_all_requests", False))):
             note = f" Weight version updated to {obj.weight_version}." if obj.weight_version else ""
             logger.info("april: weights updated; the cache flushed once the requests had left")
-            return (
-                True,
-                "Succeeded to update model weights (cache flushed after a retry)." + note,
-                0,
-            )
-        return success, message, paused
+            done = "Succeeded to update model weights (cache flushed after a retry)." + note
+            return (True, done, 0)[: len(result)]
+        return result
 
 
 async def flush_when_idle(tm: Any, abort: bool) -> bool:

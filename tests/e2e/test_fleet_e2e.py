@@ -441,3 +441,47 @@ def test_a_push_through_the_owner_does_not_wait_for_stragglers(
         assert versions[0] == "fleet-idle" and versions[-1] == "fleet-cut", versions
         assert len(s["output_ids"]) == sum(x["end"] - x["start"] for x in s["segments"]) == 1500
     clear_buffer(http)
+
+
+def test_a_broadcast_through_the_owner_reaches_both_engines_and_holds_a_late_one_out(
+    http: httpx.Client, fleet: Fleet
+) -> None:
+    """#34: the trainer (this process) broadcasts once through the owner, which gives each
+    engine its ranks; with engine 1 killed before a push and restarted after it, engine 1 does
+    not serve (stale, out of placement) until the trainer's next push has reached it."""
+    from april_client import AprilClient
+    from april_client.weight_sync import WeightBroadcaster
+    from april_server.models import ensure_tiny_model
+    from tests.e2e.test_weights_wire_e2e import changed_model, greedy
+
+    model = changed_model(seed=2)
+    late = fleet.name(1)
+    with AprilClient(fleet.owner.url, timeout=300) as client:
+        sync = WeightBroadcaster(client)
+        out = sync.push(model.named_parameters(), "bc-1")
+        assert out["engines"] == {fleet.name(0): "bc-1", late: "bc-1"}, out
+        info = client.weight_group()
+        assert (info.ranks, info.world_size, info.in_sync) == (2, 3, True)
+        want = [greedy(e) for e in (fleet.engines[0].client(), fleet.engines[1].client())]
+        assert want[0] == want[1]  # one broadcast, the same weights on both
+        fleet.engines[1].kill9()
+        wait_for("engine 1 down", lambda: engines(http)[late]["state"] == "down")
+        assert not client.weight_group().in_sync  # its member is gone: the next push rebuilds
+        out = sync.push(model.named_parameters(), "bc-2")
+        assert out["engines"] == {fleet.name(0): "bc-2"} and sync.rebuilt == 2, out
+        fleet.restart(1)
+        wait_for("engine 1 back", lambda: engines(http)[late]["state"] != "down", 180)
+        # Back with its first weights: held out, and said so, until it has the fleet's version.
+        e1 = engines(http)[late]
+        assert e1["state"] == "stale" and e1["weight_version"] != "bc-2", e1
+        info = client.weight_group()
+        assert info.behind == [late] and not info.in_sync
+        assert ok(http.get(R + "/stats"))["engine"]["healthy_engines"] == 1  # placement's pool
+        out = sync.push(model.named_parameters(), "bc-3")
+        assert out["engines"] == {fleet.name(0): "bc-3", late: "bc-3"} and sync.rebuilt == 3
+        wait_for("engine 1 serving", lambda: engines(http)[late]["state"] == "healthy")
+        assert greedy(fleet.engines[1].client()) == want[0]
+        sync.close()
+    # The other tests' weights again (pushed from disk: replayed to an engine that rejoins).
+    body = {"model_path": str(ensure_tiny_model()), "weight_version": "bc-reset"}
+    assert ok(http.post("/update_weights_from_disk", json=body))["success"]

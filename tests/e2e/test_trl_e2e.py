@@ -1,9 +1,10 @@
 """TRL's own GRPOTrainer trains against a real april-server (APRIL mode, CPU, tiny model).
 
 One run of STEPS optimizer steps (the quick run, `make test`: QUICK_STEPS, every check but the
-reward's) with over-provisioning 2, `max_staleness=1` and stale tokens
-kept (the demo's APRIL setting; with `mask`, the first characters a format reward looks at are
-mostly in masked stale segments, and 16 steps do not move it beyond noise); then:
+reward's), weights broadcast over a gloo group (the adapter's default), with over-provisioning
+2, `max_staleness=1` and stale tokens kept (the demo's APRIL setting; with `mask`, the first
+characters a format reward looks at are mostly in masked stale segments, and 16 steps do not
+move it beyond noise); then:
 - reward rises beyond noise: per-sample format reward of the last 3 steps vs the first 3
   (96 samples each), Welch z-score > 3. How far it has risen by the last steps varies from run
   to run: sampling is not seeded (SGLang ignores seeds outside its deterministic mode, which

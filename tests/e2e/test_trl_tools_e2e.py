@@ -5,7 +5,8 @@ calls the tool by emitting `@` (token CALL, the turn stop); the tool looks the k
 row and answers " key K is D." (appended, env_mask 0); the episode goes on for one more turn.
 Reward: 0 without a tool call, 0.5 with one, 1 when the text after the tool's answer also
 holds the secret digit (it used the answer). One run of STEPS optimizer steps, APRIL
-(over-provisioning 2, stale tokens kept, so env_mask 0 is exactly the tool's tokens); then
+(over-provisioning 2, stale tokens kept, so env_mask 0 is exactly the tool's tokens; weights
+pushed from disk, where the other TRL test broadcasts them); then
 (the quick run, `make test`: QUICK_STEPS steps, 20 call tokens, every check but the reward's):
 - the rows TRL received: completion_ids = the server's whole response (generated + the
   tool's tokens in place), env_mask 0 exactly on the tool's tokens, logprobs 0.0 there and
@@ -89,7 +90,7 @@ def train(url: str, workdir: str, steps: int) -> dict[str, Any]:
     adapter = AprilRollout(
         client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
         max_inflight_groups=2 * PROMPTS, run_id="trl-tools", seed=0, tool=lookup,
-        turns=turns_for(steps),
+        turns=turns_for(steps), weight_sync="disk",  # the GRPO test covers the default
     )  # fmt: skip
     assert adapter._tools is not None
     return grpo_run(
