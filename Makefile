@@ -18,8 +18,8 @@ bench-async:  ## never idle: sync vs april vs april-async, a trainer of TRAIN_S 
 
 PYTEST = python -m pytest -q -p no:cacheprovider --durations=25
 
-test:  ## every behaviour (not the slow tier): 2 workers; unit + kernel tests one by one, each end-to-end module (real SGLang) whole on one worker
-	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not slow" -n 2 --dist loadgroup
+test:  ## every behaviour: unit + kernels in 2 workers, then end to end on a real SGLang (serial); not the slow tier
+	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2 && $$V/bin/$(PYTEST) -m "e2e and not slow"
 
 test-slow:  ## the slow tier: full-size storm and chaos soaks, the whole kernel grid in the Triton interpreter
 	@V=$(VENV) && $$V/bin/$(PYTEST) -m slow

@@ -29,16 +29,6 @@ from tests.server_proc import ServerProc  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # `make test` runs in two xdist workers with `--dist loadgroup`: unit and kernel tests one by
-    # one wherever there is room, each end-to-end module whole on one worker (its servers and
-    # module fixtures started once, its tests in order), the modules that share
-    # `weights_server` together. Every module starts its own servers on free ports with its
-    # own state dirs, so two modules on two workers do not meet.
-    for item in items:
-        if "e2e" in item.keywords:
-            fixtures = getattr(item, "fixturenames", ())
-            name = "weights" if "weights_server" in fixtures else item.module.__name__  # type: ignore[attr-defined]
-            item.add_marker(pytest.mark.xdist_group(name))
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")
