@@ -30,20 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from april_client.protocol import WeightGroupInfo
+from april_server.door.weight_hooks import UpdateListener
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import RemoteEngine
 from april_server.wire.errors import ApiError
 
 logger = logging.getLogger(__name__)
 SESSION_LIMIT_S = 300.0  # a session the trainer never ended gives the engines back after this
-
-
-class Listener:
-    """What cuts the owner's segments at a version boundary (`SegmentRunner`)."""
-
-    async def before_update(self) -> None: ...
-
-    def after_update(self) -> None: ...
 
 
 @dataclass
@@ -63,11 +56,11 @@ def rank_offsets(engines: list[tuple[str, int]], first: int) -> dict[str, int]:
 
 
 class FleetWeights:
-    def __init__(self, fleet: FleetEngine, listener: Callable[[], Listener | None]) -> None:
+    def __init__(self, fleet: FleetEngine, listener: Callable[[], UpdateListener | None]) -> None:
         self.fleet = fleet
         self.listener = listener
         self.group: Group | None = None
-        self._cut: Listener | None = None
+        self._cut: UpdateListener | None = None
         self._watchdog: asyncio.Task[None] | None = None
         fleet.group_info = self.info  # the fleet's `weight_group()` (`GET .../weights/group`)
 

@@ -33,6 +33,22 @@ def welch_z(before: list[float], after: list[float]) -> float:
     return (statistics.fmean(after) - statistics.fmean(before)) / max(se**0.5, 1e-9)
 
 
+def check_reward(scored: dict[int, list[float]], steps: int, full: int, label: str) -> None:
+    """Every step scored; in the learning-curve run (`steps == full`), the reward of the last 3
+    steps beyond noise above the first 3's (Welch z > 3). A quick run cannot show it."""
+    done = sorted(scored)
+    assert len(done) == steps
+    if steps != full:
+        return
+    first = [v for s in done[:3] for v in scored[s]]
+    last = [v for s in done[-3:] for v in scored[s]]
+    z = welch_z(first, last)
+    before, after = statistics.fmean(first), statistics.fmean(last)
+    means = [round(statistics.fmean(scored[k]), 3) for k in done]
+    print(f"{label} {before:.3f} -> {after:.3f}, z={z:.1f}, per step {means}")
+    assert z > 3, (before, after, z, means)
+
+
 def grpo_run(
     adapter: AprilRollout,
     sender: Any,

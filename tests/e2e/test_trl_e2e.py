@@ -24,7 +24,6 @@ move it beyond noise); then:
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from april_client.trainer_batch import rows_from_groups
 from april_client.trl import AprilRollout
 from april_server.models import ensure_tiny_model
 from examples import train_task
-from tests.e2e.grpo_run import PROMPTS, N, grpo_run, trained, welch_z
+from tests.e2e.grpo_run import PROMPTS, N, check_reward, grpo_run, trained
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
@@ -72,19 +71,10 @@ def test_grpo_trainer_learns_on_april_server(
     with trained(server, tmp_path, train, steps) as run:
         scored, outputs, responses = run["scored"], run["outputs"], run["responses"]
         records, ledger = run["records"], run["ledger"]
-        means = [round(statistics.fmean(scored[k]), 3) for k in sorted(scored)]
         client = AprilClient(server.url, timeout=600)
 
         # Reward rises beyond noise (the learning-curve run only: a few steps cannot show it).
-        done = sorted(scored)
-        assert len(done) == steps
-        if steps == STEPS:
-            first = [v for s in done[:3] for v in scored[s]]
-            last = [v for s in done[-3:] for v in scored[s]]
-            z = welch_z(first, last)
-            before, after = statistics.fmean(first), statistics.fmean(last)
-            print(f"format reward {before:.3f} -> {after:.3f}, z={z:.1f}, per step {means}")
-            assert z > 3, (before, after, z, means)
+        check_reward(scored, steps, STEPS, "format reward")
 
         # Every step's weights reached the server before its rollout.
         train_records = [r for r in records if r.mode == "train"]

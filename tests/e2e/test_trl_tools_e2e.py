@@ -19,7 +19,6 @@ pushed from disk, where the other TRL test broadcasts them); then
 from __future__ import annotations
 
 import random
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from april_client import AprilClient
 from april_client.trl import AprilRollout
 from april_client.trl_tools import ToolCall
 from april_server.models import ensure_tiny_model
-from tests.e2e.grpo_run import PROMPTS, N, grpo_run, trained, welch_z
+from tests.e2e.grpo_run import PROMPTS, N, check_reward, grpo_run, trained
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
@@ -148,15 +147,7 @@ def test_grpo_trainer_learns_to_use_a_tool_on_april_server(
         assert tool_rows > 0, "no tool call at all: the masking went untested"
 
         # The reward rises beyond noise (the learning-curve run only).
-        done = sorted(scored)
-        assert len(done) == steps
-        if steps == STEPS:
-            first = [v for s in done[:3] for v in scored[s]]
-            last = [v for s in done[-3:] for v in scored[s]]
-            z = welch_z(first, last)
-            before, after = statistics.fmean(first), statistics.fmean(last)
-            print(f"tool reward {before:.3f} -> {after:.3f}, z={z:.1f}; calls {tool_rows}")
-            assert z > 3, (before, after, z)
+        check_reward(scored, steps, STEPS, f"tool reward (rows with a call: {tool_rows})")
 
         # Nothing of the run left on the server.
         assert ledger.outstanding() == []
