@@ -49,6 +49,13 @@ def april_parser() -> argparse.ArgumentParser:
         "default: 10 on an owner, never on one server)",
     )
     p.add_argument(
+        "--april-length-order",
+        choices=["arrival", "longest_first", "shortest_first"],
+        default="arrival",
+        help="the order a call starts its new groups in when it names no length_order "
+        "(predicted lengths; docs/api.md, Length prediction)",
+    )
+    p.add_argument(
         "--april-model",
         choices=["tiny", "smollm2"],
         default="tiny",
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_host_bytes=april.april_kv_host_bytes,
         allow_stale_kv=april.april_allow_stale_kv,
         snapshot_sweep_s=april.april_snapshot_sweep_s,
+        length_order=april.april_length_order,
     )
     if april.april_engines or april.april_smg:
         owner_main(april, rest, config)

@@ -105,6 +105,12 @@ class Sample(_Resp):
     # Times its output was thrown away to restart from the prompt for `max_staleness`: a
     # sample too long to finish within the bound restarts at every push (docs/trainers.md).
     staleness_restarts: int = 0
+    # Length prediction (docs/api.md, Length prediction): the final output length predicted
+    # when its last segment started, from finished siblings and the prompt's earlier rollouts
+    # (null without evidence); what is left of it (0 once it finished); how much to trust it.
+    predicted_tokens: int | None = None
+    predicted_remaining: int | None = None
+    prediction_confidence: float | None = None
 
     @property
     def turn(self) -> int:
@@ -189,6 +195,9 @@ class RolloutReq(_Req):
     reject_grace_s: float = 0.0
     # What ends a turn, for every group that does not carry its own (agent rollouts).
     turns: TurnsSpec | None = None
+    # The order the call starts its new groups in (docs/api.md, Length prediction): as sent,
+    # or by predicted length; null takes the server's --april-length-order.
+    length_order: Literal["arrival", "longest_first", "shortest_first"] | None = None
 
 
 class GroupsReq(_Req):
@@ -299,6 +308,12 @@ class GroupsResp(_Resp):
 class DeleteResp(_Resp):
     group_id: str
     deleted: bool
+
+
+class LengthsForgotten(_Resp):
+    """`DELETE /april/v1/lengths`: how many prompts' length histories were forgotten."""
+
+    forgotten_prompts: int
 
 
 class WeightGroupInfo(_Resp):

@@ -12,7 +12,7 @@ PY=${APRIL_PYTHON:-python3}
 KEY=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import hashlib, sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-heavy = {k: v for k, v in p["optional-dependencies"].items() if k not in ("fleet", "test-parallel")}  # LIGHT
+heavy = {k: v for k, v in p["optional-dependencies"].items() if k not in ("fleet", "test-parallel", "workloads")}  # LIGHT
 blob = repr((p["dependencies"], heavy, "v1")).encode()
 print(hashlib.sha256(blob).hexdigest()[:12])
 PYEOF
@@ -44,7 +44,7 @@ if [ ! -f "$STAMP" ]; then
   light=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import sys, tomllib
 o = tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]
-print("\n".join(o["fleet"] + o["test-parallel"]))
+print("\n".join(o["fleet"] + o["test-parallel"] + o["workloads"]))
 PYEOF
 )
   # shellcheck disable=SC2086

@@ -60,6 +60,11 @@ CREATE TABLE IF NOT EXISTS calls (
     body BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS calls_by_seq ON calls (seq);
+CREATE TABLE IF NOT EXISTS lengths (
+    prompt_key TEXT PRIMARY KEY,
+    seen INTEGER NOT NULL,
+    lengths BLOB NOT NULL
+);
 """
 # The summaries, read at start-up from this covering index without touching the bodies.
 _SUMMARY_INDEX = """
@@ -80,6 +85,7 @@ _json_group = msgspec.json.Decoder(Group)
 _pack = msgspec.msgpack.Encoder()
 _unpack_group = msgspec.msgpack.Decoder(Group)
 _versions_dec = msgspec.msgpack.Decoder(list[str])
+_lengths_dec = msgspec.msgpack.Decoder(list[int])
 
 T = TypeVar("T")
 
@@ -304,6 +310,9 @@ class BufferStore:
         self._next_call_seq = self._blocking(
             lambda db: int(db.execute("SELECT COALESCE(MAX(seq), 0) FROM calls").fetchone()[0]) + 1
         )
+        self._seen = self._blocking(
+            lambda db: int(db.execute("SELECT COALESCE(MAX(seen), 0) FROM lengths").fetchone()[0])
+        )
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -403,6 +412,34 @@ class BufferStore:
 
         self._blocking(write, write=True)
 
+    def load_lengths(self) -> list[tuple[str, list[int]]]:
+        """Every prompt's stored finished lengths (`rules/lengths.py`), least recently seen
+        first (start-up)."""
+
+        def read(db: sqlite3.Connection) -> list[tuple[str, list[int]]]:
+            rows = db.execute("SELECT prompt_key, lengths FROM lengths ORDER BY seen").fetchall()
+            return [(k, _lengths_dec.decode(bytes(v))) for k, v in rows]
+
+        return self._blocking(read)
+
+    def save_lengths(self, rows: list[tuple[str, list[int]]], forget: bool = False) -> None:
+        """Upsert prompts' lengths (after `forget`: every other row deleted first), on the
+        store's thread, not awaited: the history is advice, so a crash may lose its last
+        entries but nothing waits for it."""
+        self._seen += 1
+        seen = self._seen
+
+        def write(db: sqlite3.Connection) -> None:
+            if forget:
+                db.execute("DELETE FROM lengths")
+            db.executemany(
+                "INSERT OR REPLACE INTO lengths (prompt_key, seen, lengths) VALUES (?, ?, ?)",
+                [(k, seen, _pack.encode(v)) for k, v in rows],
+            )
+
+        done = self._db.submit(write, write=True)
+        done.add_done_callback(_log_failure)
+
     def load_all(self) -> list[Group]:
         """Every stored group, oldest first."""
         boot = self.boot
@@ -412,6 +449,11 @@ class BufferStore:
             return [_fresh_from(decode_group(bytes(b)), boot_ == boot) for boot_, b in rows]
 
         return self._blocking(read)
+
+
+def _log_failure(done: cf.Future[Any]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        logger.warning("saving the length history failed: %s", done.exception())
 
 
 def _versions(blob: bytes) -> list[str]:

@@ -152,7 +152,11 @@ class RolloutCall(Refill, WindDown):
         # (`_next_group`), so the rest stay available to other calls.
         mgr.buffer.adopt(fresh, self.batch_id)
         self.group_ids.extend(g.group_id for g in fresh)
-        self.fresh = deque(g.group_id for g in fresh)
+        # New groups start in the call's length order (predicted longest first: the tail
+        # begins early and short ones fill the batch; docs/api.md, Length prediction).
+        lengths = mgr.segments.lengths
+        order = lengths.order(fresh, req.length_order or lengths.default_order)
+        self.fresh = deque(g.group_id for g in order)
 
     def reject(self, body: RejectReq) -> None:
         if self.stopped:

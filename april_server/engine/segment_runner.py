@@ -33,6 +33,7 @@ from april_server.rules import samples as S
 from april_server.rules import snapshots as K
 from april_server.rules import turns as T
 from april_server.rules.inflight import Admission, kv_need
+from april_server.rules.lengths import LengthModel
 from april_server.rules.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
 from april_server.rules.stops import reached_stop
 from april_server.wire.errors import conflict
@@ -73,6 +74,8 @@ class SegmentRunner:
         self.updated = asyncio.Event()  # clear while a weight update holds cut segments
         self.updated.set()
         self._resend_cuts: asyncio.Future[None] | None = None
+        # Predicted lengths: written on each member as its group starts, scored as it ends.
+        self.lengths = LengthModel()
 
     @property
     def snapshots_enabled(self) -> bool:
@@ -123,6 +126,7 @@ class SegmentRunner:
         """Start every unfinished member of held `group` (one out of budget is marked
         truncated instead); their tasks go into `tasks`. Returns how many started."""
         n = 0
+        self.lengths.mark(group)
         for s in group.samples:
             if S.is_finished(s) or T.awaiting(s):  # an awaiting member runs once answered
                 continue
@@ -350,6 +354,8 @@ class SegmentRunner:
         kv = "restored" if out.restored > 0 else cont.kv
         S.apply_segment(sample, out.result, kv, out.slot.engine, out.slot.dp_rank)
         T.end_of_segment(sample, out.result.matched)  # a turn stop: it awaits input
+        if S.is_finished(sample):
+            self.lengths.finished(sample)
         produced = len(sample.output_ids) - before
         tally.output_tokens += produced
         self.counters.output_tokens += produced

@@ -33,6 +33,7 @@ from april_client.protocol import (
     GroupsResp,
     InputReq,
     InputResp,
+    LengthsForgotten,
     PartialsResp,
     RejectReq,
     ResumeReq,
@@ -242,6 +243,13 @@ def create_router(
         """What a trainer's weight-update group needs here (docs/api.md)."""
         return json_response(get_manager().engine.weight_group())
 
+    @router.delete(PREFIX + "/lengths")
+    @guarded
+    async def forget_lengths(request: Request) -> Response:
+        """Forget every prompt's length history (docs/api.md, Length prediction)."""
+        auth.require_admin(request.headers.get("authorization"), "forgetting length histories")
+        return json_response(LengthsForgotten(forgotten_prompts=get_manager().forget_lengths()))
+
     @router.get(PREFIX + "/stats")
     @guarded
     async def stats(request: Request) -> Response:
@@ -360,6 +368,7 @@ ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
     ("delete", PREFIX + "/partials/{group_id:path}"): (None, DeleteResp),
     ("get", PREFIX + "/stats"): (None, dict),
     ("get", PREFIX + "/weights/group"): (None, WeightGroupInfo),
+    ("delete", PREFIX + "/lengths"): (None, LengthsForgotten),
 }
 
 

@@ -62,6 +62,7 @@ class _StatsCollector(Collector):
         if policy.get("last_target") is not None:
             doc = "running samples the adaptive policy last aimed for"
             yield GaugeMetricFamily("april_inflight_target", doc, value=policy["last_target"])
+        yield from _length_metrics(s.get("length_prediction") or {})
         clock = s.get("engine_time") or {}
         kinds = [k for k in ("prefill", "decode") if f"{k}_s" in clock]
         if kinds:
@@ -100,6 +101,24 @@ class _StatsCollector(Collector):
             for batch, seconds in curve.items():
                 g.add_metric([str(batch)], float(seconds))
             yield g
+
+
+def _length_metrics(lp: dict[str, Any]) -> Iterator[Metric]:
+    """Predicted vs actual lengths (rules/lengths.py): sums, so a rate gives the mean error
+    over any window."""
+    if not lp:
+        return
+    for name, doc, key in (
+        ("predictions_scored", "finished samples whose predicted length was scored",
+         "scored_samples"),
+        ("prediction_abs_error_tokens", "sum of |predicted - actual| final lengths, tokens",
+         "abs_error_tokens"),
+        ("prediction_error_tokens", "sum of (predicted - actual) final lengths, tokens",
+         "error_tokens"),
+    ):  # fmt: skip
+        yield CounterMetricFamily(f"april_length_{name}", doc, value=float(lp[key]))
+    doc = "prompts with a length history"
+    yield GaugeMetricFamily("april_length_history_prompts", doc, value=lp["history_prompts"])
 
 
 def prometheus_text(stats: dict[str, Any], with_engine: bool = False) -> bytes:

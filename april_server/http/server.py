@@ -59,6 +59,9 @@ class ManagerHolder:
                 allow_stale_kv=self.config.allow_stale_kv,
                 buffer=self.buffer,
             )
+            lengths = self._manager.segments.lengths
+            lengths.default_order = self.config.length_order  # type: ignore[assignment]
+            lengths.history.load(self.store.load_lengths())
             self._manager.loop_lag = LoopLagMonitor()
             self._manager.loop_lag.start()  # first use is a request: on the server's loop
             m, snap = self._manager, self._manager.segments.snap

@@ -153,6 +153,7 @@ class RolloutManager:
             g.state = "finished"
         else:
             g.state = "awaiting" if any(turn_rules.awaiting(s) for s in g.samples) else "idle"
+            self.segments.lengths.mark(g)  # what it would start under now (running: as it did)
         return g
 
     # ---- claiming and persisting -------------------------------------------------------------
@@ -170,6 +171,16 @@ class RolloutManager:
     ) -> None:
         """Make the outcome durable (fsync, off the event loop); called before acknowledging."""
         await self.buffer.persist(put, delete, call)
+        dirty = self.segments.lengths.history.take_dirty()
+        if dirty:
+            self.store.save_lengths(dirty)
+
+    def forget_lengths(self) -> int:
+        """`DELETE /april/v1/lengths`: forget every prompt's length history (here and in the
+        store); returns how many prompts it held."""
+        n = self.segments.lengths.forget()
+        self.store.save_lengths([], forget=True)
+        return n
 
     async def admission_ready(self) -> Admission:
         return await self.segments.admission_ready()
@@ -271,4 +282,5 @@ class RolloutManager:
             "engine_time": clock,
             **idle_shares(clock),
             "inflight_policy": self._inflight_stats(),
+            "length_prediction": self.segments.lengths.figures(),
         }

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from april_server.settings.env import DEFAULT_KV_HOST_BYTES
 
+# The orders a call may start its new groups in (rules/lengths.py orders them).
+LENGTH_ORDERS = ("arrival", "longest_first", "shortest_first")
+
 
 @dataclass(frozen=True, slots=True)
 class AprilConfig:
@@ -19,6 +22,9 @@ class AprilConfig:
     # Seconds between sweeps that free snapshots nobody refers to (`snapshot_sweep.py`); 0:
     # never; None: the mode's default (an owner sweeps every 10 s, one server never).
     snapshot_sweep_s: float | None = None
+    # The order a call starts its new groups in when it names none (`length_order`):
+    # arrival | longest_first | shortest_first (predicted lengths, rules/lengths.py).
+    length_order: str = "arrival"
 
     # Request limits: each violation is a clear 4xx, never work started.
     max_groups_per_call: int = 4096
@@ -33,6 +39,8 @@ class AprilConfig:
             raise ValueError("snapshot_sweep_s must be >= 0")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
+        if self.length_order not in LENGTH_ORDERS:
+            raise ValueError(f"length_order must be one of {', '.join(LENGTH_ORDERS)}")
 
     @property
     def buffer_path(self) -> Path | None:

@@ -24,7 +24,7 @@ import httpx
 
 from . import agent
 from . import simulate as sim
-from .driver import MODES, BenchConfig, ModeSpec
+from .driver import DEFAULT_MODES, MODES, BenchConfig, ModeSpec
 from .launcher import LaunchedServer
 from .metrics import ModeResult
 from .metrics import __doc__ as metrics_doc
@@ -68,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help=f"comma-separated modes from {','.join(MODES)}; an APRIL mode may name its "
         "max_inflight_groups policy: april@auto, april@all, april-kv@16 (default: "
-        f"{','.join(MODES)}; with --sweep {SWEEP_MODES})",
+        f"{','.join(DEFAULT_MODES)}; with --sweep {SWEEP_MODES})",
     )
     a(
         "--quick",
@@ -102,7 +102,14 @@ def parser() -> argparse.ArgumentParser:
         "snapshots are then not restored unless the server allows stale reuse)",
     )
     a("--seed", type=int, default=0)
-    a("--workload", choices=["longtail", "jsonl", "natural"], default="longtail")
+    a(
+        "--workload",
+        choices=["longtail", "jsonl", "natural", "text"],
+        default="longtail",
+        help="text: HumanEval prompts on SmolLM2, lengths set by the model (needs --model "
+        "smollm2); --prompts of them, revisited across steps as RL epochs do",
+    )
+    a("--prompts", type=int, default=8, help="distinct prompts of --workload text")
     a("--lengths-file", type=Path, help="JSONL budgets for --workload jsonl")
     a("--max-inflight", default="all", help="APRIL max_inflight_groups: all | auto | N")
     a("--max-staleness", type=int, default=None)
@@ -290,7 +297,7 @@ def simulation(
 
 
 def mode_specs(args: argparse.Namespace, sweep: bool = False) -> list[ModeSpec]:
-    text = args.modes or (SWEEP_MODES if sweep else ",".join(MODES))
+    text = args.modes or (SWEEP_MODES if sweep else ",".join(DEFAULT_MODES))
     try:
         specs = [ModeSpec.parse(m, args.max_inflight) for m in text.split(",") if m.strip()]
     except BenchError as exc:

@@ -6,6 +6,8 @@
   `/april/v1/rollouts` for K finished groups (`on_quota: tokens`, so resumes re-prefill).
 - `april-kv`: the same with `on_quota: snapshot` (resumes restore KV snapshots); refused, not
   faked, when the server has no KV snapshots.
+- `april-tail`: `april` with `length_order: longest_first` (the server starts a call's new
+  groups by predicted length, longest first: docs/api.md, Length prediction).
 - `april-async`: over-provisioning like `april`, with `on_quota: continue` (the call's
   stragglers keep generating in the background after it answered) and prefetch: right after a
   call answers, the next step's new groups go in with `POST /groups` (`start: background`), so
@@ -26,6 +28,7 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from .accounting import Consumed, Ledger
+from .lengths import length_figures, score_delta
 from .metrics import ModeResult, StepRecord, timeline_stats, windows_idle_frac
 from .server_api import (
     BenchError,
@@ -43,9 +46,13 @@ from .server_api import (
 from .staleness import add, offpolicy_tokens, sample_histogram, version_lag
 from .workload import WorkGroup, Workload
 
-Mode = Literal["sync", "april", "april-kv", "april-async"]
-MODES: tuple[Mode, ...] = ("sync", "april", "april-kv", "april-async")
-ON_QUOTA = {"april": "tokens", "april-kv": "snapshot", "april-async": "continue"}
+Mode = Literal["sync", "april", "april-kv", "april-async", "april-tail"]
+MODES: tuple[Mode, ...] = ("sync", "april", "april-kv", "april-async", "april-tail")
+DEFAULT_MODES: tuple[Mode, ...] = ("sync", "april", "april-kv", "april-async")
+ON_QUOTA = {"april": "tokens", "april-kv": "snapshot", "april-async": "continue",
+            "april-tail": "tokens"}  # fmt: skip
+# Tail-aware APRIL (#35): `april` whose calls start their new groups predicted-longest first.
+LENGTH_ORDER = {"april-tail": "longest_first"}
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ class ModeRunner:
         self.http, self.cfg, self.wl, self.info = http, cfg, workload, info
         self.progress = progress
         self.result = ModeResult(mode=spec.label)
-        exact = workload.kind != "natural"
+        exact = workload.kind not in ("natural", "text")
         self.ledger = Ledger(spec.label, cfg.groups, cfg.n, exact_budgets=exact)
         self.next_index = 0
         self.version = info.weight_version
@@ -137,6 +144,7 @@ class ModeRunner:
         self.background0 = 0
         self.ticks = 0
         self.finished = False
+        self.pred0: dict[str, Any] | None = None
 
     def gid(self, g: WorkGroup) -> str:
         return f"{self.cfg.run_tag}-{self.spec.slug}-g{g.index:06d}"
@@ -173,7 +181,10 @@ class ModeRunner:
             self.history.append(version)
 
     async def begin(self) -> None:
-        """Before the mode's first step: where the server's background tally stands."""
+        """Before the mode's first step: where the server's background tally and its length
+        prediction score stand."""
+        if self.mode != "sync":
+            self.pred0 = await self.prediction_score()
         if self.mode == "april-async":
             self.background0 = await background_tokens(self.http)
 
@@ -250,7 +261,19 @@ class ModeRunner:
         # A mode found unavailable mid-step did not record what it received: nothing to check.
         self.result.checks = self.ledger.check() if self.result.available else []
         self.note_staleness()
+        if self.wl.kind in ("natural", "text"):  # lengths the model chose: worth describing
+            prompts = self.wl.prompts if self.wl.kind == "text" else None
+            self.result.lengths = length_figures(self.ledger, self.cfg.max_tokens, prompts)
+        if self.mode != "sync":
+            end = await self.prediction_score()
+            self.result.length_prediction = score_delta(self.pred0, end) if end else None
         return self.result
+
+    async def prediction_score(self) -> dict[str, Any] | None:
+        """The server's length-prediction score so far (cumulative over its life)."""
+        stats = check(await self.http.get(R + "/stats"), "GET /stats")
+        figures: dict[str, Any] | None = stats.get("length_prediction")
+        return figures
 
     def note_staleness(self) -> None:
         limit = self.cfg.max_staleness
@@ -361,6 +384,7 @@ class ModeRunner:
             "on_quota": ON_QUOTA[self.mode],
             "max_staleness": cfg.max_staleness,
             "max_inflight_groups": self.inflight(outstanding + len(groups)),
+            "length_order": LENGTH_ORDER.get(self.mode),
             "stream": True,
             "request_id": f"{cfg.run_tag}-{self.spec.slug}-s{step}",
         }  # fmt: skip

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .lengths import lengths_line
 from .metrics import ModeResult
 from .staleness import describe
 
@@ -38,6 +39,8 @@ def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str
         rec["checks_ok"] = not r.checks
         rec["checks"] = r.checks
         rec["notes"] = r.notes
+        rec["lengths"] = r.lengths
+        rec["length_prediction"] = r.length_prediction
         rec["per_step"] = [s.to_json() for s in r.steps]
         out.append(rec)
     return out
@@ -122,6 +125,8 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
             lines.append(staleness_line(r))
         if r.get("push_count") or r.get("idle_push_s") is not None:
             lines.append(push_line(r))
+        if r.get("lengths"):
+            lines.append(lengths_line(r["mode"], r["lengths"], r.get("length_prediction")))
         for n in r.get("notes") or []:
             lines.append(f"{r['mode']} note: {n}")
         for c in r.get("checks") or []:

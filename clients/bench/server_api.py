@@ -98,6 +98,15 @@ async def flush_cache(http: httpx.AsyncClient) -> None:
         raise BenchError(f"POST /flush_cache: HTTP {resp.status_code}: {resp.text[:200]}")
 
 
+async def forget_lengths(http: httpx.AsyncClient) -> None:
+    """Clear the server's per-prompt length history, so a mode predicts only from its own
+    rollouts, not from the prompts an earlier mode ran. A server without the route (404) has
+    no history to clear."""
+    resp = await http.delete(R + "/lengths")
+    if resp.status_code not in (200, 404):
+        raise BenchError(f"DELETE /lengths: HTTP {resp.status_code}: {resp.text[:200]}")
+
+
 async def buffered_groups(http: httpx.AsyncClient) -> list[dict[str, Any]]:
     groups: list[dict[str, Any]] = check(await http.get(R + "/partials"), "GET partials")["groups"]
     return groups

@@ -27,6 +27,7 @@ from .server_api import (
     check,
     delete_groups,
     flush_cache,
+    forget_lengths,
     probe,
 )
 from .workload import Workload, load_lengths
@@ -39,7 +40,7 @@ def make_workload(args: argparse.Namespace, cfg: BenchConfig, vocab: int) -> Wor
             raise BenchError("--workload jsonl needs --lengths-file")
         lengths = load_lengths(args.lengths_file)
     return Workload(args.workload, cfg.n, cfg.max_tokens, seed=args.seed, vocab_size=vocab,
-                    lengths=lengths)  # fmt: skip
+                    lengths=lengths, prompts=getattr(args, "prompts", 8))  # fmt: skip
 
 
 async def warmup(http: httpx.AsyncClient, cfg: BenchConfig, wl: Workload, rounds: int) -> None:
@@ -128,6 +129,7 @@ async def drive(
         r.set_version((await probe(http)).weight_version)
         tag = f"{cfg.run_tag}-{r.spec.slug}"
         await idle_push([r], tag)
+        await forget_lengths(http)  # each mode predicts from its own rollouts only
         await r.begin()
         for step in range(cfg.steps):
             await r.step(step, poller)
@@ -153,8 +155,10 @@ async def run_modes(
         base_url=url, timeout=timeout, limits=limits, transport=transport
     ) as http:
         info = await probe(http)
-        if args.workload == "natural" and not info.has_tokenizer:
-            raise BenchError("--workload natural needs a server with a tokenizer (--model smollm2)")
+        if args.workload in ("natural", "text") and not info.has_tokenizer:
+            raise BenchError(
+                f"--workload {args.workload} needs a server with a tokenizer (--model smollm2)"
+            )
         buffered = [g["group_id"] for g in await buffered_groups(http)]
         if args.clear_buffer:
             await delete_groups(http, buffered)

@@ -88,6 +88,11 @@ def sweep_table(
             if r["mode"] != "sync" and r["mode"] not in labels:
                 labels.append(r["mode"])
     vs_april = wall and "april-async" in labels and "april" in labels
+    # Tail-aware APRIL against today's APRIL under the same in-flight policy, per repeat.
+    tail_base = {
+        t: t.replace("april-tail", "april", 1) for t in labels if t.startswith("april-tail")
+    }
+    tail_base = {t: b for t, b in tail_base.items() if b in labels}
     head = ["configuration", f"sync {unit}"]
     for label in labels:
         head += [f"{label} {unit}", "x sync"] + (["steady x sync"] if wall else [])
@@ -95,6 +100,8 @@ def sweep_table(
             head.append("running target")
         if vs_april and label == "april-async":
             head.append("x april")
+        if label in tail_base:
+            head.append(f"x {tail_base[label]}")
     head.append("checks")
     rows = [head]
     for point, recs in results:
@@ -111,6 +118,8 @@ def sweep_table(
                 row.append(_targets(runs))
             if vs_april and label == "april-async":
                 row.append(_cell(_ratios(recs, "april-async", "april", key), "ratio", "x{:.2f}"))
+            if label in tail_base:
+                row.append(_cell(_ratios(recs, label, tail_base[label], key), "ratio", "x{:.2f}"))
         ok = all(r.get("checks_ok", True) for r in recs if r.get("available"))
         row.append("ok" if ok and recs else "FAIL")
         rows.append(row)

