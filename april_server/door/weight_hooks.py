@@ -18,7 +18,7 @@ Without `abort_all_requests` SGLang's writer lock already waits for every reques
 flush cannot race and the hook passes the answer through.
 
 Weight pushes never wait for our stragglers (AROUND every `update_weights_from_*`, and the
-session's `begin_weight_update` and `end_weight_update`): SGLang's
+session's `begin_weight_update`, held until its `end_weight_update`: `Session`): SGLang's
 update takes a writer lock that waits until every request has finished. Without
 `abort_all_requests`, the rollout manager first cuts its running segments at the version
 boundary (`SegmentRunner.before_update`: abort; their tokens are kept, with the old version),
@@ -70,8 +70,9 @@ def register_weight_hooks() -> None:
     # 0.5.23 requires around `update_weights_from_distributed`): each takes the writer lock for
     # its message, so it too would wait for every running request (issue #34: 72-92 s behind
     # background generation). Our segments are cut for it and continue once it has answered.
-    for name in ("begin_weight_update", "end_weight_update"):
-        HookRegistry.register(_TM + name, _around_other_update, HookType.AROUND)
+    # A session holds them cut from its begin to its end (`Session`).
+    HookRegistry.register(_TM + "begin_weight_update", _around_begin, HookType.AROUND)
+    HookRegistry.register(_TM + "end_weight_update", _around_end, HookType.AROUND)
     # Which weight-update group the scheduler is in (`GET /april/v1/weights/group`): a trainer
     # learns from it whether a push reaches this server (a restarted server is in none).
     HookRegistry.register(_TM + "init_weights_update_group", _around_init_group, HookType.AROUND)
@@ -101,24 +102,85 @@ async def _around_destroy_group(original: Any, tm: Any, obj: Any, *args: Any, **
     return success, message
 
 
+class Session:
+    """An open weight-update session holds our segments cut from `/begin_weight_update` to
+    `/end_weight_update`: between its messages the model is mid-update (a trainer may send the
+    weights in several buckets; in-place-quantized weights are unpacked at begin), so nothing of
+    ours may generate then, and the updates inside it need no cut of their own (as an owner
+    does for its engines). A session never ended gives the segments back after
+    SESSION_LIMIT_S, so a trainer that died mid-push cannot stall the server for good."""
+
+    open = False
+    held: list[UpdateListener] = []
+    watchdog: asyncio.Task[None] | None = None
+
+    @classmethod
+    def release(cls) -> None:
+        held, cls.held, cls.open = cls.held, [], False
+        if cls.watchdog is not None and cls.watchdog is not asyncio.current_task():
+            cls.watchdog.cancel()
+        cls.watchdog = None
+        for x in held:
+            x.after_update()
+
+    @classmethod
+    async def expire(cls) -> None:
+        await asyncio.sleep(SESSION_LIMIT_S)
+        logger.warning("april: a weight-update session was not ended in %.0f s", SESSION_LIMIT_S)
+        cls.release()
+
+
+SESSION_LIMIT_S = 300.0
+
+
+async def _cut(obj: Any) -> list[UpdateListener]:
+    cut = [] if getattr(obj, "abort_all_requests", False) else [g() for g in _listeners]
+    ready = [x for x in cut if x is not None]
+    for x in ready:
+        await x.before_update()
+    return ready
+
+
 @asynccontextmanager
 async def cut_at_version_boundary(obj: Any) -> AsyncIterator[None]:
     """Around an update: our segments end before it and continue after it. A caller that
-    aborts everything (`abort_all_requests`) gets exactly that instead."""
-    cut = [] if getattr(obj, "abort_all_requests", False) else [g() for g in _listeners]
-    ready = [x for x in cut if x is not None]
+    aborts everything (`abort_all_requests`) gets exactly that instead. Inside an open session
+    they are held already."""
+    if Session.open:
+        yield
+        return
+    ready: list[UpdateListener] = []
     try:
-        for x in ready:
-            await x.before_update()
+        ready = await _cut(obj)
         yield
     finally:
         for x in ready:
             x.after_update()
 
 
-async def _around_other_update(original: Any, tm: Any, obj: Any, *args: Any, **kw: Any) -> Any:
-    async with cut_at_version_boundary(obj):
+async def _around_begin(original: Any, tm: Any, obj: Any, *args: Any, **kw: Any) -> Any:
+    if Session.open:  # SGLang refuses a second begin; nothing more to hold
         return await original(tm, obj, *args, **kw)
+    ready = await _cut(obj)
+    opened = False
+    try:
+        result = await original(tm, obj, *args, **kw)
+        opened = bool(result[0])
+        return result
+    finally:
+        if opened:
+            Session.open, Session.held = True, ready
+            Session.watchdog = asyncio.get_running_loop().create_task(Session.expire())
+        else:
+            for x in ready:
+                x.after_update()
+
+
+async def _around_end(original: Any, tm: Any, obj: Any, *args: Any, **kw: Any) -> Any:
+    try:
+        return await original(tm, obj, *args, **kw)
+    finally:  # ended or refused, the session is over for our segments
+        Session.release()
 
 
 async def _around_update_flushing(

@@ -141,3 +141,65 @@ def test_other_answers_pass_through() -> None:
     tm = FakeTm(busy_flushes=0)
     assert asyncio.run(W._around_update_flushing(fine, tm, Obj()))[0]
     assert tm.version == "v1"  # SGLang itself records it on success
+
+
+@dataclass
+class Listener:
+    events: list[str] = field(default_factory=list)
+
+    async def before_update(self) -> None:
+        self.events.append("cut")
+
+    def after_update(self) -> None:
+        self.events.append("continue")
+
+
+def _with_listener(monkeypatch: Any) -> Listener:
+    lst = Listener()
+    monkeypatch.setattr(W, "_listeners", [lambda: lst])
+    return lst
+
+
+async def _ok(tm: Any, obj: Any) -> tuple[bool, str]:
+    return True, "Success"
+
+
+async def _refused(tm: Any, obj: Any) -> tuple[bool, str]:
+    return False, "a weight-update session is already open"
+
+
+def test_a_session_holds_the_segments_cut_from_begin_to_end(monkeypatch: Any) -> None:
+    """#34: between a session's messages the model is mid-update (buckets), so our segments
+    stay cut for the whole session; the updates inside it cut nothing more."""
+    lst = _with_listener(monkeypatch)
+    tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
+
+    async def go() -> None:
+        assert await W._around_begin(_ok, tm, obj) == (True, "Success")
+        assert lst.events == ["cut"] and W.Session.open
+        for _ in range(3):  # three buckets
+            assert await W._around_update_flushing(_ok, tm, obj) == (True, "Success")
+        assert lst.events == ["cut"]  # still held
+        await W._around_end(_ok, tm, obj)
+        assert lst.events == ["cut", "continue"] and not W.Session.open
+        assert W.Session.watchdog is None
+        await W._around_update_flushing(_ok, tm, obj)  # outside a session: its own cut
+        assert lst.events == ["cut", "continue", "cut", "continue"]
+
+    asyncio.run(go())
+
+
+def test_a_refused_begin_holds_nothing_and_a_forgotten_session_expires(monkeypatch: Any) -> None:
+    lst = _with_listener(monkeypatch)
+    monkeypatch.setattr(W, "SESSION_LIMIT_S", 0.01)
+    tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
+
+    async def go() -> None:
+        await W._around_begin(_refused, tm, obj)
+        assert lst.events == ["cut", "continue"] and not W.Session.open
+        await W._around_begin(_ok, tm, obj)  # never ended
+        assert W.Session.open
+        await asyncio.sleep(0.1)
+        assert lst.events == ["cut", "continue", "cut", "continue"] and not W.Session.open
+
+    asyncio.run(go())
