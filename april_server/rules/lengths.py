@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -44,14 +45,43 @@ class Prediction:
     basis: Basis
 
 
-def _weighted_median(points: list[tuple[int, float]]) -> int:
-    points.sort()
-    half, acc = sum(w for _, w in points) / 2, 0.0
-    for value, w in points:
-        acc += w
-        if acc >= half:
-            return value
-    return points[-1][0]
+class Evidence:
+    """A group's observations, sorted once with prefix sums, so each member's prediction costs
+    a binary search (a `/partials` page predicts every unfinished member it lists, on the event
+    loop)."""
+
+    __slots__ = ("basis", "cum_w", "cum_wx", "cum_wxx", "xs")
+
+    def __init__(self, siblings: Sequence[int], history: Sequence[int]) -> None:
+        obs = sorted([(x, SIBLING_WEIGHT) for x in siblings] + [(x, 1.0) for x in history])
+        self.xs = [x for x, _ in obs]
+        self.cum_w, self.cum_wx, self.cum_wxx = [0.0], [0.0], [0.0]
+        for x, w in obs:
+            self.cum_w.append(self.cum_w[-1] + w)
+            self.cum_wx.append(self.cum_wx[-1] + w * x)
+            self.cum_wxx.append(self.cum_wxx[-1] + w * x * x)
+        self.basis: Basis = (
+            "both" if siblings and history else "siblings" if siblings else "history"
+        )
+
+    def predict(self, generated: int, budget: int) -> Prediction | None:
+        if not self.xs:
+            return None
+        lo = bisect_right(self.xs, generated)  # observations longer than what it generated
+        if lo == len(self.xs):  # it outlived every observation: it is in the tail
+            total = max(budget, generated + 1)
+            return Prediction(total, total - generated, OUTLIVED_CONFIDENCE, "outlived")
+        cw = self.cum_w
+        weight = cw[-1] - cw[lo]
+        # The weighted median of the survivors: the first whose cumulative weight reaches half.
+        k = bisect_left(cw, cw[lo] + weight / 2, lo + 1) - 1
+        median = self.xs[min(k, len(self.xs) - 1)]
+        total = min(max(median, generated + 1), max(budget, generated + 1))
+        mean = (self.cum_wx[-1] - self.cum_wx[lo]) / weight
+        var = max((self.cum_wxx[-1] - self.cum_wxx[lo]) / weight - mean * mean, 0.0)
+        agreement = 1.0 / (1.0 + math.sqrt(var) / mean)  # 1 / (1 + coefficient of variation)
+        confidence = weight / (weight + EVIDENCE_HALF) * agreement
+        return Prediction(total, total - generated, round(confidence, 3), self.basis)
 
 
 def predict(
@@ -60,21 +90,7 @@ def predict(
     """The predicted final output length of a sample with `generated` tokens and a total
     budget of `budget` (max_new_tokens), from its finished siblings' and the prompt's earlier
     lengths. None: no evidence."""
-    obs = [(x, SIBLING_WEIGHT) for x in siblings] + [(x, 1.0) for x in history]
-    if not obs:
-        return None
-    longer = [(x, w) for x, w in obs if x > generated]
-    if not longer:  # it outlived every observation: it is in the tail
-        total = max(budget, generated + 1)
-        return Prediction(total, total - generated, OUTLIVED_CONFIDENCE, "outlived")
-    total = min(max(_weighted_median(longer), generated + 1), max(budget, generated + 1))
-    weight = sum(w for _, w in longer)
-    mean = sum(x * w for x, w in longer) / weight
-    var = sum(w * (x - mean) ** 2 for x, w in longer) / weight
-    agreement = 1.0 / (1.0 + math.sqrt(var) / mean)  # 1 / (1 + coefficient of variation)
-    confidence = weight / (weight + EVIDENCE_HALF) * agreement
-    basis: Basis = "both" if siblings and history else "siblings" if siblings else "history"
-    return Prediction(total, total - generated, round(confidence, 3), basis)
+    return Evidence(siblings, history).predict(generated, budget)
 
 
 def finished_length(sample: Sample) -> int | None:
@@ -172,26 +188,35 @@ class LengthModel:
         self.finished_count = 0
         self.finished_sum = 0
 
-    def predict_sample(self, sample: Sample, group: Group | None) -> Prediction | None:
-        if sample.turn_rule is not None:
-            return None
-        siblings = []
-        if group is not None:
-            siblings = [
-                x
-                for s in group.samples
-                if s.index != sample.index and (x := finished_length(s)) is not None
-            ]
-        history = self.history.get(prompt_key(sample.prompt_ids))
-        return predict(len(sample.output_ids), sample.max_new_tokens, siblings, history)
+    def evidence(self, group: Group) -> Evidence:
+        """What the group's unfinished members are predicted from: its finished members and
+        its prompt's history (the same for every member: a member is never its own evidence,
+        since only finished ones are)."""
+        siblings = [x for s in group.samples if (x := finished_length(s)) is not None]
+        prompt = group.samples[0].prompt_ids if group.samples else []
+        return Evidence(siblings, self.history.get(prompt_key(prompt)))
+
+    def _predictions(self, group: Group) -> list[tuple[Sample, Prediction | None]]:
+        """Each unfinished member with its prediction (None: no evidence, or an agent
+        episode)."""
+        open_ = [s for s in group.samples if s.status not in ("completed", "truncated")]
+        if not open_:
+            return []
+        ev = self.evidence(group)
+        return [
+            (
+                s,
+                None
+                if s.turn_rule is not None
+                else ev.predict(len(s.output_ids), s.max_new_tokens),
+            )
+            for s in open_
+        ]
 
     def mark(self, group: Group) -> None:
         """Write each unfinished member's prediction on it (what `/partials` shows and what
         the score is later taken on)."""
-        for s in group.samples:
-            if finished_length(s) is not None:
-                continue
-            p = self.predict_sample(s, group)
+        for s, p in self._predictions(group):
             s.predicted_tokens = None if p is None else p.total
             s.predicted_remaining = None if p is None else p.remaining
             s.prediction_confidence = None if p is None else p.confidence
@@ -219,10 +244,7 @@ class LengthModel:
         """How long the group will still run: its longest member's predicted remaining tokens
         (a member without evidence: the prior, less what it generated)."""
         longest = 0.0
-        for s in group.samples:
-            if s.status in ("completed", "truncated"):
-                continue
-            p = self.predict_sample(s, group)
+        for s, p in self._predictions(group):
             left = p.remaining if p is not None else max(self.prior - len(s.output_ids), 0.0)
             longest = max(longest, float(left))
         return longest

@@ -68,6 +68,36 @@ def test_a_prediction_is_always_a_length_it_can_still_reach(
     assert 0.0 <= p.confidence <= 1.0
 
 
+def _brute_force(generated: int, budget: int, sib: list[int], hist: list[int]) -> Any:
+    """The rule written out plainly: weighted median, mean and spread of the longer ones."""
+    obs = [(x, 2.0) for x in sib] + [(x, 1.0) for x in hist]
+    longer = sorted((x, w) for x, w in obs if x > generated)
+    if not obs or not longer:
+        return None if not obs else max(budget, generated + 1)
+    half, acc, median = sum(w for _, w in longer) / 2, 0.0, longer[-1][0]
+    for x, w in longer:
+        acc += w
+        if acc >= half:
+            median = x
+            break
+    return min(max(median, generated + 1), max(budget, generated + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 300),
+    st.integers(1, 300),
+    st.lists(st.integers(0, 400), max_size=8),
+    st.lists(st.integers(0, 400), max_size=8),
+)
+def test_the_fast_rule_equals_the_plain_one(
+    generated: int, budget: int, siblings: list[int], history: list[int]
+) -> None:
+    p = predict(generated, budget, siblings, history)
+    want = _brute_force(generated, budget, siblings, history)
+    assert (p.total if p is not None else None) == want
+
+
 def test_history_keeps_the_newest_per_prompt_and_forgets_the_least_recent_prompt() -> None:
     h = LengthHistory(per_prompt=3, max_prompts=2)
     for x in (1, 2, 3, 4):
