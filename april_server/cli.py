@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from april_server.settings import env
-from april_server.settings.config import AprilConfig
+from april_server.settings.config import LENGTH_ORDERS, AprilConfig
 
 if TYPE_CHECKING:
     from april_server.engine.base import BaseEngine
@@ -50,7 +50,7 @@ def april_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--april-length-order",
-        choices=["arrival", "longest_first", "shortest_first"],
+        choices=LENGTH_ORDERS,
         default="arrival",
         help="the order a call starts its new groups in when it names no length_order "
         "(predicted lengths; docs/api.md, Length prediction)",

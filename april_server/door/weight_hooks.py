@@ -102,6 +102,11 @@ async def _around_destroy_group(original: Any, tm: Any, obj: Any, *args: Any, **
     return success, message
 
 
+# A weight-update session the trainer never ended gives the segments back after this (one
+# server here; an owner's engines in fleet/weight_group.py).
+SESSION_LIMIT_S = 300.0
+
+
 class Session:
     """An open weight-update session holds our segments cut from `/begin_weight_update` to
     `/end_weight_update`: between its messages the model is mid-update (a trainer may send the
@@ -128,9 +133,6 @@ class Session:
         await asyncio.sleep(SESSION_LIMIT_S)
         logger.warning("april: a weight-update session was not ended in %.0f s", SESSION_LIMIT_S)
         cls.release()
-
-
-SESSION_LIMIT_S = 300.0
 
 
 async def _cut(obj: Any) -> list[UpdateListener]:

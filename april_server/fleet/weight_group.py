@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from april_client.protocol import WeightGroupInfo
-from april_server.door.weight_hooks import UpdateListener
+from april_server.door.weight_hooks import SESSION_LIMIT_S, UpdateListener
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import RemoteEngine
 from april_server.wire.errors import ApiError
 
 logger = logging.getLogger(__name__)
-SESSION_LIMIT_S = 300.0  # a session the trainer never ended gives the engines back after this
 
 
 @dataclass

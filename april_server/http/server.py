@@ -60,7 +60,7 @@ class ManagerHolder:
                 buffer=self.buffer,
             )
             lengths = self._manager.segments.lengths
-            lengths.default_order = self.config.length_order  # type: ignore[assignment]
+            lengths.default_order = self.config.length_order
             lengths.history.load(self.store.load_lengths())
             self._manager.loop_lag = LoopLagMonitor()
             self._manager.loop_lag.start()  # first use is a request: on the server's loop

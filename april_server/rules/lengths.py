@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from april_client.protocol import Group, Sample
+from april_server.settings.config import LengthOrder
 
 HISTORY_PER_PROMPT = 32  # newest lengths kept per prompt
 MAX_PROMPTS = 200_000  # prompts remembered; the least recently seen are forgotten first
@@ -29,7 +30,6 @@ EVIDENCE_HALF = 2.0  # confidence is w / (w + EVIDENCE_HALF) x agreement
 OUTLIVED_CONFIDENCE = 0.25  # longer than every observation: "at its budget", weakly held
 
 Basis = Literal["siblings", "history", "both", "outlived"]
-LengthOrder = Literal["arrival", "longest_first", "shortest_first"]  # settings.LENGTH_ORDERS
 
 
 def prompt_key(prompt_ids: Sequence[int]) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from april_server.settings.env import DEFAULT_KV_HOST_BYTES
 
 # The orders a call may start its new groups in (rules/lengths.py orders them).
-LENGTH_ORDERS = ("arrival", "longest_first", "shortest_first")
+LengthOrder = Literal["arrival", "longest_first", "shortest_first"]
+LENGTH_ORDERS: tuple[LengthOrder, ...] = get_args(LengthOrder)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +26,7 @@ class AprilConfig:
     snapshot_sweep_s: float | None = None
     # The order a call starts its new groups in when it names none (`length_order`):
     # arrival | longest_first | shortest_first (predicted lengths, rules/lengths.py).
-    length_order: str = "arrival"
+    length_order: LengthOrder = "arrival"
 
     # Request limits: each violation is a clear 4xx, never work started.
     max_groups_per_call: int = 4096
