@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     # check stays at `/health_generate`. Set the variable to 1 for SGLang's behaviour.
     os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
     env.set_kv_host_bytes(april.april_kv_host_bytes)
+    if cpu:  # SGLang's children import SGLang beside this process's own import (preload.py)
+        from april_server.door.preload import start_fork_server
+
+        start_fork_server()
     from april_server.door.engine import launch
 
     # The door runs SGLang; the routes come from the layers above it, handed down.

@@ -322,9 +322,11 @@ def launch(sglang_argv: list[str], config: AprilConfig, mount: MountRoutes) -> N
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
+    from april_server.door.preload import register_preload_hooks
     from april_server.door.weight_hooks import register_weight_hooks
 
     register_weight_hooks()  # this process only: it serves the weight-update routes
+    register_preload_hooks()  # ... and starts SGLang's children (from the fork server, if any)
     load_plugins()  # ... and applies every registered hook
     server_args = prepare_server_args(sglang_argv)
     server_args.resolve_once()
