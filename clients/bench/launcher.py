@@ -24,6 +24,12 @@ import httpx
 
 STARTUP_TIMEOUT_S = 300.0
 
+# A deliberate stop kills SGLang's scheduler with the rest of the process group; SGLang reads
+# that as a crashed child and, by default, sleeps 5 s "to let GPU activity settle" before a
+# py-spy dump. Nothing crashed, so the launched server skips those diagnostics (a caller's own
+# setting of either variable wins).
+QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -71,7 +77,7 @@ class LaunchedServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=None if self.env is None else {**os.environ, **self.env},
+                env={**QUIET_STOP_ENV, **os.environ, **(self.env or {})},
                 preexec_fn=None if self.cpus is None else self._pin,
             )
 
