@@ -186,16 +186,24 @@ def agent_call(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledge
                     led.statuses[a.status_code] += 1
                     continue
                 answer = {"append_ids": [rng.randint(1, 300), 7], "turn": turn}
+                first = 0
                 for attempt in range(2 if how == "twice" else 1):
                     a = c.post(f"{R}/samples/{sid}/input", json=answer)
                     led.statuses[a.status_code] += 1
-                    # The first may race an abort-all (409: not awaiting); a second 409s, or
-                    # 404s when the first let its group finish and a call deliver it meanwhile.
+                    first = first or a.status_code
+                    # The first may race an abort-all (409 not_awaiting) or another client's
+                    # resume or answer holding the group (409 group_busy): then the second may
+                    # be the one taken. After a taken first, a second 409s, or 404s when the
+                    # first let its group finish and a call deliver it meanwhile.
                     if attempt and a.status_code == 404:
                         with led.lock:
                             led.answered_after_leaving.add(sid.rpartition("/")[0])
-                    elif a.status_code not in (200, 409) or (attempt and a.status_code != 409):
-                        led.errors.append(f"input {attempt} {a.status_code} {a.text[:200]}")
+                    elif a.status_code not in (200, 409) or (
+                        attempt and first == 200 and a.status_code != 409
+                    ):
+                        led.errors.append(
+                            f"input {attempt} {a.status_code} (first {first}) {a.text[:200]}"
+                        )
     return True
 
 
