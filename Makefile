@@ -25,7 +25,7 @@ bench-drafts:  ## drafts from history, offline: n-gram drafts from a prompt's ea
 PYTEST = python -m pytest -q -p no:cacheprovider --durations=25
 
 test:  ## every behaviour: unit + kernels in 2 workers, then end to end on a real SGLang (serial); not the slow tier
-	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2 && $$V/bin/$(PYTEST) -m "e2e and not slow"
+	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2 && $$V/bin/$(PYTEST) -m "e2e and not slow" tests/e2e
 
 test-slow:  ## the slow tier: full-size storm and chaos soaks, the whole kernel grid in the Triton interpreter
 	@V=$(VENV) && $$V/bin/$(PYTEST) -m slow

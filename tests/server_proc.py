@@ -13,8 +13,13 @@ from april_client.bench.launcher import LaunchedServer
 
 
 class ServerProc(LaunchedServer):
-    def __init__(self, state_dir: Path, extra_args: list[str] | None = None) -> None:
-        super().__init__(extra_args, keep_dir=True)
+    def __init__(
+        self,
+        state_dir: Path,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(extra_args, keep_dir=True, env=env)
         os.rmdir(self.dir)  # the launcher's temp dir: tests give their own
         self.dir = state_dir
         self.log_path = state_dir / "server.log"

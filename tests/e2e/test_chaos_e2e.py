@@ -1,4 +1,4 @@
-"""A 20-second chaos run (300 s in `make test-slow`) against a real server (the client is
+"""A 10-second chaos run (300 s in `make test-slow`) against a real server (the client is
 `tests.chaos.harness`; `make chaos` runs it for minutes, on one server and on an owner over
 two engines, one killed)."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize(
     "duration_s",
-    [pytest.param(20, id="quick"), pytest.param(300, id="full", marks=pytest.mark.slow)],
+    [pytest.param(10, id="quick"), pytest.param(300, id="full", marks=pytest.mark.slow)],
 )
 def test_chaos_hangs_nothing_and_loses_nothing(tiny_server: ServerProc, duration_s: int) -> None:
     with tiny_server.client() as c:
