@@ -81,7 +81,7 @@ class LaunchedServer:
                 preexec_fn=None if self.cpus is None else self._pin,
             )
 
-    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S, poll_s: float = 0.5) -> None:
         assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -92,7 +92,7 @@ class LaunchedServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(poll_s)
         self.stop()
         raise RuntimeError(f"april-server not healthy after {timeout_s:.0f}s:\n{self.tail()}")
 

@@ -55,22 +55,27 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
         assert ours == [] and c.get("/april/v1/stats").json()["background_groups"] == 0
 
 
+@pytest.mark.parametrize(
+    "repeat", [pytest.param(1, id="quick"), pytest.param(2, id="full", marks=pytest.mark.slow)]
+)
 def test_sweep_compares_static_and_adaptive_side_by_side(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], repeat: int
 ) -> None:
     """`--sweep-point` launches its own server per configuration and run, alternates the APRIL
-    modes' order between repeats, and prints one table of medians."""
+    modes' order between repeats, and prints one table (of medians over repeats). Quick: one
+    run (one server start); full: two, alternated."""
     out = tmp_path / "sweep.jsonl"
     argv = ["--sweep-point", "tiny:40:2x2", "--steps", "2", "--no-progress", "--warmup", "0",
-            "--repeat", "2", "--json-out", str(out)]  # fmt: skip
+            "--repeat", str(repeat), "--json-out", str(out)]  # fmt: skip
     with pytest.raises(SystemExit) as done:
         cli.main(argv)
     assert done.value.code == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    order = [[r["mode"] for r in recs if r["repeat"] == rep] for rep in (0, 1)]
-    assert order == [["sync", "april@all", "april@auto"], ["sync", "april@auto", "april@all"]]
+    order = [[r["mode"] for r in recs if r["repeat"] == rep] for rep in range(repeat)]
+    alternated = [["sync", "april@all", "april@auto"], ["sync", "april@auto", "april@all"]]
+    assert order == alternated[:repeat]
     assert {r["sweep_point"] for r in recs} == {"tiny:40:2x2"}
-    assert len({r["run_id"] for r in recs}) == 2  # a fresh server and run per repeat
+    assert len({r["run_id"] for r in recs}) == repeat  # a fresh server and run per repeat
     for r in recs:
         assert r["available"] and r["checks_ok"], r["checks"]
         assert [s["consumed_samples"] for s in r["per_step"]] == [4, 4]
@@ -79,6 +84,8 @@ def test_sweep_compares_static_and_adaptive_side_by_side(
         if r["mode"] == "april@auto":
             assert len(r["inflight_targets"]) == 2
     table = capsys.readouterr().out.split("== sweep:")[1]
-    assert "median (min-max) of 2 runs" in table and "tiny:40:2x2" in table
+    assert "tiny:40:2x2" in table
+    assert ("median (min-max) of 2 runs" in table) == (repeat == 2)
     row = next(line for line in table.splitlines() if line.strip().startswith("tiny:40:2x2"))
-    assert row.count("(") == 6 and row.rstrip().endswith("ok"), row  # 5 medians + target range
+    # 5 medians + the target range over repeats, each "median (min-max)"; one run: values
+    assert row.count("(") == (6 if repeat == 2 else 0) and row.rstrip().endswith("ok"), row
