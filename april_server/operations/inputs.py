@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from april_client.protocol import InputReq, InputResp, Sample
+from april_server.buffer.buffer_index import BufferEntry
 from april_server.buffer.partial_buffer import Holder
 from april_server.rules import samples as S
 from april_server.rules import turns as T
@@ -62,7 +64,7 @@ async def _take(
     while True:
         holder = await _holder(mgr, gid, sample_id)  # waits out a claim still reading its body
         if holder is None:  # idle: taken here, with no await between the look and the claim
-            return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+            return await _answer_idle(mgr, sample_id, gid, ids, turn)
         call = mgr.calls.get(holder.owner)
         if call is not None:
             if call.stopped:  # winding down: take it once the call has handed the group back
@@ -76,10 +78,10 @@ async def _take(
                 return InputResp(sample=sample, batch_id=call.batch_id)
             return InputResp(sample=sample, batch_id=None)
         if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
-            return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+            return await _answer_idle(mgr, sample_id, gid, ids, turn)
         async with mgr.background.paused():  # handed back first, like for a call
             if await _holder(mgr, gid, sample_id) is None:
-                return await run_to_end(_answer_idle(mgr, sample_id, gid, ids, turn))
+                return await _answer_idle(mgr, sample_id, gid, ids, turn)
         # A call took the group while the background paused: look again, and answer there.
 
 
@@ -90,12 +92,28 @@ async def _holder(mgr: RolloutManager, gid: str, sample_id: str) -> Holder | Non
         raise not_found(f"unknown sample_id {sample_id!r}") from None
 
 
-async def _answer_idle(
+def _answer_idle(
     mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
-) -> InputResp:
+) -> Awaitable[InputResp]:
+    """Take the group now, synchronously, then answer to the end in a task. Taken inside
+    that task instead, a call could claim the group between the caller's look and the task's
+    start, and an answer that the look found idle would get 409 `group_busy` (a second answer
+    then said `group_busy`, not `not_awaiting`: seen in `test_turns_properties`)."""
     owner = f"input-{uuid.uuid4().hex[:12]}"
+    entries = mgr.buffer.take([gid], owner, busy_code="group_busy")
+    return run_to_end(_answer_taken(mgr, entries, owner, sample_id, ids, turn))
+
+
+async def _answer_taken(
+    mgr: RolloutManager,
+    entries: list[BufferEntry],
+    owner: str,
+    sample_id: str,
+    ids: list[int],
+    turn: int | None,
+) -> InputResp:
     try:
-        (group,) = await mgr.buffer.claim([gid], owner, busy_code="group_busy")
+        (group,) = await mgr.buffer.arrive(entries)
         sample = mgr.sample(sample_id)
         _check(mgr, sample, ids, turn)
         T.apply_answer(sample, ids)
