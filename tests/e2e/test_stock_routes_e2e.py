@@ -32,13 +32,17 @@ def http(tiny_server: ServerProc) -> Iterator[httpx.Client]:
 
 
 def run_beside(
-    c: httpx.Client, body: dict[str, Any], interrupt: Callable[[], None]
+    c: httpx.Client,
+    body: dict[str, Any],
+    interrupt: Callable[[], None],
+    path: str = R + "/rollouts",
 ) -> httpx.Response:
-    """POST the april call in a thread; once its samples run, call `interrupt`."""
+    """POST the april call (or resume: `path`) in a thread; once its samples run, call
+    `interrupt`."""
     out: dict[str, httpx.Response] = {}
 
     def call() -> None:
-        out["r"] = c.post(R + "/rollouts", json=body)
+        out["r"] = c.post(path, json=body)
 
     t = threading.Thread(target=call)
     t.start()
@@ -58,19 +62,11 @@ def run_beside(
 def resumed_briefly(c: httpx.Client, sample_id: str) -> Any:
     """The sample as `/resume` answers once stopped after some tokens (its 3,000 would take
     seconds; a segment's version stamp is there from its first token)."""
-    out: dict[str, httpx.Response] = {}
     body = {"sample_ids": [sample_id]}
-    t = threading.Thread(target=lambda: out.update(r=c.post(R + "/resume", json=body)))
-    t.start()
-    deadline = time.monotonic() + 60
-    while c.get(R + "/stats").json()["running_samples"] == 0:
-        assert time.monotonic() < deadline, "the resume never started generating"
-        time.sleep(0.05)
-    time.sleep(0.2)
-    assert c.post(R + "/abort", json={"all": True, "keep": "tokens"}).status_code == 200
-    t.join(timeout=60)
-    assert out["r"].status_code == 200, out["r"].text
-    return out["r"].json()["samples"][0]
+    stop = lambda: ok(c.post(R + "/abort", json={"all": True, "keep": "tokens"}))  # noqa: E731
+    r = run_beside(c, body, stop, path=R + "/resume")
+    assert r.status_code == 200, r.text
+    return r.json()["samples"][0]
 
 
 def check_consistent(c: httpx.Client, sent: list[str], resp: httpx.Response) -> list[Any]:
