@@ -3,6 +3,7 @@
 - Triton kernels run in the interpreter when there is no CUDA device; the variable must be set
   before any kernel is decorated, hence here, at import.
 - `gpu`-marked tests are skipped, with a reason, without CUDA.
+- servers are forked from one process that imported SGLang once (tests/zygote.py).
 - `tiny_server`: one real april-server (real SGLang scheduler on CPU, embedded tiny model)
   per test session, because start-up takes ~30 s.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from typing import IO, Any
 
 import pytest
 
@@ -25,6 +28,8 @@ except ImportError:  # the client-only tests run without torch
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from april_client.bench.launcher import LaunchedServer  # noqa: E402
+from tests import zygote  # noqa: E402
 from tests.server_proc import ServerProc  # noqa: E402
 
 
@@ -44,6 +49,30 @@ def _seed_rngs() -> None:
         torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _servers_forked_from_a_zygote() -> Iterator[None]:
+    """Every server a test starts (through the launcher: ServerProc, the bench, the fleet) is
+    forked from one process that imported SGLang once (tests/zygote.py); started on first use.
+    The exception, `tiny_server`, which most tests use, is started as users start it."""
+    if not zygote.enabled():
+        yield
+        return
+    z = zygote.Zygote()
+    original = LaunchedServer.popen
+
+    def popen(self: LaunchedServer, args: list[str], log: IO[bytes], env: dict[str, str]) -> Any:
+        if getattr(self, "own_process", False):
+            return original(self, args, log, env)
+        return z.popen(args, log, env, self.cpus)
+
+    LaunchedServer.popen = popen  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LaunchedServer.popen = original  # type: ignore[method-assign]
+        z.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
     """A real server on the embedded tiny model with a durable state dir (and SGLang's own
@@ -51,7 +80,9 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProc:
     state = tmp_path_factory.mktemp("april-state")
     # Its scheduler takes the tests' injected aborts (door/fault_hooks.py), nothing else does.
     os.environ["APRIL_FAULT_INJECTION"] = "1"
-    proc = ServerProc(state_dir=state, extra_args=["--april-allow-stale-kv", "--enable-metrics"])
+    proc = ServerProc(
+        state_dir=state, extra_args=["--april-allow-stale-kv", "--enable-metrics"], own_process=True
+    )
     proc.start()
     yield proc
     proc.stop()

@@ -18,8 +18,11 @@ class ServerProc(LaunchedServer):
         state_dir: Path,
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        own_process: bool = False,
     ) -> None:
         super().__init__(extra_args, keep_dir=True, env=env)
+        # `python -m april_server` as users start it, not forked from the suite's zygote
+        self.own_process = own_process
         os.rmdir(self.dir)  # the launcher's temp dir: tests give their own
         self.dir = state_dir
         self.log_path = state_dir / "server.log"

@@ -24,8 +24,10 @@ import functools
 import multiprocessing as mp
 import os
 import signal
+import socket
+import sys
 from collections.abc import Callable
-from multiprocessing import context, forkserver
+from multiprocessing import connection, context, forkserver, resource_tracker
 from typing import Any
 
 ENV_SWITCH = "APRIL_PRELOAD_CHILDREN"
@@ -46,14 +48,44 @@ def start_fork_server() -> bool:
     global _started
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
-    mp.set_forkserver_preload(PRELOAD)
-    os.environ[_IN_SERVER] = "1"  # the server's environment only (it copies ours now)
-    try:
-        forkserver.ensure_running()
-    finally:
-        del os.environ[_IN_SERVER]
+    if all(name in sys.modules for name in PRELOAD):
+        _fork_fork_server()
+    else:
+        mp.set_forkserver_preload(PRELOAD)
+        os.environ[_IN_SERVER] = "1"  # the server's environment only (it copies ours now)
+        try:
+            forkserver.ensure_running()
+        finally:
+            del os.environ[_IN_SERVER]
     _started = True
     return True
+
+
+def _fork_fork_server() -> None:
+    """This process imported the children's modules already (a process forked from one that
+    did, as the test suite's servers are): fork the server from it instead of starting a new
+    interpreter that would import them again. What `ensure_running` sets up, set up here."""
+    resource_tracker.ensure_running()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(alive_w)
+            signal.signal(signal.SIGQUIT, _relay_sigquit)
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server: Any = forkserver._forkserver
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
 def register_preload_hooks() -> None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import IO, Protocol
 
 import httpx
 
@@ -29,6 +30,17 @@ STARTUP_TIMEOUT_S = 300.0
 # py-spy dump. Nothing crashed, so the launched server skips those diagnostics (a caller's own
 # setting of either variable wins).
 QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
+class ServerProcess(Protocol):
+    """What the launcher needs of the server's process (a `subprocess.Popen`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def free_port() -> int:
@@ -52,7 +64,7 @@ class LaunchedServer:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="april-bench-"))
         self.log_path = self.dir / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ServerProcess | None = None
 
     @property
     def url(self) -> str:
@@ -71,15 +83,21 @@ class LaunchedServer:
             "--log-level", "warning",
             *self.extra_args,
         ]  # fmt: skip
+        env = {**QUIET_STOP_ENV, **os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**QUIET_STOP_ENV, **os.environ, **(self.env or {})},
-                preexec_fn=None if self.cpus is None else self._pin,
-            )
+            self.proc = self.popen(args, log, env)
+
+    def popen(self, args: list[str], log: IO[bytes], env: dict[str, str]) -> ServerProcess:
+        """The process itself: its own session, so that a stop reaches SGLang's children.
+        (The test suite forks its servers instead: tests/zygote.py.)"""
+        return subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            preexec_fn=None if self.cpus is None else self._pin,
+        )
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S, poll_s: float = 0.5) -> None:
         assert self.proc is not None, "spawn() first"

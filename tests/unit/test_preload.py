@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import multiprocessing as mp, os, signal, time
@@ -24,7 +26,7 @@ SCRIPT = textwrap.dedent(
 
 
     if __name__ == "__main__":
-        preload.PRELOAD[:] = ["april_server.door.preload"]  # not SGLang: the mechanism only
+        preload.PRELOAD[:] = PRELOAD  # not SGLang: the mechanism only
         assert preload.start_fork_server()
         preload.pass_environment_to_children()
         preload._after_set_envs(None)  # the hook after SGLang's _set_envs_and_config
@@ -34,7 +36,11 @@ SCRIPT = textwrap.dedent(
         q = mp.Queue()
         p = mp.Process(target=child, args=(q, os.getpid()))
         p.start()
-        print(q.get(timeout=60))
+        answer = q.get(timeout=60)  # the server runs, exec'd if it was spawned
+        server = mp.forkserver._forkserver._forkserver_pid
+        with open(f"/proc/{server}/cmdline", "rb") as f:
+            print("spawned" if b"forkserver" in f.read() else "forked")
+        print(answer)
         p.join(60)
         deadline = time.monotonic() + 30
         while not heard and time.monotonic() < deadline:
@@ -44,16 +50,27 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize(
+    ("preload", "server"),
+    [
+        # The server imports what the starter has not imported (a server start): spawned.
+        (["april_server.door.preload", "tabnanny"], "spawned"),
+        # The starter imported it all already (a test server forked from tests/zygote.py):
+        # the server is forked from the starter.
+        (["april_server.door.preload"], "forked"),
+    ],
+)
 def test_a_forked_child_gets_the_starters_environment_and_its_sigquit_reaches_it(
-    tmp_path: Path,
+    tmp_path: Path, preload: list[str], server: str
 ) -> None:
     script = tmp_path / "starter.py"
-    script.write_text(SCRIPT)
+    script.write_text(f"PRELOAD = {preload!r}\n" + SCRIPT)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     # The environment of the moment, without the server's marker; spawn for its own children;
     # its parent is the fork server (not the starter), which relays the SIGQUIT.
-    assert out.stdout.splitlines() == ["('yes', False, 'spawn', True)", "heard True exit 0"], out
+    lines = out.stdout.splitlines()
+    assert lines == [server, "('yes', False, 'spawn', True)", "heard True exit 0"], out
 
 
 def test_off_switch() -> None:
