@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-weights bench-fleet gpu-check gpu-check-dry soak chaos
+.PHONY: demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-weights bench-fleet bench-placement gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -56,6 +56,9 @@ bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in proc
 
 bench-weights:  ## a weight push from disk vs over the wire (gloo), tiny and SmolLM2, idle and beside background generation (~4 min)
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.weights --json-out out/bench-weights.jsonl
+
+bench-placement:  ## tail placement on an owner over two SmolLM2 engines (same cores): least_loaded vs tail, real text, 3 alternated repeats (~15 min)
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --layouts 2 --engine-model smollm2 --placements least_loaded,tail --repeat 3 --json-out out/placement.jsonl -- --workload text --model smollm2 --max-tokens 192 --groups 4 --n 4 --modes april@auto --steps 3 --prompts 8
 
 bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engine servers on the same cores (~5 min)
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --json-out out/fleet.jsonl

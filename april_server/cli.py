@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from april_server.settings import env
-from april_server.settings.config import LENGTH_ORDERS, AprilConfig
+from april_server.settings.config import LENGTH_ORDERS, PLACEMENTS, AprilConfig
 
 if TYPE_CHECKING:
     from april_server.engine.base import BaseEngine
@@ -54,6 +54,14 @@ def april_parser() -> argparse.ArgumentParser:
         default="arrival",
         help="the order a call starts its new groups in when it names no length_order "
         "(predicted lengths; docs/api.md, Length prediction)",
+    )
+    p.add_argument(
+        "--april-placement",
+        choices=PLACEMENTS,
+        default="least_loaded",
+        help="where a segment runs (an owner over several engines): least_loaded, or tail: "
+        "samples predicted to run long on one engine, the others on the rest "
+        "(docs/api.md, Length prediction)",
     )
     p.add_argument(
         "--april-model",
@@ -243,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         allow_stale_kv=april.april_allow_stale_kv,
         snapshot_sweep_s=april.april_snapshot_sweep_s,
         length_order=april.april_length_order,
+        placement=april.april_placement,
     )
     if april.april_engines or april.april_smg:
         owner_main(april, rest, config)

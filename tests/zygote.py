@@ -94,7 +94,9 @@ class Zygote:
 
     def _start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", self.address], start_new_session=True
+            [sys.executable, "-m", "tests.zygote", self.address],
+            start_new_session=True,
+            cwd=Path(__file__).resolve().parents[1],  # where `tests` is a package
         )
         deadline = time.monotonic() + 300
         while True:  # its socket answers once its imports are done

@@ -34,7 +34,7 @@ from april_server.rules import snapshots as K
 from april_server.rules import turns as T
 from april_server.rules.inflight import Admission, kv_need
 from april_server.rules.lengths import LengthModel
-from april_server.rules.placement import NoHealthySlot, Slot, SlotLoad, plan_segment
+from april_server.rules.placement import NoHealthySlot, Slot, SlotLoad, is_long, plan_segment
 from april_server.rules.stops import reached_stop
 from april_server.wire.errors import conflict
 
@@ -191,8 +191,11 @@ class SegmentRunner:
     ) -> SegmentCall | None:
         """Where the segment runs and what the engine does first (None: nowhere healthy).
         `held`: where the sample's snapshot lives (None: it has none)."""
+        long = None
+        if self.lengths.placement == "tail":
+            long = is_long(sample.predicted_remaining, self.lengths.prior)
         try:
-            plan = plan_segment(self.loads(), held, restore)
+            plan = plan_segment(self.loads(), held, restore, long)
         except NoHealthySlot:
             return None
         if plan.drop is not None:

@@ -61,6 +61,7 @@ class ManagerHolder:
             )
             lengths = self._manager.segments.lengths
             lengths.default_order = self.config.length_order
+            lengths.placement = self.config.placement
             lengths.history.load(self.store.load_lengths())
             self._manager.loop_lag = LoopLagMonitor()
             self._manager.loop_lag.start()  # first use is a request: on the server's loop

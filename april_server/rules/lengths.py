@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from april_client.protocol import Group, Sample
-from april_server.settings.config import LengthOrder
+from april_server.settings.config import LengthOrder, Placement
 
 HISTORY_PER_PROMPT = 32  # newest lengths kept per prompt
 MAX_PROMPTS = 200_000  # prompts remembered; the least recently seen are forgotten first
@@ -182,6 +182,7 @@ class LengthModel:
     def __init__(self, history: LengthHistory | None = None) -> None:
         self.history = history if history is not None else LengthHistory()
         self.default_order: LengthOrder = "arrival"  # --april-length-order
+        self.placement: Placement = "least_loaded"  # --april-placement (rules/placement.py)
         self.score = PredictionScore()
         self.forgotten = 0  # prompts dropped by `forget` (DELETE /lengths)
         # Every finished length seen (count, sum): the prior for a sample without evidence.
@@ -267,6 +268,7 @@ class LengthModel:
         return {
             **self.score.figures(),
             "default_order": self.default_order,
+            "placement": self.placement,
             "history_prompts": len(self.history),
             "prior_tokens": round(self.prior, 1),
             "history_forgotten_prompts": self.forgotten,

@@ -11,6 +11,9 @@ from april_server.settings.env import DEFAULT_KV_HOST_BYTES
 # The orders a call may start its new groups in (rules/lengths.py orders them).
 LengthOrder = Literal["arrival", "longest_first", "shortest_first"]
 LENGTH_ORDERS: tuple[LengthOrder, ...] = get_args(LengthOrder)
+# Where a segment runs when its snapshot does not decide (rules/placement.py).
+Placement = Literal["least_loaded", "tail"]
+PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,8 @@ class AprilConfig:
     # The order a call starts its new groups in when it names none (`length_order`):
     # arrival | longest_first | shortest_first (predicted lengths, rules/lengths.py).
     length_order: LengthOrder = "arrival"
+    # least_loaded | tail (predicted-long samples together on one engine of an owner).
+    placement: Placement = "least_loaded"
 
     # Request limits: each violation is a clear 4xx, never work started.
     max_groups_per_call: int = 4096
@@ -43,6 +48,8 @@ class AprilConfig:
             raise ValueError("max_n must be >= 1")
         if self.length_order not in LENGTH_ORDERS:
             raise ValueError(f"length_order must be one of {', '.join(LENGTH_ORDERS)}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}")
 
     @property
     def buffer_path(self) -> Path | None:

@@ -15,19 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from april_server.cli import cpu_share_env
 
-from .launcher import LaunchedServer
+from .launcher import LaunchedServer, start_all
 
 COLUMNS = [
     ("layout", "layout", "s"),
     ("mode", "mode", "s"),
+    ("placement", "placement", "s"),
     ("out tok/s", "output_throughput", ".1f"),
     ("x sync", "x_sync", ".2f"),
     ("gen tok/s", "generated_throughput", ".1f"),
@@ -48,26 +51,52 @@ def bench(url: str, bench_args: list[str]) -> list[dict[str, Any]]:
 
 
 def run_layout(
-    engines: int, bench_args: list[str], kv_bytes: str, threads: int | None = None
+    engines: int,
+    bench_args: list[str],
+    kv_bytes: str,
+    threads: int | None = None,
+    placements: Sequence[str] = ("least_loaded",),
+    repeat: int = 1,
+    model: str = "tiny",
 ) -> list[dict[str, Any]]:
     """engines = 0: one april-server, no owner; else an owner over that many engines, each
-    with `threads` torch threads (default: an equal share of the cores)."""
+    with `threads` torch threads (default: an equal share of the cores). With several
+    `placements` (or repeats), one owner per placement in turn over the same engines, the
+    order alternating between repeats; each record says its placement and repeat."""
     threads = threads or max(1, len(os.sched_getaffinity(0)) // max(engines, 1))
     procs = [
-        LaunchedServer(["--april-kv-host-bytes", kv_bytes], env=cpu_share_env(threads))
+        LaunchedServer(
+            ["--april-kv-host-bytes", kv_bytes, "--april-model", model], env=cpu_share_env(threads)
+        )
         for _ in range(max(engines, 1))
     ]
     try:
+        start_all(procs)
+        if not engines:
+            return bench(procs[0].url, bench_args)
+        recs: list[dict[str, Any]] = []
+        for rep in range(repeat):
+            for placement in placements if rep % 2 == 0 else placements[::-1]:
+                print(f"-- placement {placement}, repeat {rep + 1}", file=sys.stderr, flush=True)
+                recs += [
+                    {**r, "placement": placement, "repeat": rep}
+                    for r in owner_bench(procs, placement, bench_args)
+                ]
+        return recs
+    finally:
         for p in procs:
-            p.start()
-        url = procs[0].url
-        if engines:
-            owner = LaunchedServer(["--april-engines", ",".join(p.url for p in procs)])
-            procs.append(owner)
-            owner.start()
-            url = owner.url
-        recs = bench(url, bench_args)
-        if engines and owner.proc is not None:  # what the owner took from the shared cores
+            p.stop()
+
+
+def owner_bench(
+    engines: Sequence[LaunchedServer], placement: str, bench_args: list[str]
+) -> list[dict[str, Any]]:
+    urls = ",".join(p.url for p in engines)
+    owner = LaunchedServer(["--april-engines", urls, "--april-placement", placement])
+    try:
+        owner.start()
+        recs = bench(owner.url, bench_args)
+        if owner.proc is not None:  # what the owner took from the shared cores
             import psutil
 
             t = psutil.Process(owner.proc.pid).cpu_times()
@@ -75,8 +104,49 @@ def run_layout(
                 r["owner_cpu_s"] = round(t.user + t.system, 1)
         return recs
     finally:
-        for p in procs:
-            p.stop()
+        owner.stop()
+
+
+def placement_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per layout and mode: each placement's output tok/s, median (min-max) over repeats, its
+    ratio to the first placement's taken within each repeat, and the prediction error."""
+    lines = []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("placement"):
+            groups.setdefault((r["layout"], r["mode"]), []).append(r)
+    for (layout, mode), recs in groups.items():
+        order = list(dict.fromkeys(r["placement"] for r in recs))
+        for placement in order:
+            runs = [r for r in recs if r["placement"] == placement]
+            tps = [r["output_throughput"] for r in runs if r.get("output_throughput")]
+            ratios = _per_repeat(recs, placement, order[0])
+            errs = [
+                e["mean_abs_error_tokens"]
+                for r in runs
+                if (e := r.get("length_prediction")) and e.get("mean_abs_error_tokens") is not None
+            ]
+            lines.append(
+                f"{layout} {mode} {placement:>12}: {_mid(tps, '.1f')} out tok/s"
+                f"  x {order[0]} {_mid(ratios, '.2f')}"
+                f"  prediction |error| {_mid(errs, '.0f')} tokens ({len(runs)} runs)"
+            )
+    return "\n".join(lines)
+
+
+def _per_repeat(recs: Sequence[dict[str, Any]], placement: str, base: str) -> list[float]:
+    by_rep: dict[int, dict[str, float]] = {}
+    for r in recs:
+        if r.get("output_throughput"):
+            by_rep.setdefault(r["repeat"], {})[r["placement"]] = r["output_throughput"]
+    return [m[placement] / m[base] for m in by_rep.values() if placement in m and base in m]
+
+
+def _mid(values: Sequence[float], fmt: str) -> str:
+    if not values:
+        return "n/a"
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{mid:{fmt}} ({lo:{fmt}}-{hi:{fmt}})"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -104,7 +174,20 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="torch threads of each engine (default: the cores split evenly between them)",
     )
+    p.add_argument(
+        "--placements",
+        default="least_loaded",
+        help="owner placements to compare over the same engines (e.g. least_loaded,tail)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="owner runs per placement, alternated")
+    p.add_argument(
+        "--engine-model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="the engines' (and the single server's) model: smollm2 for --workload text",
+    )
     args = p.parse_args(ours)
+    placements = args.placements.split(",")
     bench_args = rest or ["--quick"]
     rows: list[dict[str, Any]] = []
     for layout in (int(x) for x in args.layouts.split(",")):
@@ -112,15 +195,34 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {name} ==", file=sys.stderr, flush=True)
         recs = [
             r
-            for r in run_layout(layout, bench_args, args.kv_host_bytes, args.threads_per_engine)
+            for r in run_layout(
+                layout,
+                bench_args,
+                args.kv_host_bytes,
+                args.threads_per_engine,
+                placements,
+                args.repeat,
+                args.engine_model,
+            )
             if r.get("mode")
         ]
-        sync = next((r for r in recs if r["mode"] == "sync"), None)
         for r in recs:
+            sync = next(
+                (
+                    q
+                    for q in recs
+                    if q["mode"] == "sync"
+                    and q.get("placement") == r.get("placement")
+                    and q.get("repeat") == r.get("repeat")
+                ),
+                None,
+            )
             base = None if sync is None else sync.get("output_throughput")
             x = r.get("output_throughput")
             rows.append({**r, "layout": name, "x_sync": x / base if base and x else None})
     print(table(rows))
+    if len(placements) > 1 or args.repeat > 1:
+        print(placement_table(rows))
     if args.json_out is not None:
         with args.json_out.open("a") as f:
             for r in rows:

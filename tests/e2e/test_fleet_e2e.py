@@ -149,6 +149,46 @@ def test_an_engine_stops_what_a_dead_owner_started(fleet: Fleet) -> None:
         owner.stop()
 
 
+def test_tail_placement_runs_the_predicted_long_on_one_engine(fleet: Fleet) -> None:
+    """`--april-placement tail`: once the history says prompt L runs 40 tokens and S0, S1 run
+    4, the next call runs L's samples on the tail engine (the higher-named) and the short
+    ones on the other. By load alone (the default owner) L's two samples would alternate."""
+    urls = ",".join(e.url for e in fleet.engines)
+    owner = ServerProc(
+        fleet._dir("owner-tail"), ["--april-engines", urls, "--april-placement", "tail"]
+    )
+    owner.start()
+    body, tail = sorted([fleet.name(0), fleet.name(1)])
+    prompts = {"L": ([31, 5], 40), "S0": ([41, 5], 4), "S1": ([42, 5], 4)}
+    try:
+        with owner.client() as c:
+            for step in (1, 2):
+                groups = [
+                    group(f"{name}.{step}", prompt, [budget] * 2, ignore_eos=True)
+                    for name, (prompt, budget) in prompts.items()
+                ]
+                r = ok(
+                    c.post(
+                        R + "/rollouts",
+                        json={"groups": groups, "target_groups": 3, "max_inflight_groups": 3},
+                    )
+                )
+            ran = {
+                s["sample_id"]: s["segments"][-1]["engine"]
+                for g in r["groups"]
+                for s in g["samples"]
+            }
+            # prior: (2 x 40 + 4 x 4) / 6 = 16 tokens; L is predicted 40 (long), S 4 (short)
+            assert ran == {
+                "L.2/0": tail, "L.2/1": tail,
+                "S0.2/0": body, "S0.2/1": body, "S1.2/0": body, "S1.2/1": body,
+            }, ran  # fmt: skip
+            figures = ok(c.get(R + "/stats"))["length_prediction"]
+            assert (figures["placement"], figures["prior_tokens"]) == ("tail", 16.0)
+    finally:
+        owner.stop()
+
+
 def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
     http: httpx.Client, fleet: Fleet
 ) -> None:

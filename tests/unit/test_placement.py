@@ -29,12 +29,14 @@ from april_server.engine.base import SegmentCall, SnapshotEngine
 from april_server.operations.abort import abort
 from april_server.operations.resume import resume
 from april_server.rules.inflight import StepCurve, StepStat, aggregate_curve, pool_steps
+from april_server.rules.lengths import prompt_key
 from april_server.rules.placement import (
     LOCAL,
     NoHealthySlot,
     SegmentPlan,
     Slot,
     SlotLoad,
+    is_long,
     least_loaded,
     plan_segment,
 )
@@ -371,3 +373,73 @@ def test_the_dp_controller_waits_for_a_request_instead_of_spinning() -> None:
         push.close(0)
         pull.close(0)
         ctx.term()
+
+
+# ---- tail placement -----------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=loads_st,
+    snapshot=st.none() | slots_st,
+    use=st.booleans(),
+    long=st.sampled_from([None, True, False]),
+)
+def test_tail_placement_properties(
+    loads: list[SlotLoad], snapshot: Slot | None, use: bool, long: bool | None
+) -> None:
+    healthy = sorted((x for x in loads if x.healthy), key=lambda x: x.slot)
+    if not healthy:
+        with pytest.raises(NoHealthySlot):
+            plan_segment(loads, snapshot, use, long)
+        return
+    plan = plan_segment(loads, snapshot, use, long)
+    if use and snapshot is not None and snapshot in {x.slot for x in healthy}:
+        assert plan == SegmentPlan(snapshot, restore=True)  # a snapshot still decides
+        return
+    if long is None or len(healthy) < 2:  # nothing to tell: by load alone
+        assert plan == plan_segment(loads, snapshot, use)
+        return
+    tail, body = healthy[-1], healthy[:-1]
+    preferred = tail if long else min(body, key=lambda x: (x.running, x.kv_tokens, x.slot))
+    least = min(x.running for x in healthy)
+    if preferred.running <= 2 * least + 2:  # long on the tail slot, short off it
+        assert plan.slot == preferred.slot
+    else:  # the balance bound: the least loaded instead
+        assert plan.slot == least_loaded(healthy)
+
+
+def test_long_means_longer_than_the_typical_finished_length() -> None:
+    assert is_long(None, 50.0) is None  # no prediction
+    assert is_long(80, 0.0) is None  # nothing finished yet
+    assert is_long(80, 50.0) is True
+    assert is_long(50, 50.0) is False
+
+
+def test_tail_placement_puts_the_predicted_long_on_one_rank() -> None:
+    """Through the manager: with history saying prompts 1-3 run long and 4-6 short, the long
+    samples run on the tail slot (the higher rank) and the short ones on the other; without
+    the flag, the same call spreads by load alone."""
+
+    async def go(placement: str) -> dict[str, int]:
+        eng = TwoRankEngine()
+        mgr = RolloutManager(eng, BufferStore(None))
+        mgr.segments.lengths.placement = placement  # type: ignore[assignment]
+        lengths = mgr.segments.lengths
+        for p in range(1, 7):
+            for _ in range(4):
+                length = 40 if p <= 3 else 4
+                lengths.history.add(prompt_key([p, 9]), length)
+                lengths.finished_count += 1
+                lengths.finished_sum += length
+        params = {"max_new_tokens": 60, **NO_EOS}
+        groups = [GroupSpec(f"p{p}", input_ids=[p, 9], sampling_params=params) for p in range(1, 7)]
+        await rollout(mgr, RolloutReq(groups=groups, max_inflight_groups=6))
+        return {rid.split("@")[0]: rank for rid, rank in eng.ran.items()}
+
+    tail = asyncio.run(go("tail"))
+    assert {s: r for s, r in tail.items() if s < "p4"} == {"p1/0": 1, "p2/0": 1, "p3/0": 1}
+    assert {s: r for s, r in tail.items() if s >= "p4"} == {"p4/0": 0, "p5/0": 0, "p6/0": 0}
+    spread = asyncio.run(go("least_loaded"))
+    assert sorted(spread.values()) == [0, 0, 0, 1, 1, 1]
+    assert spread != tail  # by load alone, alternating: the long ones are not together
