@@ -5,7 +5,7 @@
 - `gpu`-marked tests are skipped, with a reason, without CUDA.
 - servers are forked from one process that imported SGLang once (tests/zygote.py).
 - `tiny_server`: one real april-server (real SGLang scheduler on CPU, embedded tiny model)
-  per test session, because start-up takes ~30 s.
+  per test session, started as users start it (~15 s).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ The zygote is started at the first server start of a test session and stopped at
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +116,7 @@ class Zygote:
             self.proc.terminate()
             self.proc.wait(timeout=30)
             self.proc = None
+        shutil.rmtree(Path(self.address).parent, ignore_errors=True)
 
 
 # --- the zygote process ---------------------------------------------------------------------

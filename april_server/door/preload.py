@@ -48,7 +48,7 @@ def start_fork_server() -> bool:
     global _started
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
-    if all(name in sys.modules for name in PRELOAD):
+    if all(name in sys.modules for name in PRELOAD) and _can_fork_fork_server():
         _fork_fork_server()
     else:
         mp.set_forkserver_preload(PRELOAD)
@@ -59,6 +59,16 @@ def start_fork_server() -> bool:
             del os.environ[_IN_SERVER]
     _started = True
     return True
+
+
+def _can_fork_fork_server() -> bool:
+    """`_fork_fork_server` fills in the state `forkserver.ensure_running` keeps, as Python
+    3.11-3.13 keep it (3.14 adds an authentication key): elsewhere the server is spawned."""
+    server: Any = forkserver._forkserver
+    return sys.version_info < (3, 14) and all(
+        hasattr(server, a)
+        for a in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    )
 
 
 def _fork_fork_server() -> None:

@@ -58,17 +58,22 @@ def run_layout(
     placements: Sequence[str] = ("least_loaded",),
     repeat: int = 1,
     model: str = "tiny",
+    pin: bool = False,
 ) -> list[dict[str, Any]]:
     """engines = 0: one april-server, no owner; else an owner over that many engines, each
-    with `threads` torch threads (default: an equal share of the cores). With several
+    with `threads` torch threads (default: an equal share of the cores); `pin`: each engine
+    on its own share of the cores (as if on its own machine; owner and bench unpinned). With several
     `placements` (or repeats), one owner per placement in turn over the same engines, the
     order alternating between repeats; each record says its placement and repeat."""
-    threads = threads or max(1, len(os.sched_getaffinity(0)) // max(engines, 1))
+    cores = sorted(os.sched_getaffinity(0))
+    threads = threads or max(1, len(cores) // max(engines, 1))
     procs = [
         LaunchedServer(
-            ["--april-kv-host-bytes", kv_bytes, "--april-model", model], env=cpu_share_env(threads)
+            ["--april-kv-host-bytes", kv_bytes, "--april-model", model],
+            env=cpu_share_env(threads),
+            cpus=cores[i * threads : (i + 1) * threads] or None if pin else None,
         )
-        for _ in range(max(engines, 1))
+        for i in range(max(engines, 1))
     ]
     try:
         start_all(procs)
@@ -181,6 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--repeat", type=int, default=1, help="owner runs per placement, alternated")
     p.add_argument(
+        "--pin-engines",
+        action="store_true",
+        help="each engine on its own cores (threads-per-engine of them), not sharing them",
+    )
+    p.add_argument(
         "--engine-model",
         choices=["tiny", "smollm2"],
         default="tiny",
@@ -203,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                 placements,
                 args.repeat,
                 args.engine_model,
+                args.pin_engines,
             )
             if r.get("mode")
         ]
