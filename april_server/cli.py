@@ -235,6 +235,19 @@ def build_argv(argv: list[str], april: argparse.Namespace, cpu: bool) -> list[st
     return out
 
 
+def prepare_sglang_env(cpu: bool) -> None:
+    """What SGLang must see before it is imported (the test suite's zygote does the same)."""
+    if cpu:
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        install_cpu_shim()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+    os.environ.setdefault("SGLANG_PLUGINS", "april")  # our scheduler hooks, no stray plugins
+    # `/health` answers from the event loop (liveness: the loop, and so every route, is
+    # responsive); SGLang's default makes it generate a token and sleep >= 1 s first. The deep
+    # check stays at `/health_generate`. Set the variable to 1 for SGLang's behaviour.
+    os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     april, rest = april_parser().parse_known_args(argv)
@@ -257,16 +270,9 @@ def main(argv: list[str] | None = None) -> None:
         owner_main(april, rest, config)
         return
     cpu = not cuda_available()
+    prepare_sglang_env(cpu)
     if cpu:
-        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-        install_cpu_shim()
         set_cpu_parallel_env(rest)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
-    os.environ.setdefault("SGLANG_PLUGINS", "april")  # our scheduler hooks, no stray plugins
-    # `/health` answers from the event loop (liveness: the loop, and so every route, is
-    # responsive); SGLang's default makes it generate a token and sleep >= 1 s first. The deep
-    # check stays at `/health_generate`. Set the variable to 1 for SGLang's behaviour.
-    os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
     env.set_kv_host_bytes(april.april_kv_host_bytes)
     if cpu:  # SGLang's children import SGLang beside this process's own import (preload.py)
         from april_server.door.preload import start_fork_server

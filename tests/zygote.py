@@ -129,10 +129,7 @@ def _prepare() -> None:
     from april_server import cli
     from april_server.door.preload import PRELOAD
 
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("SGLANG_PLUGINS", "april")
-    cli.install_cpu_shim()
+    cli.prepare_sglang_env(cpu=True)
     for name in IMPORTS + PRELOAD:
         importlib.import_module(name)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any
 from april_server.cli import cpu_share_env
 
 from .launcher import LaunchedServer, start_all
+from .sweep import median_cell, per_repeat_ratios
 
 COLUMNS = [
     ("layout", "layout", "s"),
@@ -124,34 +124,18 @@ def placement_table(rows: Sequence[dict[str, Any]]) -> str:
         order = list(dict.fromkeys(r["placement"] for r in recs))
         for placement in order:
             runs = [r for r in recs if r["placement"] == placement]
-            tps = [r["output_throughput"] for r in runs if r.get("output_throughput")]
-            ratios = _per_repeat(recs, placement, order[0])
-            errs = [
-                e["mean_abs_error_tokens"]
-                for r in runs
-                if (e := r.get("length_prediction")) and e.get("mean_abs_error_tokens") is not None
-            ]
+            ratios = per_repeat_ratios(
+                recs, placement, order[0], "output_throughput", field="placement"
+            )
+            errors = [r.get("length_prediction") or {} for r in runs]
             lines.append(
-                f"{layout} {mode} {placement:>12}: {_mid(tps, '.1f')} out tok/s"
-                f"  x {order[0]} {_mid(ratios, '.2f')}"
-                f"  prediction |error| {_mid(errs, '.0f')} tokens ({len(runs)} runs)"
+                f"{layout} {mode} {placement:>12}: "
+                f"{median_cell(runs, 'output_throughput', '{:.1f}')} out tok/s"
+                f"  x {order[0]} {median_cell(ratios, 'ratio', '{:.2f}')}"
+                f"  prediction |error| {median_cell(errors, 'mean_abs_error_tokens', '{:.0f}')}"
+                f" tokens ({len(runs)} runs)"
             )
     return "\n".join(lines)
-
-
-def _per_repeat(recs: Sequence[dict[str, Any]], placement: str, base: str) -> list[float]:
-    by_rep: dict[int, dict[str, float]] = {}
-    for r in recs:
-        if r.get("output_throughput"):
-            by_rep.setdefault(r["repeat"], {})[r["placement"]] = r["output_throughput"]
-    return [m[placement] / m[base] for m in by_rep.values() if placement in m and base in m]
-
-
-def _mid(values: Sequence[float], fmt: str) -> str:
-    if not values:
-        return "n/a"
-    lo, mid, hi = min(values), statistics.median(values), max(values)
-    return f"{mid:{fmt}} ({lo:{fmt}}-{hi:{fmt}})"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -217,18 +201,14 @@ def main(argv: list[str] | None = None) -> None:
             )
             if r.get("mode")
         ]
+        # sync of the same owner (placement) and repeat: the base of each record's ratio
+        sync = {
+            (q.get("placement"), q.get("repeat")): q.get("output_throughput")
+            for q in recs
+            if q["mode"] == "sync"
+        }
         for r in recs:
-            sync = next(
-                (
-                    q
-                    for q in recs
-                    if q["mode"] == "sync"
-                    and q.get("placement") == r.get("placement")
-                    and q.get("repeat") == r.get("repeat")
-                ),
-                None,
-            )
-            base = None if sync is None else sync.get("output_throughput")
+            base = sync.get((r.get("placement"), r.get("repeat")))
             x = r.get("output_throughput")
             rows.append({**r, "layout": name, "x_sync": x / base if base and x else None})
     print(table(rows))

@@ -108,18 +108,29 @@ def sweep_table(
         by_mode: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
             by_mode.setdefault(r["mode"], []).append(r)
-        row = [point.name, _cell(by_mode.get("sync", []), key, "{:.1f}")]
+        row = [point.name, median_cell(by_mode.get("sync", []), key, "{:.1f}")]
         for label in labels:
             runs = by_mode.get(label, [])
-            row += [_cell(runs, key, "{:.1f}"), _cell(runs, f"{key}_vs_sync", "x{:.2f}")]
+            row += [
+                median_cell(runs, key, "{:.1f}"),
+                median_cell(runs, f"{key}_vs_sync", "x{:.2f}"),
+            ]
             if wall:
-                row.append(_cell(runs, "steady_wall_throughput_vs_sync", "x{:.2f}"))
+                row.append(median_cell(runs, "steady_wall_throughput_vs_sync", "x{:.2f}"))
             if "auto" in label:
                 row.append(_targets(runs))
             if vs_april and label == "april-async":
-                row.append(_cell(_ratios(recs, "april-async", "april", key), "ratio", "x{:.2f}"))
+                row.append(
+                    median_cell(
+                        per_repeat_ratios(recs, "april-async", "april", key), "ratio", "x{:.2f}"
+                    )
+                )
             if label in tail_base:
-                row.append(_cell(_ratios(recs, label, tail_base[label], key), "ratio", "x{:.2f}"))
+                row.append(
+                    median_cell(
+                        per_repeat_ratios(recs, label, tail_base[label], key), "ratio", "x{:.2f}"
+                    )
+                )
         ok = all(r.get("checks_ok", True) for r in recs if r.get("available"))
         row.append("ok" if ok and recs else "FAIL")
         rows.append(row)
@@ -129,16 +140,20 @@ def sweep_table(
     return "\n".join(lines)
 
 
-def _ratios(recs: Sequence[dict[str, Any]], mode: str, base: str, key: str) -> list[dict[str, Any]]:
-    """`mode`'s `key` over `base`'s, one per repeat where both were measured."""
+def per_repeat_ratios(
+    recs: Sequence[dict[str, Any]], mode: str, base: str, key: str, field: str = "mode"
+) -> list[dict[str, Any]]:
+    """`mode`'s `key` over `base`'s (records told apart by `field`), one per repeat where
+    both were measured."""
     by_repeat: dict[Any, dict[str, float]] = {}
     for r in recs:
         if r.get(key):
-            by_repeat.setdefault(r.get("repeat", 0), {})[r["mode"]] = float(r[key])
+            by_repeat.setdefault(r.get("repeat", 0), {})[r[field]] = float(r[key])
     return [{"ratio": m[mode] / m[base]} for m in by_repeat.values() if mode in m and base in m]
 
 
-def _cell(runs: Sequence[dict[str, Any]], key: str, fmt: str) -> str:
+def median_cell(runs: Sequence[dict[str, Any]], key: str, fmt: str) -> str:
+    """Median (min-max) of `key` over the runs; the value alone for one run."""
     values = [float(r[key]) for r in runs if r.get(key) is not None]
     if not values:
         return "n/a"

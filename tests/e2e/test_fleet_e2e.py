@@ -50,9 +50,22 @@ class Fleet:
             ServerProc(self._dir(f"engine{i}"), args, cpu_share_env(1)) for i in range(2)
         ]
         start_all(list(self.engines))  # side by side: their start-ups overlap
-        urls = ",".join(e.url for e in self.engines)
-        self.owner = ServerProc(self._dir("owner"), ["--april-engines", urls])
+        self.owner = ServerProc(self._dir("owner"), ["--april-engines", self.urls])
         self.owner.start()
+
+    @property
+    def urls(self) -> str:
+        return ",".join(e.url for e in self.engines)
+
+    @contextlib.contextmanager
+    def another_owner(self, name: str, args: list[str]) -> Iterator[ServerProc]:
+        """One more owner (its own state dir `name`), stopped when the block ends."""
+        owner = ServerProc(self._dir(name), args)
+        owner.start()
+        try:
+            yield owner
+        finally:
+            owner.stop()
 
     def _dir(self, name: str) -> Path:
         d = self.root / name
@@ -127,10 +140,7 @@ def running_on(engine: ServerProc) -> int:
 
 
 def test_an_engine_stops_what_a_dead_owner_started(fleet: Fleet) -> None:
-    urls = ",".join(e.url for e in fleet.engines)
-    owner = ServerProc(fleet._dir("owner-doomed"), ["--april-engines", urls])
-    owner.start()
-    try:
+    with fleet.another_owner("owner-doomed", ["--april-engines", fleet.urls]) as owner:
         with owner.client() as c:
             body = {"groups": [group("d", [6, 1], [8000, 8000])]}
 
@@ -145,22 +155,16 @@ def test_an_engine_stops_what_a_dead_owner_started(fleet: Fleet) -> None:
             owner.kill9()
         idle = lambda: sum(running_on(e) for e in fleet.engines) == 0  # noqa: E731
         wait_for("the engines to abort what nobody will read", idle, 20)
-    finally:
-        owner.stop()
 
 
 def test_tail_placement_runs_the_predicted_long_on_one_engine(fleet: Fleet) -> None:
     """`--april-placement tail`: once the history says prompt L runs 40 tokens and S0, S1 run
     4, the next call runs L's samples on the tail engine (the higher-named) and the short
     ones on the other. By load alone (the default owner) L's two samples would alternate."""
-    urls = ",".join(e.url for e in fleet.engines)
-    owner = ServerProc(
-        fleet._dir("owner-tail"), ["--april-engines", urls, "--april-placement", "tail"]
-    )
-    owner.start()
     body, tail = sorted([fleet.name(0), fleet.name(1)])
     prompts = {"L": ([31, 5], 40), "S0": ([41, 5], 4), "S1": ([42, 5], 4)}
-    try:
+    args = ["--april-engines", fleet.urls, "--april-placement", "tail"]
+    with fleet.another_owner("owner-tail", args) as owner:
         with owner.client() as c:
             for step in (1, 2):
                 groups = [
@@ -185,8 +189,6 @@ def test_tail_placement_runs_the_predicted_long_on_one_engine(fleet: Fleet) -> N
             }, ran  # fmt: skip
             figures = ok(c.get(R + "/stats"))["length_prediction"]
             assert (figures["placement"], figures["prior_tokens"]) == ("tail", 16.0)
-    finally:
-        owner.stop()
 
 
 def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
@@ -336,9 +338,7 @@ def _answers(url: str) -> bool:
 
 
 def test_an_owner_finds_its_engines_in_smgs_registry(fleet: Fleet, smg: str) -> None:
-    owner = ServerProc(fleet._dir("owner-smg"), ["--april-smg", smg])
-    owner.start()
-    try:
+    with fleet.another_owner("owner-smg", ["--april-smg", smg]) as owner:
         with owner.client() as c:
             both = sorted([fleet.name(0), fleet.name(1)])
             wait_for("both engines in the pool", lambda: sorted(engines(c)) == both, 60)
@@ -362,8 +362,6 @@ def test_an_owner_finds_its_engines_in_smgs_registry(fleet: Fleet, smg: str) -> 
             assert [g["group_id"] for g in r["groups"]] == ["m9"]
             ran = {seg["engine"] for s in r["groups"][0]["samples"] for seg in s["segments"]}
             assert ran == {fleet.name(0)}
-    finally:
-        owner.stop()
 
 
 def test_kill9_of_an_engine_mid_call_loses_nothing(http: httpx.Client, fleet: Fleet) -> None:
