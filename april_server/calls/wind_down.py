@@ -91,18 +91,21 @@ class WindDown(TurnsInCall):
         self, wall_s: float, time_to_quota: float | None, deliver: bool
     ) -> RolloutResp:
         """Steps 5-6: split groups, persist, build the response. With `deliver=False` (the
-        caller is gone) nothing is returned, so every group goes back to the buffer."""
+        caller is gone) nothing is returned and nothing dropped, so every group goes back to
+        the buffer: `drop` and a rejection are the caller's decisions about a delivery, and a
+        retry of the same `request_id` runs again on all the groups this attempt handed in."""
         mgr, req = self.mgr, self.req
         version = mgr.current_version()
         accepted = self.quota.accepted
         returned = accepted[: req.target_groups] if deliver else []
-        dropped = sorted(self.quota.rejected)
+        rejected = sorted(self.quota.rejected) if deliver else []
+        dropped = list(rejected)
         buffered = []
         for gid in self.group_ids:
-            if gid in returned or gid in self.quota.rejected:
+            if gid in returned or gid in rejected:
                 continue
             unfinished = not S.group_finished(mgr.groups[gid])
-            if req.on_quota == "drop" and unfinished and gid in self.started:
+            if deliver and req.on_quota == "drop" and unfinished and gid in self.started:
                 dropped.append(gid)
             else:
                 buffered.append(gid)
@@ -123,8 +126,8 @@ class WindDown(TurnsInCall):
             restored_kv_tokens=self.tally.restored_kv_tokens,
             recomputed_tokens=self.tally.recomputed_tokens,
             quota_met=len(returned) == req.target_groups,
-            num_rejected_groups=len(self.quota.rejected),
-            num_dropped_groups=len(dropped) - len(self.quota.rejected),
+            num_rejected_groups=len(rejected),
+            num_dropped_groups=len(dropped) - len(rejected),
             time_to_quota_s=None if time_to_quota is None else round(time_to_quota, 4),
             on_quota_effective=on_quota,
             inflight_target=self.inflight_target,

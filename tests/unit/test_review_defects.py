@@ -343,3 +343,58 @@ def test_a_stream_cancelled_right_after_it_started_keeps_its_groups(tmp_path: Pa
         assert len(r.groups[0].samples[0].output_ids) == 50
 
     asyncio.run(go())
+
+
+# ---- review of 2026-12-06: an undelivered `drop` call drops nothing ----------------------------
+
+
+def test_an_undelivered_drop_call_keeps_its_stragglers_for_the_retry(tmp_path: Path) -> None:
+    """`drop` discards a delivered call's stragglers. A call that delivered nothing (its client
+    left, or it failed) must give every group back: before the fix it deleted its started,
+    unfinished groups durably, and the retry of its request_id could not find them."""
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        groups = [spec("fast", 2), spec("slow", 400)]
+        req = RolloutReq(groups=groups, target_groups=2, on_quota="drop", request_id="eval-3")
+        first = asyncio.ensure_future(rollout(mgr, req))
+        await asyncio.sleep(0.1)  # "fast" finished, "slow" generates: a straggler to drop
+        assert "slow/0" in mgr.running and "fast/0" not in mgr.running
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert {e.group_id for e in mgr.buffer.idle.oldest()} == {"fast", "slow"}
+        r = await rollout(mgr, req)  # the retry runs again on both
+        assert sorted(g.group_id for g in r.groups) == ["fast", "slow"]
+        assert len(r.groups[1].samples[0].output_ids) == 400
+        assert r.dropped_group_ids == []
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_an_undelivered_call_gives_back_the_groups_its_trainer_rejected(tmp_path: Path) -> None:
+    """A streamed call whose client rejected a group and then left delivered nothing: the
+    rejected group goes back to the buffer with the rest (docs/operations.md: every group it
+    held goes back), and the retry sees it again."""
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        req = RolloutReq(
+            groups=[spec("a", 2), spec("b", 400)], target_groups=1, stream=True,
+            reject_grace_s=5.0, request_id="s-9",
+        )  # fmt: skip
+        call = asyncio.ensure_future(rollout(mgr, req, events))
+        first = await events.get()
+        (call_obj,) = mgr.calls.values()
+        call_obj.reject(RejectReq(group_ids=[first.group.group_id]))  # "b" must finish now
+        await asyncio.sleep(0.02)
+        assert "b/0" in mgr.running
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert {e.group_id for e in mgr.buffer.idle.oldest()} == {"a", "b"}
+        mgr.check_integrity()
+
+    asyncio.run(go())
