@@ -188,7 +188,8 @@ class Refill(TurnsInCall):
         return n
 
     def _emit_finished(self, gid: str) -> None:
-        self.quota.finish(gid)
+        if not self.quota.finish(gid):
+            return  # counted and announced already
         if self.events is not None and len(self.quota.accepted) <= self.quota.target:
             event = GroupFinishedEvent(group=self.mgr.groups[gid], batch_id=self.batch_id)
             self.events.put_nowait(event)

@@ -348,3 +348,50 @@ def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
         assert [a.ids for a in s.appended] == [answer(1)]  # durable
 
     asyncio.run(go())
+
+
+def test_a_group_answered_before_its_retry_started_it_counts_once(tmp_path: Path) -> None:
+    """Found by review: a retry of a request_id claims its attempt's groups by name, an agent
+    group waiting for an answer among them. Answered while it still sat in the retry's ready
+    queue, its member ran and ended the episode (the group finished and counted); then the
+    queue handed it out with nothing left to run, and it counted again: the quota was met a
+    group early and the response held the group twice."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        long = GroupSpec(
+            "h", n=1, input_ids=[1, 2, 3],
+            sampling_params={"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0},
+        )  # fmt: skip
+        events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+        first = asyncio.create_task(
+            rollout(
+                mgr,
+                RolloutReq(
+                    groups=[spec("a", 2), long], target_groups=2, stream=True, request_id="r-1"
+                ),
+                events,
+            )  # fmt: skip
+        )
+        while not isinstance(await events.get(), SampleAwaitingEvent):
+            pass
+        first.cancel()  # the client left: "a" awaits its answer, "h" is partial
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # The retry: "h" ahead of "a" in its ready queue, one group at a time, two new groups
+        # so that the quota of 3 needs "a", "h" and one of them.
+        retry = RolloutReq(
+            groups=[long, spec("a", 2), spec("x", 1), spec("y", 1)], target_groups=3,
+            max_inflight_groups=1, request_id="r-1",
+        )  # fmt: skip
+        call = asyncio.create_task(rollout(mgr, retry))
+        await asyncio.sleep(0.05)
+        assert "h/0" in mgr.running and "a/0" not in mgr.running
+        await post_input(mgr, "a/0", InputReq(append_ids=answer(1)))  # runs now, ends "a"
+        r = await asyncio.wait_for(call, 30)
+        ids = [g.group_id for g in r.groups]
+        assert len(ids) == 3 and len(set(ids)) == 3, ids
+        assert {"a", "h"} <= set(ids)
+        mgr.check_integrity()
+
+    asyncio.run(go())
