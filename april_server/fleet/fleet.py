@@ -440,6 +440,8 @@ class FleetEngine(SnapshotEngine):
             # waits, held out, for the trainer's next push (`weight_group.py`).
             self.last_update = dict(body) if path == DISK else None
         for m in targets:
+            if m.state == "down":
+                continue  # a probe saw it die meanwhile: down until a probe says otherwise
             if m.name in failed or versions.get(m.name) != self.version:
                 m.set_state("stale", failed.get(m.name, f"weights {versions.get(m.name)!r}"))
             elif m.state == "stale":

@@ -168,13 +168,23 @@ class FleetWeights:
 
     async def begin(self, body: dict[str, Any]) -> dict[str, Any]:
         names = self._targets()
-        if not self.fleet.session_open:
+        opened = not self.fleet.session_open
+        if opened:
             self.fleet.hold_segments(session=True)  # new segments wait for the session's end
             self._cut = self.listener()
             if self._cut is not None:
                 await self._cut.before_update()
             self._watchdog = asyncio.get_running_loop().create_task(self._expire())
-        return await self._each(names, "/begin_weight_update", body)
+        failed, began = await self._fan_out(names, "/begin_weight_update", body)
+        if failed and opened:
+            # A refused begin holds nothing (as on one server, door/weight_hooks.py): the
+            # engines that began leave their session again, and ours serve at once, rather
+            # than wait out the watchdog (a trainer whose begin failed never sends the end).
+            await self._fan_out(began, "/end_weight_update", {})
+            self._close_session()
+        if failed:
+            raise ApiError(502, "engine_failed", f"/begin_weight_update failed on {failed}")
+        return {"success": True, "message": f"/begin_weight_update on {len(names)} engines"}
 
     async def update(self, body: dict[str, Any]) -> dict[str, Any]:
         names = self._targets()
@@ -199,6 +209,15 @@ class FleetWeights:
             self._close_session()
 
     async def _each(self, names: list[str], path: str, body: dict[str, Any]) -> dict[str, Any]:
+        failed, _ = await self._fan_out(names, path, body)
+        if failed:
+            raise ApiError(502, "engine_failed", f"{path} failed on {failed}")
+        return {"success": True, "message": f"{path} on {len(names)} engines"}
+
+    async def _fan_out(
+        self, names: list[str], path: str, body: dict[str, Any]
+    ) -> tuple[dict[str, str], list[str]]:
+        """(engine -> why it failed, the engines that answered) for `path` sent to all."""
         ms = [self.fleet.members[n] for n in names]
         results = await asyncio.gather(
             *(m.update_weights(body, path) for m in ms), return_exceptions=True
@@ -206,9 +225,7 @@ class FleetWeights:
         failed = {
             m.name: str(r) for m, r in zip(ms, results, strict=True) if isinstance(r, Exception)
         }
-        if failed:
-            raise ApiError(502, "engine_failed", f"{path} failed on {failed}")
-        return {"success": True, "message": f"{path} on {len(ms)} engines"}
+        return failed, [m.name for m in ms if m.name not in failed]
 
     def _close_session(self) -> None:
         if not self.fleet.session_open:

@@ -306,3 +306,37 @@ def test_a_segment_lost_mid_flight_has_its_snapshot_dropped_once_the_engine_answ
         await fleet.close()
 
     asyncio.run(go())
+
+
+# ---- review of 2026-12-06: an engine that dies during a push stays down ----------------------
+
+
+def test_an_engine_seen_dead_during_a_push_is_not_turned_stale() -> None:
+    """Found by review: a probe marked an engine down while a push was in flight, its update
+    failed, and the push's end marked it `stale`, which clears `down`: a dead engine counted
+    as a live member (of the weight group too) until the next probe."""
+
+    class DiesMidPush(FakeServers):
+        fleet: FleetEngine
+
+        async def __call__(self, request: httpx.Request) -> httpx.Response:
+            host = request.url.netloc.decode()
+            if host == "b:1" and request.url.path == "/update_weights_from_disk":
+                self.gone.add(host)
+                await self.fleet.probe_all()  # the probe loop sees it die meanwhile
+                raise httpx.ConnectError("refused", request=request)
+            return await super().__call__(request)
+
+    async def go() -> None:
+        servers = DiesMidPush(["a:1", "b:1"])
+        fleet = servers.fleet = fleet_over(servers, ["a:1", "b:1"])
+        await fleet.probe_all()
+        out = await fleet.update_weights(
+            {"model_path": "/m", "weight_version": "1"}, "/update_weights_from_disk"
+        )
+        assert not out["success"]
+        assert fleet.members["b:1"].state == "down"  # before the fix: "stale"
+        assert fleet.members["a:1"].state == "healthy" and fleet.weight_version() == "1"
+        await fleet.close()
+
+    asyncio.run(go())

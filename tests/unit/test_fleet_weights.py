@@ -171,3 +171,49 @@ def test_the_session_holds_new_segments_until_its_end_or_its_time_limit(
         await fleet.close()
 
     asyncio.run(go())
+
+
+def test_a_begin_refused_by_one_engine_holds_nothing() -> None:
+    """Found by review: the owner held every segment and cut the running ones before its
+    begin fanned out, and a begin that one engine refused left all of it in place (and the
+    engines that began inside SGLang's session) until the 300 s watchdog, since a trainer
+    whose begin failed never sends the end. Now it lets go at once, as one server does."""
+
+    class RefusingBegin(GroupServers):
+        async def __call__(self, request: httpx.Request) -> httpx.Response:
+            host, path = request.url.netloc.decode(), request.url.path
+            if host == "b:1" and path == "/begin_weight_update":
+                return httpx.Response(500, json={"success": False, "message": "refused"})
+            return await super().__call__(request)
+
+    class Cut:
+        def __init__(self) -> None:
+            self.events: list[str] = []
+
+        async def before_update(self) -> None:
+            self.events.append("cut")
+
+        def after_update(self) -> None:
+            self.events.append("continue")
+
+    async def go() -> None:
+        hosts = ["a:1", "b:1"]
+        servers = RefusingBegin(hosts)
+        servers.hold_segments.set()  # the fake engines answer segments at once
+        fleet = fleet_over(servers, hosts)
+        await fleet.probe_all()
+        cut = Cut()
+        weights = FleetWeights(fleet, lambda: cut)
+        await weights.init({"master_address": "t", "master_port": 9, "world_size": 3})
+        with pytest.raises(ApiError) as exc:
+            await weights.begin({})
+        assert exc.value.status == 502 and "b:1" in exc.value.message
+        assert not fleet.session_open and cut.events == ["cut", "continue"]
+        ended = [h for h, p, _ in servers.calls if p == "/end_weight_update"]
+        assert ended == ["a:1"]  # the engine that began leaves its session again
+        call = SegmentCall("r1", "k", [1, 2], {"max_new_tokens": 1}, Slot("a:1", 0))
+        seg = await asyncio.wait_for(fleet.run_segment(call), 5)  # not held
+        assert seg.result.output_ids == [7]
+        await fleet.close()
+
+    asyncio.run(go())
