@@ -288,7 +288,14 @@ class Background:
             logger.exception("april: background round failed; its groups stay buffered")
             runs = [r for r in self.segments.running.values() if r.owner == OWNER]
             await self.segments.stop(runs, "tokens")
-            await self._hand_back(list(self.running_groups()))
+            try:
+                await self._hand_back(list(self.running_groups()))
+            except Exception:  # the store fails (a full disk): never keep them held
+                logger.exception(
+                    "april: the background could not persist its groups; they go back to "
+                    "the buffer as last persisted"
+                )
+                self.buffer.release_in_place(OWNER)
         finally:
             self._task = None
             self._ends.clear()
@@ -303,14 +310,20 @@ class Background:
             self.forget([gid], gone=True)  # delivered, deleted or dropped meanwhile
         groups = await self.buffer.hold_in_place(list(self.wanted), OWNER)
         ends, left = self._ends, self._left
+        touched: list[str] = []  # looked at by `start_group`, nothing started
         for g in groups if not self._holds else ():  # paused while holding: start nothing
             n = self._start(g.group_id, ends, bool(ends))
             if n is None:
                 waiting.append(g.group_id)  # no room now: handed back, runs later
             elif n:
                 left[g.group_id] = n
-        for gid in [g.group_id for g in groups if g.group_id not in left]:
-            await self._hand_back([gid])  # finished, or waiting for room
+            else:
+                touched.append(g.group_id)  # finished, awaiting, or a member out of budget
+        # Those not started were only read: back as they were, without a write (a round
+        # would otherwise rewrite every group that found no room, once per round).
+        seen = set(touched) | set(left)
+        self.buffer.release_in_place(OWNER, [g.group_id for g in groups if g.group_id not in seen])
+        await self._hand_back(touched)  # one commit: `start_group` may have marked members
         return waiting
 
     def _start(self, gid: str, ends: dict[asyncio.Task[None], str], others: bool) -> int | None:

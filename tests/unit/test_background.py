@@ -285,3 +285,61 @@ def test_aborting_a_finished_call_stops_what_it_left_in_the_background(tmp_path:
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+# ---- review of 2026-12-06 ------------------------------------------------------------------
+
+
+def test_a_round_does_not_rewrite_the_groups_that_found_no_room(tmp_path: Path) -> None:
+    """Found by review: each background round read every wanted group, started what fit, and
+    persisted each of the others unchanged, one fsynced commit per group, every round (and a
+    call arriving meanwhile waited for all of it)."""
+    from tests.unit.test_buffer import CapacityEngine
+
+    async def go() -> None:
+        eng = CapacityEngine(max_running=2, total_tokens=100_000)  # admits 2 + a queue of 8
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        await mgr.admission_ready()
+        real, written = mgr.buffer.persist, []
+
+        async def counting(put: Any, delete: Any, call: Any = None) -> None:
+            written.extend(g.group_id for g in put if not any(s.output_ids for s in g.samples))
+            await real(put, delete, call)
+
+        groups = [spec(f"g{i}", 40) for i in range(20)]
+        await add_groups(mgr, GroupsReq(groups=groups))  # the new groups' own first write
+        mgr.buffer.persist = counting  # type: ignore[method-assign]
+        await until(lambda: all(mgr.buffer.idle.get(f"g{i}").unfinished == 0 for i in range(20)))
+        await until(lambda: not mgr.background.running_groups())
+        assert written == []  # before the fix: every group that waited, once per round
+        for i in range(20):
+            assert len((await mgr.read_group(f"g{i}")).samples[0].output_ids) == 40
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_store_that_fails_leaves_no_group_held_by_the_background(tmp_path: Path) -> None:
+    """Found by review: a background round whose commit failed tried to hand its groups back
+    with another commit; when that failed too, they stayed held by the background for the
+    server's life (409 group_busy for every call, resume and delete naming them)."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        await add_groups(mgr, GroupsReq(groups=[spec("a", 200), spec("b", 200)]))
+        await until(lambda: mgr.background.running_groups() == {"a", "b"})
+        real = mgr.buffer.persist
+
+        async def full_disk(*args: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        mgr.buffer.persist = full_disk  # type: ignore[method-assign]
+        await until(lambda: not mgr.background.running_groups())
+        assert mgr.buffer.owner_of("a") is None and mgr.buffer.owner_of("b") is None
+        mgr.buffer.persist = real  # type: ignore[method-assign]
+        r = await rollout(mgr, RolloutReq(groups=[], target_groups=2))  # the disk is back
+        assert sorted(g.group_id for g in r.groups) == ["a", "b"]
+        assert all(g.samples[0].output_ids == reference(200) for g in r.groups)
+        mgr.check_integrity()
+
+    asyncio.run(go())
