@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from april_client.protocol import Group
@@ -240,15 +240,20 @@ class PartialBuffer:
     # ---- durability --------------------------------------------------------------------------
 
     async def persist(
-        self, put: list[Group], delete: list[str], call: tuple[str, bytes] | None = None
+        self,
+        put: list[Group],
+        delete: list[str],
+        call: tuple[str, bytes] | None = None,
+        live: Collection[str] = (),
     ) -> None:
         """Store claimed groups `put` (keeping each one's age position), delete `delete`,
-        remember `call`: durable (fsynced) when this returns."""
+        remember `call`: durable (fsynced) when this returns. `live`: those of `put` still
+        generating meanwhile (`BufferStore.commit`)."""
         rows = []
         for g in put:
             old = self._stored.get(g.group_id)
             rows.append((g, old.seq if old is not None else self._new_seq()))
-        entries = await self.store.commit(rows, delete, call)
+        entries = await self.store.commit(rows, delete, call, live)
         for e in entries:
             self._stored[e.group_id] = e
         for gid in delete:

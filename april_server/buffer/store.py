@@ -25,7 +25,7 @@ import threading
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -213,7 +213,10 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
     logger.info("april: moved %d buffered groups to the version-2 buffer table", len(rows))
 
 
-def _upsert(db: sqlite3.Connection, put: Iterable[tuple[Group, BufferEntry]], boot: str) -> None:
+def _upsert(
+    db: sqlite3.Connection, put: Iterable[tuple[Group | bytes, BufferEntry]], boot: str
+) -> None:
+    """Each group's row: its summary `e`, its body (a group, or one encoded already)."""
     db.executemany(
         "INSERT INTO buffer (group_id, seq, created_at, num_samples, unfinished, output_tokens,"
         " versions, context_tokens, remaining_tokens, boot, body, awaiting)"
@@ -236,7 +239,7 @@ def _upsert(db: sqlite3.Connection, put: Iterable[tuple[Group, BufferEntry]], bo
                 e.context_tokens,
                 e.remaining_tokens,
                 boot,
-                encode_group(g),
+                g if isinstance(g, bytes) else encode_group(g),
                 e.awaiting,
             )
             for g, e in put
@@ -348,19 +351,28 @@ class BufferStore:
         put: list[tuple[Group, int]],
         delete: list[str],
         call: tuple[str, bytes] | None = None,
+        live: Collection[str] = (),
     ) -> list[BufferEntry]:
         """Atomically upsert `put` (each group at its `seq`), delete `delete` and remember
         `call`; durable on return, with the summaries written. The groups are summarized and
         encoded on the store's thread: the caller must not change them until this returns
-        (they are claimed by the caller's call)."""
+        (they are claimed by the caller's call). Except `live` ones, which go on generating
+        meanwhile (a `continue` call's stragglers): those are summarized and encoded here, at
+        one moment, or their row could pair a summary with a later body, or catch a sample
+        half-way through recording a segment (cost: what is handed on, not the buffer)."""
         call_seq = 0
         if call is not None:
             call_seq = self._next_call_seq
             self._next_call_seq += 1
         boot = self.boot
+        frozen = {
+            g.group_id: (encode_group(g), summarize(g, seq)) for g, seq in put if g.group_id in live
+        }
 
         def write(db: sqlite3.Connection) -> list[BufferEntry]:
-            rows = [(g, summarize(g, seq)) for g, seq in put]
+            rows: list[tuple[Group | bytes, BufferEntry]] = [
+                frozen.get(g.group_id) or (g, summarize(g, seq)) for g, seq in put
+            ]
             if delete:
                 db.executemany("DELETE FROM buffer WHERE group_id = ?", [(g,) for g in delete])
             if rows:

@@ -170,7 +170,9 @@ class RolloutManager:
         self, put: list[Group], delete: list[str], call: tuple[str, bytes] | None = None
     ) -> None:
         """Make the outcome durable (fsync, off the event loop); called before acknowledging."""
-        await self.buffer.persist(put, delete, call)
+        running = self.running
+        live = [g.group_id for g in put if any(s.sample_id in running for s in g.samples)]
+        await self.buffer.persist(put, delete, call, live)
         dirty = self.segments.lengths.history.take_dirty()
         if dirty:
             self.store.save_lengths(dirty)

@@ -343,3 +343,53 @@ def test_a_store_that_fails_leaves_no_group_held_by_the_background(tmp_path: Pat
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_a_group_handed_on_generating_is_stored_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a `continue` call persists its stragglers while they go on generating,
+    and the store's thread summarized a group, then encoded its body later: a segment that
+    ended in between left a row whose summary and body disagree (or a body caught half-way
+    through recording the segment), there to be read after a crash. The store thread is
+    slowed between the two here so that the straggler's segment ends inside the window."""
+    import threading
+
+    import april_server.buffer.store as store_mod
+    from april_server.buffer.buffer_index import summarize
+
+    real_encode = store_mod.encode_group
+
+    def slow_on_the_store_thread(g: Any) -> bytes:
+        if threading.current_thread() is not threading.main_thread():
+            import time
+
+            time.sleep(0.3)  # the loop records the straggler's end meanwhile
+        return real_encode(g)
+
+    monkeypatch.setattr(store_mod, "encode_group", slow_on_the_store_thread)
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        torn: list[str] = []
+        real_commit = mgr.store.commit
+
+        async def checked(*args: Any) -> Any:
+            out = await real_commit(*args)
+            bodies = await mgr.store.read_groups([e.group_id for e in mgr.store.load_index()])
+            for e in mgr.store.load_index():
+                if summarize(bodies[e.group_id], e.seq) != e:
+                    torn.append(e.group_id)
+            return out
+
+        mgr.store.commit = checked  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 60)], on_quota="continue")
+        r = await rollout(mgr, req)
+        assert r.buffered_group_ids == ["long"]
+        await until(lambda: not mgr.background.running_groups())
+        assert torn == []  # before the fix: ["long"], after the call's own commit
+        (s,) = (await mgr.read_group("long")).samples
+        assert s.output_ids == reference(60)
+        mgr.check_integrity()
+
+    asyncio.run(go())
