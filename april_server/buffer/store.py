@@ -34,6 +34,7 @@ import msgspec
 
 from april_client.protocol import Group
 from april_server.buffer.buffer_index import BufferEntry, summarize
+from april_server.rules.lengths import MAX_PROMPTS
 from april_server.rules.samples import clear_snapshot
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ CREATE TABLE IF NOT EXISTS lengths (
     seen INTEGER NOT NULL,
     lengths BLOB NOT NULL
 );
+CREATE INDEX IF NOT EXISTS lengths_by_seen ON lengths (seen);
 """
 # The summaries, read at start-up from this covering index without touching the bodies.
 _SUMMARY_INDEX = """
@@ -78,6 +80,12 @@ _SUMMARY = (
     " context_tokens, remaining_tokens, awaiting"
 )
 MAX_REMEMBERED_CALLS = 10_000  # idempotency window; the oldest responses are forgotten first
+# ... and at most this many bytes of them: a row is a whole response (every returned sample's
+# tokens and logprobs), so a trainer that names every call would otherwise keep 10,000 steps.
+MAX_REMEMBERED_CALL_BYTES = 256 << 20
+CALLS_PRUNE_EVERY = 64  # remembered calls between two checks of their bytes
+LENGTHS_PRUNE_EVERY = 64  # saves of the length history between two prunes of its table
+WAL_LIMIT_BYTES = 64 << 20
 MAX_BATCHED_COMMITS = 64  # commits that may share one transaction (one fsync)
 _READ_CHUNK = 500  # ids per SELECT ... IN (...)
 
@@ -178,6 +186,8 @@ def _open(path: Path | None) -> sqlite3.Connection:
     db = sqlite3.connect(":memory:" if path is None else str(path), isolation_level=None)
     if path is not None:
         db.execute("PRAGMA journal_mode=WAL")
+        # The WAL keeps the size of its largest commit (a big call's) unless told otherwise.
+        db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
     db.execute("PRAGMA synchronous=FULL")
     db.executescript(_SCHEMA)
     _migrate_v2(db)
@@ -247,6 +257,19 @@ def _upsert(
     )
 
 
+def _forget_calls_beyond(db: sqlite3.Connection, max_bytes: int) -> None:
+    """Forget the oldest remembered responses until the rest hold at most `max_bytes` (the
+    newest always stays). `length()` of a blob reads its row header, not its pages."""
+    row = db.execute(
+        "SELECT seq FROM (SELECT seq, SUM(length(body)) OVER (ORDER BY seq DESC) AS newer"
+        " FROM calls) WHERE newer > ? ORDER BY seq DESC LIMIT 1",
+        (max_bytes,),
+    ).fetchone()
+    if row is not None:
+        newest = db.execute("SELECT MAX(seq) FROM calls").fetchone()[0]
+        db.execute("DELETE FROM calls WHERE seq <= ? AND seq < ?", (row[0], newest))
+
+
 def _settle(future: cf.Future[Any], ok: bool, value: Any) -> None:
     """Hand a result to whoever still waits. A caller that went away (a streamed call whose
     client disconnected) has cancelled its future: setting it would raise and kill the thread."""
@@ -313,6 +336,8 @@ class BufferStore:
         self._next_call_seq = self._blocking(
             lambda db: int(db.execute("SELECT COALESCE(MAX(seq), 0) FROM calls").fetchone()[0]) + 1
         )
+        self.max_prompts = MAX_PROMPTS  # length history rows kept (`save_lengths`)
+        self.max_call_bytes = MAX_REMEMBERED_CALL_BYTES
         self._seen = self._blocking(
             lambda db: int(db.execute("SELECT COALESCE(MAX(seen), 0) FROM lengths").fetchone()[0])
         )
@@ -383,6 +408,8 @@ class BufferStore:
                     (call[0], call_seq, call[1]),
                 )
                 db.execute("DELETE FROM calls WHERE seq <= ?", (call_seq - MAX_REMEMBERED_CALLS,))
+                if call_seq % CALLS_PRUNE_EVERY == 0:
+                    _forget_calls_beyond(db, self.max_call_bytes)
             return [e for _, e in rows]
 
         return await self._async(write, write=True)
@@ -448,6 +475,14 @@ class BufferStore:
                 "INSERT OR REPLACE INTO lengths (prompt_key, seen, lengths) VALUES (?, ?, ?)",
                 [(k, seen, _pack.encode(v)) for k, v in rows],
             )
+            if seen % LENGTHS_PRUNE_EVERY == 0:
+                # As in memory (`LengthHistory.max_prompts`): the least recently seen prompts
+                # go, or the file would keep one row for every prompt ever seen.
+                db.execute(
+                    "DELETE FROM lengths WHERE seen < (SELECT seen FROM lengths"
+                    " ORDER BY seen DESC LIMIT 1 OFFSET ?)",
+                    (self.max_prompts - 1,),
+                )
 
         done = self._db.submit(write, write=True)
         done.add_done_callback(_log_failure)

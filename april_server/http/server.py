@@ -9,6 +9,7 @@ from collections.abc import Callable
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import BaseEngine
+from april_server.rules.lengths import LengthHistory
 from april_server.runtime.loop_lag import LoopLagMonitor
 from april_server.runtime.manager import RolloutManager
 from april_server.runtime.snapshot_sweep import SnapshotSweep
@@ -39,11 +40,17 @@ class ManagerHolder:
         t0 = time.perf_counter()
         self.store = BufferStore(path)
         self.buffer = PartialBuffer(self.store)
+        # The length history too: O(prompts stored), so at start-up, not on the first request
+        # (on SGLang's event loop, which every request shares).
+        self.lengths = LengthHistory()
+        self.lengths.load(self.store.load_lengths())
         logger.info(
-            "april: partial buffer %s: %d idle groups, %d samples, loaded in %.2f s",
+            "april: partial buffer %s: %d idle groups, %d samples, %d prompts' lengths, "
+            "loaded in %.2f s",
             path,
             len(self.buffer.idle),
             self.buffer.idle.samples,
+            len(self.lengths),
             time.perf_counter() - t0,
         )
 
@@ -62,7 +69,7 @@ class ManagerHolder:
             lengths = self._manager.segments.lengths
             lengths.default_order = self.config.length_order
             lengths.placement = self.config.placement
-            lengths.history.load(self.store.load_lengths())
+            lengths.history = self.lengths
             self._manager.loop_lag = LoopLagMonitor()
             self._manager.loop_lag.start()  # first use is a request: on the server's loop
             m, snap = self._manager, self._manager.segments.snap

@@ -370,3 +370,31 @@ def test_the_loop_lag_monitor_sees_a_blocked_loop() -> None:
     figs = asyncio.run(go())
     assert figs["event_loop_lag_max_s"] >= 0.12
     assert figs["event_loop_lag_recent_max_s"] == figs["event_loop_lag_max_s"]
+
+
+# ---- review of 2026-12-06: remembered responses are bounded in bytes ---------------------------
+
+
+def test_remembered_responses_are_bounded_in_bytes_too(tmp_path: Path) -> None:
+    """Found by review: the idempotency window was 10,000 responses whatever their size (each
+    a whole response: every returned sample's tokens and logprobs), so a trainer naming every
+    call kept ~10,000 steps of rollouts on disk. Now also at most `max_call_bytes`, the
+    oldest forgotten first; the newest is always kept."""
+    from april_server.buffer.store import CALLS_PRUNE_EVERY
+
+    st = BufferStore(tmp_path / "b.sqlite")
+    st.max_call_bytes = 10 * 1000
+
+    async def go() -> None:
+        for i in range(1, CALLS_PRUNE_EVERY + 1):
+            await st.commit([], [], (f"step-{i}", bytes(1000)))
+        kept = [i for i in range(1, CALLS_PRUNE_EVERY + 1) if await st.load_call(f"step-{i}")]
+        assert kept == list(range(CALLS_PRUNE_EVERY - 9, CALLS_PRUNE_EVERY + 1))
+        st.max_call_bytes = 10  # smaller than one response: the newest still stays
+        for i in range(CALLS_PRUNE_EVERY + 1, 2 * CALLS_PRUNE_EVERY + 1):
+            await st.commit([], [], (f"step-{i}", bytes(1000)))
+        assert await st.load_call(f"step-{2 * CALLS_PRUNE_EVERY}") is not None
+        assert await st.load_call(f"step-{2 * CALLS_PRUNE_EVERY - 1}") is None
+
+    asyncio.run(go())
+    st.close()

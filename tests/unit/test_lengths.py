@@ -243,3 +243,39 @@ def test_the_history_survives_a_restart_in_the_store(tmp_path: Any) -> None:
     again.save_lengths([], forget=True)
     assert again.load_lengths() == []
     again.close()
+
+
+def test_the_stored_history_is_bounded_like_the_one_in_memory(tmp_path: Any) -> None:
+    """Found by review: the table kept one row for every prompt ever seen (memory forgets the
+    least recently seen past `max_prompts`; the file did not). Pruned every
+    `LENGTHS_PRUNE_EVERY` saves to the newest `max_prompts`."""
+    from april_server.buffer.store import LENGTHS_PRUNE_EVERY, BufferStore
+
+    store = BufferStore(tmp_path / "buffer.sqlite")
+    store.max_prompts = 5
+    for i in range(LENGTHS_PRUNE_EVERY):
+        store.save_lengths([(f"p{i}", [i])])
+    rows = store.load_lengths()  # the writes queue on the store's thread before this read
+    assert [k for k, _ in rows] == [
+        f"p{i}" for i in range(LENGTHS_PRUNE_EVERY - 5, LENGTHS_PRUNE_EVERY)
+    ]
+    store.close()
+
+
+def test_the_history_is_loaded_at_start_up_not_on_the_first_request(tmp_path: Any) -> None:
+    """Found by review: the manager (built on the first request, on the event loop every
+    request shares) read and replayed the whole stored history there."""
+    from april_server.buffer.store import BufferStore
+    from april_server.http.server import ManagerHolder
+    from april_server.settings.config import AprilConfig
+
+    store = BufferStore(tmp_path / "buffer.sqlite")
+    store.save_lengths([("a", [5, 7]), ("b", [9])])
+    store.close()
+
+    def no_engine() -> Any:
+        raise AssertionError("not built at start-up")
+
+    holder = ManagerHolder(AprilConfig(state_dir=tmp_path), no_engine)
+    assert list(holder.lengths.get("a")) == [5, 7] and len(holder.lengths) == 2
+    holder.store.close()
