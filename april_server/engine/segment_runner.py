@@ -170,7 +170,11 @@ class SegmentRunner:
         task = asyncio.get_running_loop().create_task(
             self._run(sample.sample_id, cont, restore, call, need)
         )
-        run = Running(sample, owner, "", task, unplanned_drop=held if call is None else None)
+        # Never planned (nothing healthy now): the runner must still free a snapshot that a
+        # staleness restart made useless (the restart cleared where it lives). One still
+        # usable stays, with the sample's figures pointing at it.
+        drop_if_unplanned = held if call is None and cont.restarted else None
+        run = Running(sample, owner, "", task, unplanned_drop=drop_if_unplanned)
         run.max_staleness, run.override_params, run.tally = max_staleness, override_params, tally
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore

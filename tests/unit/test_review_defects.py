@@ -398,3 +398,38 @@ def test_an_undelivered_call_gives_back_the_groups_its_trainer_rejected(tmp_path
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_a_segment_that_found_no_engine_keeps_the_snapshot_it_can_still_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a segment that never got a healthy slot freed the sample's snapshot
+    when it ended, restart or not, while the sample's figures still pointed at it (a later
+    restore planned, then quietly re-prefilled; a quota stop lost the snapshot it kept)."""
+    from april_client.protocol import ResumeReq
+    from april_server.engine import segment_runner as segments_mod
+    from april_server.operations.resume import resume
+    from april_server.rules.placement import Slot
+
+    monkeypatch.setattr(segments_mod, "ENGINE_WAIT_S", 0.2)
+    monkeypatch.setattr(segments_mod, "HEALTH_POLL_S", 0.02)
+
+    class Unreachable(SnapshotFakeEngine):
+        down = False
+
+        def healthy(self, slot: Slot) -> bool:
+            return not self.down
+
+    async def go() -> None:
+        eng = Unreachable()
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="snapshot")
+        await rollout(mgr, req)
+        assert eng.snaps == {"long/0"}
+        eng.down = True
+        (s,) = await resume(mgr, ResumeReq(sample_ids=["long/0"]))  # nowhere to run
+        assert s.status == "partial" and s.snapshot_bytes > 0
+        assert eng.snaps == {"long/0"}  # before the fix: set(), the figures still set
+        mgr.check_integrity()
+
+    asyncio.run(go())
