@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -188,35 +188,44 @@ class RemoteEngine(SnapshotEngine):
             drop=None if call.drop is None else Slot(LOCAL, call.drop.dp_rank),
         )
         lane = self.lanes.take()
-        post = asyncio.ensure_future(
-            self.lanes.clients[lane].post(
-                self.url + ENGINE_PREFIX + "/segment",
-                content=encoder.encode(local),
-                headers={**self.headers, "content-type": "application/json"},
-                timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),  # a segment takes long
-            )
+        post = self.lanes.clients[lane].post(
+            self.url + ENGINE_PREFIX + "/segment",
+            content=encoder.encode(local),
+            headers={**self.headers, "content-type": "application/json"},
+            timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),  # a segment takes long
         )
-        down = asyncio.ensure_future(self._down.wait())
         try:
-            await asyncio.wait({post, down}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self.lanes.give_back(lane)
-            down.cancel()
-            if not post.done():
-                post.cancel()
-        if not post.done() or post.cancelled():
+            resp = await self._unless_down(post, call.slot)
+        except EngineUnavailable:
             self._forget_segment(call)
-            raise EngineUnavailable(call.slot, self.why)
-        try:
-            resp = post.result()
+            raise
         except httpx.TransportError as exc:
             self.set_state("down", f"lost mid-segment: {type(exc).__name__}: {exc}")
             self._forget_segment(call)
             raise EngineUnavailable(call.slot, self.why) from exc
+        finally:
+            self.lanes.give_back(lane)
         if resp.status_code != 200:
             raise RuntimeError(f"engine {self.name}: HTTP {resp.status_code}: {resp.text[:300]}")
         out = segment_outcome.decode(resp.content)
         return replace(out, slot=Slot(self.name, out.slot.dp_rank))
+
+    async def _unless_down(self, request: Awaitable[httpx.Response], slot: Slot) -> httpx.Response:
+        """`request`'s answer, unless a probe marks this engine down first: one that hangs
+        without resetting its connections (a lost host, a partition, a stopped process)
+        would otherwise hold the caller for the request's whole timeout (a segment has none;
+        a weight push 30 min, with every engine's segments held meanwhile)."""
+        work = asyncio.ensure_future(request)
+        down = asyncio.ensure_future(self._down.wait())
+        try:
+            await asyncio.wait({work, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            raise EngineUnavailable(slot, self.why)
+        return work.result()
 
     def _forget_segment(self, call: SegmentCall) -> None:
         """A segment whose answer never came back runs again elsewhere: whatever snapshot of
@@ -374,12 +383,13 @@ class RemoteEngine(SnapshotEngine):
         """SGLang's own weight route `path` on the engine server (disk, or a broadcast's
         receiving end: `/update_weights_from_distributed`, the session's begin and end, the
         group's init and destroy); raises unless it succeeded."""
-        resp = await self.http.post(
+        post = self.http.post(
             self.url + path,
             json=body,
             headers=self.headers,
             timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=UPDATE_TIMEOUT_S),
         )
+        resp = await self._unless_down(post, Slot(self.name, 0))
         out: dict[str, Any] = resp.json() if resp.content else {}
         if resp.status_code != 200 or out.get("success") is False:
             raise RuntimeError(f"HTTP {resp.status_code}: {out.get('message', resp.text[:300])}")

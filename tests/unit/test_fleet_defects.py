@@ -340,3 +340,38 @@ def test_an_engine_seen_dead_during_a_push_is_not_turned_stale() -> None:
         await fleet.close()
 
     asyncio.run(go())
+
+
+def test_a_push_does_not_wait_on_an_engine_marked_down_while_it_hangs() -> None:
+    """Found by review: a segment's request ends when a probe marks its engine down, a weight
+    push's did not: an engine that hangs without resetting its connections (a lost host, a
+    partition) held the push, and with it every engine's segments, for the 30-minute read
+    timeout. Now the push fails over that engine as soon as it is marked down."""
+
+    class Hangs(FakeServers):
+        async def __call__(self, request: httpx.Request) -> httpx.Response:
+            host = request.url.netloc.decode()
+            if host == "b:1" and request.url.path == "/update_weights_from_disk":
+                await asyncio.Event().wait()  # never answers, never resets
+            return await super().__call__(request)
+
+    async def go() -> None:
+        servers = Hangs(["a:1", "b:1"])
+        fleet = fleet_over(servers, ["a:1", "b:1"])
+        await fleet.probe_all()
+        push = asyncio.ensure_future(
+            fleet.update_weights(
+                {"model_path": "/m", "weight_version": "1"}, "/update_weights_from_disk"
+            )
+        )
+        await asyncio.sleep(0.05)
+        assert not push.done()
+        servers.gone.add("b:1")
+        for _ in range(2):  # the probe loop finds it out of reach
+            await fleet.probe_all()
+        out = await asyncio.wait_for(push, 5)  # before the fix: waits 30 min
+        assert not out["success"] and "b:1" in out["message"]
+        assert fleet.members["b:1"].state == "down" and fleet.weight_version() == "1"
+        await fleet.close()
+
+    asyncio.run(go())
