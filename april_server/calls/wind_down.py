@@ -8,6 +8,7 @@ with a snapshot and the background restores them once no call runs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import msgspec
@@ -19,6 +20,7 @@ from april_server.rules import samples as S
 from april_server.rules.idempotency import attempt_record
 
 _enc = msgspec.json.Encoder()
+logger = logging.getLogger(__name__)
 
 
 class WindDown(TurnsInCall):
@@ -48,7 +50,14 @@ class WindDown(TurnsInCall):
                 self._announce_awaiting(gid)
         resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
         if going:
-            await self._hand_over_in_place(going)
+            try:
+                await self._hand_over_in_place(going)
+            except Exception:  # the answer is durable already: it must still reach the caller
+                logger.exception(
+                    "april: rollout %s: persisting the stragglers it stopped failed; they go "
+                    "back to the buffer as persisted with its answer",
+                    self.batch_id,
+                )
         for g in self.discarded:  # their KV snapshots go with them
             for sample in g.samples:
                 await mgr.segments.forget(sample)

@@ -433,3 +433,34 @@ def test_a_segment_that_found_no_engine_keeps_the_snapshot_it_can_still_use(
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_a_failure_after_the_answer_was_made_durable_still_answers(tmp_path: Path) -> None:
+    """Found by review: a `continue` call whose stragglers the background could not take
+    stops them and persists them again, after its answer (the returned groups' deletion and
+    its response) was committed. When that second commit failed, the caller got a 500 for a
+    delivery that had happened: without a request_id, the returned groups were gone."""
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr.background.adopt = lambda owner, going: list(going)  # type: ignore[method-assign]
+        real, commits = mgr.buffer.persist, [0]
+
+        async def second_fails(*args: Any) -> None:
+            commits[0] += 1
+            if commits[0] == 2:
+                raise OSError(28, "No space left on device")
+            await real(*args)
+
+        mgr.buffer.persist = second_fails  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="continue")
+        r = await rollout(mgr, req)  # before the fix: raised
+        assert [g.group_id for g in r.groups] == ["quick"] and r.buffered_group_ids == ["long"]
+        assert [e.group_id for e in mgr.buffer.idle.oldest()] == ["long"]
+        assert mgr.buffer.owner_of("long") is None
+        mgr.buffer.persist = real  # type: ignore[method-assign]
+        r2 = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+        assert len(r2.groups[0].samples[0].output_ids) == 400
+        mgr.check_integrity()
+
+    asyncio.run(go())
