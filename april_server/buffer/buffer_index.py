@@ -8,6 +8,8 @@ them: claim the oldest (O(log n) per group), counts for `/stats` (O(1)), pages o
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -93,9 +95,20 @@ class PartialsFilter:
         return self.weight_version is None or self.weight_version in e.versions
 
 
+def _waits(e: BufferEntry) -> bool:
+    """Unfinished, with every unfinished member awaiting an answer: nothing a call can run."""
+    return e.unfinished > 0 and e.runnable == 0
+
+
 class BufferIndex:
+    """Groups by age in two sorted maps: those waiting only for answers (agent episodes whose
+    tools have not answered, perhaps never will) apart, so that a call claiming the oldest
+    runnable groups never walks past them (`claimable_oldest`); listing and paging see both,
+    merged by age."""
+
     def __init__(self, entries: Iterable[BufferEntry] = ()) -> None:
-        self._by_seq: SortedDict = SortedDict()
+        self._by_seq: SortedDict = SortedDict()  # all but the waiting ones
+        self._waiting: SortedDict = SortedDict()
         self._by_id: dict[str, BufferEntry] = {}
         self.samples = 0
         self.output_tokens = 0
@@ -115,18 +128,22 @@ class BufferIndex:
     def get(self, group_id: str) -> BufferEntry | None:
         return self._by_id.get(group_id)
 
+    def _map(self, e: BufferEntry) -> SortedDict:
+        return self._waiting if _waits(e) else self._by_seq
+
     def add(self, e: BufferEntry) -> None:
         self.remove(e.group_id)
-        if e.seq in self._by_seq:
-            raise ValueError(f"seq {e.seq} is taken by {self._by_seq[e.seq].group_id!r}")
-        self._by_seq[e.seq] = e
+        taken = self._by_seq.get(e.seq) or self._waiting.get(e.seq)
+        if taken is not None:
+            raise ValueError(f"seq {e.seq} is taken by {taken.group_id!r}")
+        self._map(e)[e.seq] = e
         self._by_id[e.group_id] = e
         self._count(e, 1)
 
     def remove(self, group_id: str) -> BufferEntry | None:
         e = self._by_id.pop(group_id, None)
         if e is not None:
-            del self._by_seq[e.seq]
+            del self._map(e)[e.seq]
             self._count(e, -1)
         return e
 
@@ -145,15 +162,30 @@ class BufferIndex:
 
     def oldest(self) -> Iterator[BufferEntry]:
         """Oldest first. Do not add or remove while iterating."""
+        return (self._entry(seq) for seq in self._seqs(None))
+
+    def claimable_oldest(self) -> Iterator[BufferEntry]:
+        """Oldest first, leaving out the groups that wait only for answers: O(what is read),
+        however many of those there are."""
         return iter(self._by_seq.values())
+
+    def _seqs(self, start_seq: int | None) -> Iterator[int]:
+        own = self._by_seq.irange(minimum=start_seq)
+        if not self._waiting:
+            return iter(own)
+        return heapq.merge(own, self._waiting.irange(minimum=start_seq))
+
+    def _entry(self, seq: int) -> BufferEntry:
+        e: BufferEntry | None = self._by_seq.get(seq)
+        if e is None:
+            e = self._waiting[seq]
+        return e
 
     def pop_oldest(self, k: int) -> list[BufferEntry]:
         """Remove and return up to `k` oldest groups: O(k log n)."""
-        out: list[BufferEntry] = []
-        while len(out) < k and self._by_seq:
-            _, e = self._by_seq.peekitem(0)
+        out = list(itertools.islice(self.oldest(), k))
+        for e in out:
             self.remove(e.group_id)
-            out.append(e)
         return out
 
     def page(
@@ -169,11 +201,11 @@ class BufferIndex:
         page under a selective filter may hold fewer than `limit` and still have a next."""
         out: list[BufferEntry] = []
         scanned = 0
-        for seq in self._by_seq.irange(minimum=start_seq):
+        for seq in self._seqs(start_seq):
             if len(out) >= limit or scanned >= max_scan:
                 return out, seq
             scanned += 1
-            e = self._by_seq[seq]
+            e = self._entry(seq)
             if where.matches(e, now):
                 out.append(e)
         return out, None

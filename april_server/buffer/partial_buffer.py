@@ -124,10 +124,8 @@ class PartialBuffer:
         """Hold the oldest idle groups for `owner` now while `fits(entry)` (it accounts for what
         it accepts), stopping at the first that does not: groups start in age order."""
         picked = []
-        for e in self.idle.oldest():
+        for e in self.idle.claimable_oldest():  # not those waiting only for answers
             if e.group_id in self.holders:  # held in place (background.py): not idle now
-                continue
-            if e.unfinished and not e.runnable:  # nothing to run until an answer arrives
                 continue
             if not fits(e):
                 break

@@ -150,7 +150,7 @@ class Refill(TurnsInCall):
         # O(target + sent), not O(buffer): the index keeps the buffered counts.
         sizes = [len(mgr.groups[gid].samples) for gid in self.ready][: req.target_groups]
         if req.resume_first:
-            for e in mgr.buffer.idle.oldest():
+            for e in mgr.buffer.idle.claimable_oldest():
                 if len(sizes) >= req.target_groups:
                     break
                 sizes.append(e.num_samples)

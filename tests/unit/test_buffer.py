@@ -15,6 +15,8 @@ import httpx
 import msgspec
 import pytest
 from fastapi import FastAPI
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from april_client.protocol import AbortReq, GroupSpec, RolloutReq
 from april_server.buffer import store as store_mod
@@ -398,3 +400,41 @@ def test_remembered_responses_are_bounded_in_bytes_too(tmp_path: Path) -> None:
 
     asyncio.run(go())
     st.close()
+
+
+# ---- review of 2026-12-06: groups waiting only for answers are kept apart ------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from(["run", "wait", "done", "del"]))))
+def test_the_index_keeps_waiting_groups_apart_and_lists_everything_by_age(
+    ops: list[tuple[int, str]],
+) -> None:
+    """Found by review: a call claiming the oldest groups walked past every group that waits
+    only for answers (abandoned agent episodes), on every refill: O(those) on the event loop.
+    They now sit in their own map; listing, paging and popping still see every group by age."""
+    idx, ref = BufferIndex(), {}  # ref: seq -> (group id, waits)
+    for seq, op in ops:
+        gid = f"g{seq}"
+        if op == "del":
+            idx.remove(gid)
+            ref.pop(seq, None)
+            continue
+        e = entry(gid, seq, unfinished=0 if op == "done" else 1)
+        e.awaiting = e.unfinished if op == "wait" else 0
+        idx.add(e)  # a status change: the same group again
+        ref[seq] = (gid, op == "wait")
+    by_age = [ref[s][0] for s in sorted(ref)]
+    assert [e.group_id for e in idx.oldest()] == by_age
+    assert [e.group_id for e in idx.claimable_oldest()] == [
+        ref[s][0] for s in sorted(ref) if not ref[s][1]
+    ]
+    assert idx.claimable == sum(not w for _, w in ref.values())
+    paged, start = [], 0
+    while start is not None:
+        page, start = idx.page(start, 3, PartialsFilter(), time.time())
+        paged += [e.group_id for e in page]
+    assert paged == by_age
+    assert [e.group_id for e in idx.pop_oldest(3)] == by_age[:3] and len(idx) == len(ref) - len(
+        by_age[:3]
+    )
