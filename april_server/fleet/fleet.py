@@ -139,12 +139,12 @@ class FleetEngine(SnapshotEngine):
                 self.members[name].set_state("down", "back in the registry")
                 self.members[name].failures = 0
         for name, m in list(self.members.items()):
-            if name in listed:
-                continue
+            if name in listed or name in self._static:
+                continue  # given on the command line: served whatever the registry says
             if m.state != "down":
                 m.set_state("down", LEFT_REGISTRY)
             self._absent[name] = self._absent.get(name, 0) + 1
-            if name not in self._static and self._absent[name] >= FORGET_AFTER_ROUNDS:
+            if self._absent[name] >= FORGET_AFTER_ROUNDS:
                 # Gone for good: dropped, like a dead engine (its snapshots went with it).
                 del self.members[name], self._absent[name]
                 await m.stop()

@@ -375,3 +375,33 @@ def test_a_push_does_not_wait_on_an_engine_marked_down_while_it_hangs() -> None:
         await fleet.close()
 
     asyncio.run(go())
+
+
+def test_engines_given_on_the_command_line_serve_beside_the_registry() -> None:
+    """Found by review: with `--april-engines` and `--april-smg` together (either or both, as
+    `FleetEngine` says), every static engine the registry did not list was marked down as
+    having left it, and never probed again: it never served."""
+
+    async def go() -> None:
+        servers = FakeServers(["a:1", "b:1"])
+
+        async def discover() -> list[str]:
+            return ["http://b:1"]
+
+        fleet = FleetEngine(
+            ["http://a:1"],
+            discover=discover,
+            make_client=lambda: httpx.AsyncClient(transport=httpx.MockTransport(servers)),
+        )
+        for _ in range(2):
+            await fleet.probe_all()
+        assert {m.name for m in fleet.pool()} == {"a:1", "b:1"}  # before the fix: {"b:1"}
+        servers.gone.add("a:1")
+        await fleet.probe_all()
+        assert fleet.members["a:1"].state == "down"  # its probes still decide
+        servers.gone.clear()
+        await fleet.probe_all()
+        assert fleet.members["a:1"].state == "healthy"
+        await fleet.close()
+
+    asyncio.run(go())
