@@ -242,6 +242,29 @@ class SegmentRunner:
         need: float,
     ) -> None:
         run = self.running[sample_id]
+        try:
+            ended = await self._segments_until_ended(run, cont, restore, call, need)
+        except Exception:  # a bug, or an engine's malformed answer: as an engine error would
+            logger.exception("april: a segment of %s failed; it keeps what it had", sample_id)
+            ended = None
+        finally:
+            # Whatever happened, the sample is no longer running: left in `running`, every
+            # later start would refuse it (409 sample_running) for the server's life.
+            self.running.pop(sample_id, None)
+        if ended is None:
+            return
+        await self._ended(run, ended)
+
+    async def _segments_until_ended(
+        self,
+        run: Running,
+        cont: S.Continuation,
+        restore: bool,
+        call: SegmentCall | None,
+        need: float,
+    ) -> tuple[SegmentOutcome, S.Continuation] | None:
+        """Segments of `run` until one ends other than by a weight update's cut; None when
+        the last one was recorded already (the cut landed on its last token)."""
         sample = run.sample
         ended: SegmentOutcome | None = None  # None: ended by a cut, recorded already
         while True:
@@ -271,10 +294,12 @@ class SegmentRunner:
                 await self.snap.drop_snapshot(sample.sample_id, run.unplanned_drop)
             except Exception as exc:  # its engine is gone, and the snapshot with it
                 logger.warning("april: could not free %s's snapshot: %s", sample.sample_id, exc)
-        self.running.pop(sample.sample_id, None)
-        if ended is None:
-            return
-        out = ended
+        return None if ended is None else (ended, cont)
+
+    async def _ended(self, run: Running, ended: tuple[SegmentOutcome, S.Continuation]) -> None:
+        """Record how the last segment ended, as `keep` asked, once `run` left `running`."""
+        sample = run.sample
+        out, cont = ended
         keep, marked = run.keep, run.marked
         natural = out.result.finish_reason in ("stop", "length")
         if keep == "drop" and not natural:

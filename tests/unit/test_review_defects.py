@@ -464,3 +464,32 @@ def test_a_failure_after_the_answer_was_made_durable_still_answers(tmp_path: Pat
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_an_unexpected_error_in_a_segment_leaves_the_sample_free_to_run(tmp_path: Path) -> None:
+    """Found by review: an exception out of a segment's task (an engine's malformed answer
+    decoded while settling a weight update's cut) skipped taking the sample out of
+    `running`: every later start refused it as still generating, for the server's life. Now
+    it is logged, and the sample keeps what it had, as after an engine error."""
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        real = mgr.segments._one_segment
+        failures = [1]
+
+        async def malformed_once(*args: Any) -> Any:
+            if failures[0]:
+                failures[0] -= 1
+                raise ValueError("malformed /kv answer")
+            return await real(*args)
+
+        mgr.segments._one_segment = malformed_once  # type: ignore[method-assign]
+        first = await rollout(mgr, RolloutReq(groups=[spec("a", 20)], target_groups=1))
+        assert not first.stats.quota_met and first.buffered_group_ids == ["a"]
+        assert "a/0" not in mgr.running  # before the fix: held there for good
+        r = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+        assert [g.group_id for g in r.groups] == ["a"]
+        assert len(r.groups[0].samples[0].output_ids) == 20
+        mgr.check_integrity()
+
+    asyncio.run(go())
