@@ -58,6 +58,19 @@ class GroupServers(FakeServers):
         self.version[host], self.group[host] = "0", None
 
 
+class Cut:
+    """Stands in for the segment runner's cut: records the session's cut and continue."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    async def before_update(self) -> None:
+        self.events.append("cut")
+
+    def after_update(self) -> None:
+        self.events.append("continue")
+
+
 def setup(hosts: list[str], tp: dict[str, int] | None = None) -> tuple[GroupServers, FleetEngine]:
     servers = GroupServers(hosts, tp)
     return servers, fleet_over(servers, hosts)
@@ -137,16 +150,6 @@ def test_a_push_is_refused_while_an_engine_is_outside_the_group_and_reaches_it_a
 def test_the_session_holds_new_segments_until_its_end_or_its_time_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class Cut:
-        def __init__(self) -> None:
-            self.events: list[str] = []
-
-        async def before_update(self) -> None:
-            self.events.append("cut")
-
-        def after_update(self) -> None:
-            self.events.append("continue")
-
     async def go() -> None:
         servers, fleet = setup(["a:1"])
         servers.hold_segments.set()
@@ -185,16 +188,6 @@ def test_a_begin_refused_by_one_engine_holds_nothing() -> None:
             if host == "b:1" and path == "/begin_weight_update":
                 return httpx.Response(500, json={"success": False, "message": "refused"})
             return await super().__call__(request)
-
-    class Cut:
-        def __init__(self) -> None:
-            self.events: list[str] = []
-
-        async def before_update(self) -> None:
-            self.events.append("cut")
-
-        def after_update(self) -> None:
-            self.events.append("continue")
 
     async def go() -> None:
         hosts = ["a:1", "b:1"]
