@@ -25,12 +25,16 @@ if TYPE_CHECKING:
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(GroupsResp)
+# `/groups` remembers its answers apart from `/rollouts`' ("/" is in no request_id): a trainer
+# may well name its hand-in and its call of one step alike.
+KEY_PREFIX = "groups/"
 
 
 async def add_groups(mgr: RolloutManager, req: GroupsReq) -> GroupsResp:
-    if req.request_id is not None:
+    key = None if req.request_id is None else KEY_PREFIX + req.request_id
+    if req.request_id is not None and key is not None:
         check_id("request_id", req.request_id)
-        stored = await mgr.store.load_call(req.request_id)
+        stored = await mgr.store.load_call(key)
         if stored is not None and stored.startswith(b"{"):
             return _dec.decode(stored)
     if req.max_staleness is not None and req.max_staleness < 0:
@@ -45,7 +49,7 @@ async def add_groups(mgr: RolloutManager, req: GroupsReq) -> GroupsResp:
     background = req.start == "background"
     started = sum(_unfinished(g) for g in built) if background else 0
     resp = GroupsResp(group_ids=ids, started_samples=started)
-    call = None if req.request_id is None else (req.request_id, _enc.encode(resp))
+    call = None if key is None else (key, _enc.encode(resp))
     owner = f"groups-{uuid.uuid4().hex[:12]}"
     mgr.buffer.adopt(built, owner)
     try:  # durable before acknowledged, even if the caller goes away meanwhile

@@ -393,3 +393,22 @@ def test_a_group_handed_on_generating_is_stored_whole(
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_a_request_id_names_a_hand_in_and_a_call_apart(tmp_path: Path) -> None:
+    """Found by review: `/groups` and `/rollouts` remembered their answers under one key, so
+    a step naming both "step-18" got a 500 (the stored answer of the other route failed to
+    decode), or overwrote the record a rollout's retry needed."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        pre = GroupsReq(groups=[spec("p", 5)], start="idle", request_id="step-18")
+        first = await add_groups(mgr, pre)
+        call = RolloutReq(groups=[spec("c", 5)], target_groups=2, request_id="step-18")
+        r = await rollout(mgr, call)  # before the fix: msgspec ValidationError (a 500)
+        assert sorted(g.group_id for g in r.groups) == ["c", "p"]
+        assert await add_groups(mgr, pre) == first  # each still idempotent
+        assert await rollout(mgr, call) == r
+        mgr.check_integrity()
+
+    asyncio.run(go())
