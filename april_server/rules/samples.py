@@ -198,7 +198,13 @@ def plan_continuation(
     if override_params:
         params.update(override_params)
     params = with_turn_stops(params, sample.turn_rule)
-    params["max_new_tokens"] = remaining_budget(sample)
+    params["max_new_tokens"] = left = remaining_budget(sample)
+    if params.get("min_new_tokens"):
+        # The floor counts from the sample's start, as the budget does: a continuation owes
+        # only what is left of it (sent whole, it exceeds a small remaining budget, which
+        # SGLang refuses, and every later segment of the sample would fail the same way).
+        owed = int(params["min_new_tokens"]) - len(sample.output_ids)
+        params["min_new_tokens"] = max(0, min(owed, left))
     if sample.seed is not None:
         params["sampling_seed"] = sample.seed
     kv: KvOrigin = "recomputed" if (sample.output_ids or sample.appended) else "fresh"
