@@ -223,9 +223,12 @@ class SchedulerKv:
             except BaseException:
                 alloc.free(slots)  # nobody owns them yet: a failed restore must not leak
                 raise
-            # The tree adopts the slots; it frees those duplicating a prefix it already has.
-            tree.insert(InsertParams(key=key, value=slots))
-            copied = n
+            # The tree adopts only the slots past the prefix it holds already (SGLang 0.5.23's
+            # RadixCache.insert); those duplicating it are ours to free, as its own inserts do.
+            held = int(tree.insert(InsertParams(key=key, value=slots)).prefix_len)
+            if held:
+                alloc.free(slots[:held])
+            copied = n - held
             match = tree.match_prefix(MatchPrefixParams(key=key))
         old = self.locks.pop(req.key, None)
         if old is not None:
