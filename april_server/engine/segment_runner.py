@@ -35,6 +35,7 @@ from april_server.rules import turns as T
 from april_server.rules.inflight import Admission, kv_need
 from april_server.rules.lengths import LengthModel
 from april_server.rules.placement import NoHealthySlot, Slot, SlotLoad, is_long, plan_segment
+from april_server.rules.samples import SegmentResult
 from april_server.rules.stops import reached_stop
 from april_server.wire.errors import conflict
 
@@ -176,6 +177,7 @@ class SegmentRunner:
         drop_if_unplanned = held if call is None and cont.restarted else None
         run = Running(sample, owner, "", task, unplanned_drop=drop_if_unplanned)
         run.max_staleness, run.override_params, run.tally = max_staleness, override_params, tally
+        run.planned_version = version
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
             self._add_load(call.slot, 1, need)
@@ -333,6 +335,11 @@ class SegmentRunner:
                     return self._failed(sample, run.slot, f"engine unavailable ({why})", run.tally)
                 run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
                 self._add_load(call.slot, 1, need)
+            if not self.updated.is_set():
+                held = await self._held_for_update(run, call)
+                if held is not None:
+                    return held
+                call = self._replanned_after_update(run, call)
             try:
                 return await self.engine.run_segment(call)
             except EngineUnavailable as exc:
@@ -348,6 +355,27 @@ class SegmentRunner:
                 return self._failed(sample, call.slot, f"engine error: {exc}", run.tally)
             finally:
                 self._add_load(run.slot, -1, -need)
+
+    async def _held_for_update(self, run: Running, call: SegmentCall) -> SegmentOutcome | None:
+        """A segment about to start while a weight update holds the running ones (a push, or
+        a whole begin..end session) waits for its end, as they do: SGLang releases its lock
+        between a session's messages, so it would otherwise generate on half-loaded weights.
+        Stopped meanwhile: it ends having generated nothing (None: it may run now)."""
+        await self._until_updated(run)
+        if not run.stopping:
+            return None
+        await self._drop_unexecuted(call)  # never reached an engine
+        result = SegmentResult([], [], "abort", self.versions.now())
+        return SegmentOutcome(result, call.slot)
+
+    def _replanned_after_update(self, run: Running, call: SegmentCall) -> SegmentCall:
+        """A restore planned under the weights before the update would put their KV under the
+        new ones: the segment re-prefills instead (its snapshot is freed by the next plan,
+        which finds it stale)."""
+        if not call.restore or self.versions.now() == run.planned_version:
+            return call
+        run.restore_planned = False
+        return replace(call, restore=False, cache_ns=None)
 
     async def _drop_unexecuted(self, call: SegmentCall) -> None:
         """The plan gave up the sample's old snapshot (`_plan` cleared its figures) and left

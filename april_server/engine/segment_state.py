@@ -33,6 +33,7 @@ class Running:
     # Its segment was planned to restore the snapshot: whatever the restore achieved, the
     # snapshot is still held where it was and is freed unless kept as the new one.
     restore_planned: bool = False
+    planned_version: str = ""  # the weight version its segment's plan was made under
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     max_staleness: int | None = None  # what its continuations are planned with
     override_params: dict[str, Any] | None = None

@@ -207,3 +207,49 @@ def test_a_weight_update_resends_its_cut_to_a_segment_not_registered_yet(tmp_pat
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+# ---- review of 2026-12-06: nothing of ours starts inside a weight update ------------------------
+
+
+def test_a_segment_started_during_a_weight_update_waits_for_its_end(tmp_path: Path) -> None:
+    """Found by review: on one server only the segments running at a push (or a session's
+    begin) were held; one started meanwhile (a call arriving, a refill, an answer, a resume)
+    reached SGLang between a session's messages and generated on half-loaded weights. Now it
+    waits for the update's end, as the owner's do; and a restore planned under the old
+    weights re-prefills instead (their KV under the new ones would break exactness)."""
+    from april_client.protocol import ResumeReq
+    from april_server.operations.resume import resume
+    from april_server.rules.placement import Slot
+    from tests.unit.fake_engine import SnapshotFakeEngine
+
+    class Restores(SnapshotFakeEngine):
+        restored: list[str]
+
+        async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
+            self.restored.append(key)
+            return 0
+
+    async def go() -> None:
+        eng = Restores()
+        eng.restored = []
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        req = RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="snapshot")
+        await rollout(mgr, req)
+        assert eng.snaps == {"long/0"}
+        calls = len(eng.calls)
+        await mgr.segments.before_update()  # a push (or a session) begins
+        new = RolloutReq(groups=[spec("new", 20)], resume_first=False)
+        fresh = asyncio.ensure_future(rollout(mgr, new))
+        resumed = asyncio.ensure_future(resume(mgr, ResumeReq(sample_ids=["long/0"])))
+        await asyncio.sleep(0.2)
+        assert len(eng.calls) == calls and not fresh.done()  # before the fix: generating
+        eng.version = "1"
+        mgr.segments.after_update()
+        await asyncio.wait_for(fresh, 30)
+        (s,) = await asyncio.wait_for(resumed, 30)
+        assert eng.restored == []  # planned under "0": re-prefilled under "1" instead
+        assert s.segments[-1].weight_version == "1" and s.segments[-1].kv == "recomputed"
+        mgr.check_integrity()
+
+    asyncio.run(go())
