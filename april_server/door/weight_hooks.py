@@ -29,6 +29,7 @@ weights as new segments (`after_update`). Requests of other clients are not ours
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -213,7 +214,25 @@ async def flush_when_idle(tm: Any, abort: bool) -> bool:
     for it; it waits for those still running), aborting again whatever still generates when
     the caller asked for everything to be aborted. False if it never became idle."""
     end = time.monotonic() + FLUSH_DEADLINE_S
-    async with tm.model_update_lock.writer_lock:
+    writer = tm.model_update_lock.writer_lock
+    # Requests paused in place (`/pause_generation` mode in_place) hold their reader locks
+    # and cannot leave until the trainer continues them, which it does after this push
+    # answers: waiting for the lock without a bound would wedge the push, and every request.
+    entering = asyncio.ensure_future(writer.__aenter__())
+    await asyncio.wait({entering}, timeout=FLUSH_DEADLINE_S)
+    if not entering.done():
+        entering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await entering
+    if entering.cancelled():
+        logger.error(
+            "april: the cache could not be flushed after a weight update: requests still hold "
+            "the update lock after %.0f s (generation paused in place?)",
+            FLUSH_DEADLINE_S,
+        )
+        return False
+    entering.result()
+    try:
         while True:
             out = await tm.flush_cache()
             if bool(getattr(out, "success", False)):
@@ -224,3 +243,5 @@ async def flush_when_idle(tm: Any, abort: bool) -> bool:
             if abort:
                 tm.abort_request(abort_all=True)
             await asyncio.sleep(FLUSH_RETRY_S)
+    finally:
+        await writer.__aexit__(None, None, None)

@@ -203,3 +203,34 @@ def test_a_refused_begin_holds_nothing_and_a_forgotten_session_expires(monkeypat
         assert lst.events == ["cut", "continue", "cut", "continue"] and not W.Session.open
 
     asyncio.run(go())
+
+
+def test_a_flush_behind_requests_paused_in_place_gives_up_instead_of_wedging() -> None:
+    """Found by review: requests paused in place (`/pause_generation` mode in_place) hold
+    their reader locks until the trainer continues them, which it does after the push
+    answers; the flush waited for the writer lock without a bound, so the push never
+    answered, and every new request queued behind it. Now it gives up at the deadline and
+    the push answers SGLang's own "updated but not flushed"."""
+
+    class HeldByPausedRequests:
+        @property
+        def writer_lock(self) -> Any:
+            @asynccontextmanager
+            async def never() -> Any:
+                await asyncio.Event().wait()
+                yield
+
+            return never()
+
+    tm = FakeTm(busy_flushes=0, model_update_lock=HeldByPausedRequests())  # type: ignore[arg-type]
+
+    async def go() -> tuple[bool, str, int]:
+        W.FLUSH_DEADLINE_S, old = 0.2, W.FLUSH_DEADLINE_S
+        try:
+            return await asyncio.wait_for(W._around_update_flushing(raced, tm, Obj()), 5)
+        finally:
+            W.FLUSH_DEADLINE_S = old
+
+    ok, msg, _ = asyncio.run(go())  # before the fix: TimeoutError (waited for good)
+    assert not ok and msg.startswith(W.UPDATED_BUT_NOT_FLUSHED)
+    assert tm.version == "v2"
