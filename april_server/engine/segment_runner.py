@@ -482,6 +482,9 @@ class SegmentRunner:
                 self.engine.abort(r.rid)
 
     def after_update(self) -> None:
+        # Record the version now, even if nothing runs: staleness counts versions by their
+        # place in the history, and two pushes nobody generated between would count as one.
+        self.versions.now()
         self.updated.set()
         if self._resend_cuts is not None:
             self._resend_cuts.cancel()

@@ -253,3 +253,28 @@ def test_a_segment_started_during_a_weight_update_waits_for_its_end(tmp_path: Pa
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_every_pushed_version_counts_toward_staleness(tmp_path: Path) -> None:
+    """Found by review: versions entered the history only when something generated under
+    them, so two pushes with nothing running between ("s2", then "s3") counted as one, and
+    a group from "s1" was continued at max_staleness=1 although two versions behind."""
+
+    async def go() -> None:
+        eng = FakeEngine(delay_s=0.002)
+        eng.version = "s1"
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        await rollout(
+            mgr, RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="tokens")
+        )
+        for v in ("s2", "s3"):  # two pushes, nothing running
+            await mgr.segments.before_update()
+            eng.version = v
+            mgr.segments.after_update()
+        r = await rollout(mgr, RolloutReq(groups=[], target_groups=1, max_staleness=1))
+        (s,) = r.groups[0].samples
+        assert [seg.weight_version for seg in s.segments] == ["s3"]  # restarted from its prompt
+        assert mgr.counters.staleness_restarts == 1  # before the fix: 0, continued
+        mgr.check_integrity()
+
+    asyncio.run(go())
