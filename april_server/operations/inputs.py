@@ -31,6 +31,7 @@ from april_server.rules import turns as T
 from april_server.runtime.background import OWNER as BACKGROUND
 from april_server.runtime.manager import run_to_end
 from april_server.wire.errors import ApiError, bad_request, not_found
+from april_server.wire.ids import split_sample_id
 
 if TYPE_CHECKING:
     from april_server.runtime.manager import RolloutManager
@@ -39,9 +40,10 @@ if TYPE_CHECKING:
 async def post_input(mgr: RolloutManager, sample_id: str, req: InputReq) -> InputResp:
     if (req.append_ids is None) == (req.text is None):
         raise bad_request("invalid_request", "give exactly one of append_ids, text")
-    gid, sep, idx = sample_id.rpartition("/")
-    if not sep or not idx.isdigit() or not mgr.buffer.known(gid):
+    parts = split_sample_id(sample_id)
+    if parts is None or not mgr.buffer.known(parts[0]):
         raise not_found(f"unknown sample_id {sample_id!r}")
+    gid = parts[0]
     if req.append_ids is not None:
         ids = list(req.append_ids)
     else:  # a tokenizer may take a while on a long answer: off the event loop

@@ -43,6 +43,7 @@ from april_server.runtime.background import Background
 from april_server.runtime.loop_lag import LoopLagMonitor
 from april_server.runtime.snapshot_sweep import SnapshotSweep
 from april_server.wire.errors import not_found
+from april_server.wire.ids import split_sample_id
 
 logger = logging.getLogger(__name__)
 
@@ -117,26 +118,26 @@ class RolloutManager:
 
     def sample(self, sample_id: str) -> Sample:
         """A sample of a claimed group (idle ones: `read_samples`)."""
-        gid, sep, idx = sample_id.rpartition("/")
-        g = self.groups.get(gid) if sep else None
-        if g is None or not idx.isdigit() or int(idx) >= len(g.samples):
+        parts = split_sample_id(sample_id)
+        g = self.groups.get(parts[0]) if parts else None
+        if parts is None or g is None or parts[1] >= len(g.samples):
             raise not_found(f"unknown sample_id {sample_id!r}")
-        return g.samples[int(idx)]
+        return g.samples[parts[1]]
 
     async def read_group(self, group_id: str) -> Group:
         return (await self.buffer.read([group_id]))[group_id]
 
     async def read_samples(self, sample_ids: list[str]) -> dict[str, Sample]:
         """Samples to show, claimed or idle; 404 for an unknown one."""
-        gids = sorted({sid.rpartition("/")[0] for sid in sample_ids})
+        parsed = {sid: split_sample_id(sid) for sid in sample_ids}
+        gids = sorted({p[0] for p in parsed.values() if p is not None})
         groups = await self.buffer.read([g for g in gids if self.buffer.known(g)])
         out = {}
-        for sid in sample_ids:
-            gid, sep, idx = sid.rpartition("/")
-            g = groups.get(gid) if sep else None
-            if g is None or not idx.isdigit() or int(idx) >= len(g.samples):
+        for sid, parts in parsed.items():
+            g = groups.get(parts[0]) if parts else None
+            if parts is None or g is None or parts[1] >= len(g.samples):
                 raise not_found(f"unknown sample_id {sid!r}")
-            out[sid] = g.samples[int(idx)]
+            out[sid] = g.samples[parts[1]]
         return out
 
     def idle_groups(self) -> list[Group]:

@@ -15,6 +15,15 @@ from april_server.wire.errors import ApiError
 
 MAX_ID_LEN = 128
 _ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_ID_LEN}}}")
+# A member's index as the server writes it: ASCII digits, no leading zero ("g/01" and "g/²"
+# name no sample; read as 1 and 2 they would alias "g/1", or crash `int`).
+_SAMPLE_ID = re.compile(r"(.+)/(0|[1-9][0-9]{0,8})")
+
+
+def split_sample_id(sample_id: str) -> tuple[str, int] | None:
+    """(group id, member index) of a well-formed `sample_id`, else None."""
+    m = _SAMPLE_ID.fullmatch(sample_id)
+    return None if m is None else (m.group(1), int(m.group(2)))
 
 
 def valid_id(value: str) -> bool:
