@@ -98,10 +98,32 @@ async def new_groups(
         for params in [spec.sampling_params, *(spec.member_params or [])]:
             mgr.engine.check_sampling_params({k: v for k, v in params.items()})
         check_spec(spec.turns, f"group {spec.group_id!r}: turns", mgr.engine.vocab_size)
-        built.append(
-            S.build_group(spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size, turns)
-        )
+        group = S.build_group(spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size, turns)
+        _check_as_sent(mgr, group)
+        built.append(group)
     return built
+
+
+def _check_as_sent(mgr: RolloutManager, group: Group) -> None:
+    """What each member's first segment sends (its params over the group's, the turn stops,
+    its budget, its seed) must pass SGLang's checks too, or every segment of it fails after a
+    200 and it never finishes: e.g. 33 stop strings, `min_new_tokens` over a member's budget,
+    a seed past int64. Each distinct set of params is checked once."""
+    checked: set[bytes] = set()
+    for s in group.samples:
+        if s.seed is not None and not -(2**63) <= s.seed < 2**63:
+            raise bad_request(
+                "invalid_sampling_params",
+                f"group {group.group_id!r}: member {s.index}'s seed {s.seed} (seed + index) "
+                "is outside int64",
+            )
+        key = _enc.encode((s.sampling_params, s.max_new_tokens))
+        if key in checked:
+            continue
+        checked.add(key)
+        params = S.plan_continuation(s, "", None).sampling_params
+        params.pop("sampling_seed", None)
+        mgr.engine.check_sampling_params(params)
 
 
 class RolloutCall(Refill, WindDown):

@@ -55,6 +55,7 @@ def check_sampling_params(params: dict[str, Any], vocab_size: int | None) -> Non
     try:
         sp = SamplingParams(**params)
         sp.verify(vocab_size)
+        sp.normalize(None)  # the stop lists' bounds (SGLang checks them when it tokenizes)
     except (TypeError, ValueError) as exc:
         raise bad_request("invalid_sampling_params", str(exc)) from None
 

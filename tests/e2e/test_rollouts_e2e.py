@@ -230,6 +230,20 @@ BAD: list[tuple[str, str, Any, int]] = [
     ("post", "/rollouts", {"groups": [group("a", [1], [3])], "bogus": 1}, 422),
     ("post", "/rollouts", {"groups": [group("a", [1], [3], top_p=7.0)]}, 400),
     ("post", "/rollouts", {"groups": [group("a", [10**7], [3])]}, 400),
+    # Refused as sent to SGLang, not as written (review of 2026-12-06: each was a 200, then
+    # every segment failed and the group never finished): a floor over a member's budget,
+    # more stop strings than SGLang takes with the turn stops added, a seed past int64.
+    ("post", "/rollouts", {"groups": [group("a", [1], [3], min_new_tokens=8)]}, 400),
+    (
+        "post",
+        "/rollouts",
+        {
+            "groups": [group("a", [1], [3], stop=[f"s{i}" for i in range(20)])],
+            "turns": {"stop": [f"t{i}" for i in range(20)]},
+        },
+        400,
+    ),  # fmt: skip
+    ("post", "/rollouts", {"groups": [{**group("a", [1], [3, 3]), "seed": 2**63 - 1}]}, 400),
     ("post", "/resume", {"sample_ids": ["nope/0"]}, 404),
     ("post", "/resume", {"sample_ids": "x"}, 422),
     ("post", "/abort", {"sample_ids": ["nope/0"]}, 404),
