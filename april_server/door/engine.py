@@ -221,10 +221,10 @@ class SGLangEngine(SnapshotEngine):
             in_sync=JoinedGroup.name is not None,
         )
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
         if self.tm.tokenizer is None:
             raise bad_request("no_tokenizer", "this server has no tokenizer: send input_ids")
-        return list(self.tm.tokenizer.encode(text))
+        return list(self.tm.tokenizer.encode(text, add_special_tokens=special))
 
     def detokenize(self, ids: list[int]) -> str | None:
         if self.tm.tokenizer is None:

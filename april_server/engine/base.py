@@ -80,8 +80,10 @@ class BaseEngine(ABC):
         return WeightGroupInfo(ranks=1, weight_version=self.weight_version())
 
     @abstractmethod
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of `text`; raises ApiError(400) when the server has no tokenizer."""
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`; raises ApiError(400) when the server has no tokenizer.
+        `special=False`: no special tokens added (a tool's answer goes mid-context; a BOS
+        there would be a token the model never sees in the trainer's own encoding)."""
 
     def detokenize(self, ids: list[int]) -> str | None:
         """The text of `ids` (None when the server has no tokenizer)."""

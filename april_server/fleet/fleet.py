@@ -243,14 +243,14 @@ class FleetEngine(SnapshotEngine):
     def detokenize(self, ids: list[int]) -> str | None:
         return None if self._tokenizer is None else str(self._tokenizer.decode(ids))
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
         if self._tokenizer is None:
             raise bad_request(
                 "no_tokenizer",
                 "the owner has no tokenizer (its engines' model path is not on this machine): "
                 "send input_ids, or start it with --april-tokenizer PATH",
             )
-        return list(self._tokenizer.encode(text))
+        return list(self._tokenizer.encode(text, add_special_tokens=special))
 
     def check_sampling_params(self, params: dict[str, Any]) -> None:
         from april_server.door.engine import check_sampling_params

@@ -395,7 +395,7 @@ class RemoteEngine(SnapshotEngine):
             raise RuntimeError(f"HTTP {resp.status_code}: {out.get('message', resp.text[:300])}")
         return out
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
         raise bad_request("no_tokenizer", "tokenization happens on the owner")
 
     def check_sampling_params(self, params: dict[str, Any]) -> None:

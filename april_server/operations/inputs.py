@@ -47,7 +47,9 @@ async def post_input(mgr: RolloutManager, sample_id: str, req: InputReq) -> Inpu
     if req.append_ids is not None:
         ids = list(req.append_ids)
     else:  # a tokenizer may take a while on a long answer: off the event loop
-        ids = await asyncio.to_thread(mgr.engine.tokenize, req.text or "")
+        # Appended mid-context: no special tokens (a BOS before every answer, with Llama,
+        # Mistral or Gemma tokenizers, is not what the trainer's own encoding has there).
+        ids = await asyncio.to_thread(mgr.engine.tokenize, req.text or "", False)
     locks = mgr.input_locks  # group id -> [its lock, answers using it]
     held = locks.setdefault(gid, [asyncio.Lock(), 0])
     held[1] += 1

@@ -54,7 +54,7 @@ class InstantEngine(BaseEngine):
     def weight_version(self) -> str:
         return "0"
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
         return [ord(c) % 448 for c in text]
 
     def check_sampling_params(self, params: dict[str, Any]) -> None:

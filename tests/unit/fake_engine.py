@@ -57,7 +57,7 @@ class FakeEngine(BaseEngine):
     def weight_version(self) -> str:
         return self.version
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
         return [ord(c) % self.vocab_size for c in text]
 
     def check_sampling_params(self, params: dict[str, Any]) -> None:

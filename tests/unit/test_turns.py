@@ -395,3 +395,28 @@ def test_a_group_answered_before_its_retry_started_it_counts_once(tmp_path: Path
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_a_text_answer_is_tokenized_without_special_tokens(tmp_path: Path) -> None:
+    """Found by review: `/samples/{id}/input {"text": ...}` tokenized the answer as a prompt,
+    so a tokenizer that adds a BOS (Llama, Mistral, Gemma) put one before every answer,
+    mid-context (the TRL helper tokenizes answers with add_special_tokens=False)."""
+    BOS = 1
+
+    class AddsBos(FakeEngine):
+        def tokenize(self, text: str, special: bool = True) -> list[int]:
+            return ([BOS] if special else []) + super().tokenize(text, special)
+
+    async def go() -> None:
+        mgr = RolloutManager(AddsBos(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        never = RolloutReq(groups=[spec("a"), spec("filler", 1)], target_groups=1, stream=True)
+
+        async def no_answer(ev: StreamEvent) -> bool:
+            return False
+
+        await drive(mgr, never, no_answer)
+        r = await post_input(mgr, "a/0", InputReq(text="ok"))
+        assert r.sample.appended[-1].ids == [111 % 64, 107 % 64]  # before the fix: BOS first
+        mgr.check_integrity()
+
+    asyncio.run(go())
