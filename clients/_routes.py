@@ -425,6 +425,7 @@ class EventReader:
         self.url = url
         self.groups: list[Group] = []
         self.done: DoneEvent | None = None
+        self.batch_id: str | None = None  # every event names its call: the first one read
         self._buf = bytearray()
 
     def feed(self, chunk: bytes) -> list[Event]:
@@ -455,4 +456,6 @@ class EventReader:
             self.done = event
         elif isinstance(event, GroupFinishedEvent):
             self.groups.append(event.group)
+        if self.batch_id is None and getattr(event, "batch_id", ""):
+            self.batch_id = event.batch_id
         return event

@@ -39,8 +39,9 @@ class _StreamBase:
 
     @property
     def batch_id(self) -> str | None:
-        # NOTE: the contract sends the batch id only in the done event.
-        return None if self._reader.done is None else self._reader.done.batch_id
+        """The call's id once its first event was read (every event carries it: what
+        `reject` needs while the stream runs); None before that."""
+        return self._reader.batch_id
 
 
 class RolloutStream(_StreamBase):

@@ -31,7 +31,9 @@ STATS = {
 }  # fmt: skip
 ROLLOUT = {"batch_id": "b", "groups": [GROUP], "buffered_group_ids": ["h"], "stats": STATS}
 SPEC = {"group_id": "g", "input_ids": [1]}
-FINISHED_LINE = json.dumps({"event": "group_finished", "group": GROUP}).encode() + b"\n"
+FINISHED_LINE = (
+    json.dumps({"event": "group_finished", "group": GROUP, "batch_id": "b"}).encode() + b"\n"
+)
 DONE_LINE = (
     json.dumps({"event": "done", "batch_id": "b", "buffered_group_ids": [], "stats": STATS}) + "\n"
 ).encode()

@@ -101,7 +101,9 @@ def test_stream_closed_early_closes_the_response() -> None:
         with c.rollout_stream([SPEC], 3) as s:
             assert isinstance(next(s), GroupFinishedEvent)
         assert streams[0].closed and streams[0].sent == 1
-        assert list(s) == [] and s.batch_id is None
+        # Known from the first event, before any done (review of 2026-12-06: it was None
+        # until done, so a trainer could not reject while the stream ran).
+        assert list(s) == [] and s.batch_id == "b"
 
     async def go() -> None:
         async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler)) as ac:
