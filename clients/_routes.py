@@ -456,6 +456,6 @@ class EventReader:
             self.done = event
         elif isinstance(event, GroupFinishedEvent):
             self.groups.append(event.group)
-        if self.batch_id is None and getattr(event, "batch_id", ""):
+        if self.batch_id is None and event.batch_id:
             self.batch_id = event.batch_id
         return event
