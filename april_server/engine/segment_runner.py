@@ -450,7 +450,7 @@ class SegmentRunner:
         restored = out.restored > 0 or tried_restore
         verdict = K.after_segment(out.snapshot_bytes, interrupted, wanted, marked, restored)
         if verdict == "keep" and out.snapshot_bytes:
-            K.record(sample, out.snapshot_bytes, out.slot)
+            K.record(sample, out.snapshot_bytes, out.slot, restored=out.restored > 0)
             return
         if verdict == "drop" and self.snap is not None:
             await self.snap.drop_snapshot(sample.sample_id, out.slot)

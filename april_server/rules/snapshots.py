@@ -62,9 +62,14 @@ def held_at(sample: Sample) -> Slot | None:
     return Slot(sample.snapshot_engine or LOCAL, sample.snapshot_dp_rank or 0)
 
 
-def record(sample: Sample, nbytes: int, slot: Slot) -> None:
+def record(sample: Sample, nbytes: int, slot: Slot, restored: bool = False) -> None:
+    """The snapshot the segment's abort left. Tagged with the weights of the oldest KV in it:
+    a segment that began from a restored snapshot of older weights (stale reuse, in its own
+    namespace) carries that KV in its prefix, so its snapshot is as old, never current."""
+    newest = sample.segments[-1].weight_version if sample.segments else None
+    older = sample.snapshot_weight_version if restored else None
     sample.snapshot_bytes = nbytes
-    sample.snapshot_weight_version = sample.segments[-1].weight_version if sample.segments else None
+    sample.snapshot_weight_version = older if older is not None else newest
     sample.snapshot_engine, sample.snapshot_dp_rank = slot.engine, slot.dp_rank
 
 

@@ -82,3 +82,20 @@ def test_after_segment(
     verdict: str,
 ) -> None:
     assert K.after_segment(nbytes, interrupted, wanted, marked, restored) == verdict
+
+
+def test_a_snapshot_over_restored_stale_kv_stays_stale() -> None:
+    """Found by review: a segment under "3" that began from a restored snapshot of "2" (stale
+    reuse, in its own namespace) left a snapshot holding that KV in its prefix, tagged "3":
+    the next continuation took it as current, without the caller's max_staleness, into the
+    shared namespace where any request with that prefix would match old-weights KV."""
+    s = sample(100, "2")
+    s.segments = [Segment(0, 1, "3", "restored", "abort")]
+    K.record(s, 200, Slot(LOCAL, 0), restored=True)
+    assert s.snapshot_weight_version == "2"
+    assert not K.usable(s, "3", ["2", "3"], None, True)  # stale: the caller must allow it
+    assert K.cache_namespace(s, "3") == "april-stale/g/0"
+    fresh = sample(100, "2")
+    fresh.segments = [Segment(0, 1, "3", "recomputed", "abort")]
+    K.record(fresh, 200, Slot(LOCAL, 0))  # re-prefilled under "3": all of it is "3"
+    assert fresh.snapshot_weight_version == "3" and K.cache_namespace(fresh, "3") is None
