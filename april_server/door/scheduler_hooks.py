@@ -111,12 +111,29 @@ def dp_position() -> tuple[int, int]:
     return (0 if rank is None else int(rank)), max(1, int(parallel.num_dp_ranks))
 
 
+def host_budget(total_bytes: int, dp_size: int, tp_size: int) -> int:
+    """One scheduler's share of --april-kv-host-bytes, which is the whole server's: each DP
+    rank holds its share, split again over its TP ranks (each saves its shard of the heads)."""
+    return total_bytes // (max(1, dp_size) * max(1, tp_size))
+
+
+# Figures in bytes that TP rank 0 (the one that answers) holds for itself only.
+_SHARDED = ("bytes", "snapshot_bytes_used", "snapshot_bytes_budget", "pinned_bytes",
+            "pinned_free_bytes")  # fmt: skip
+
+
+def whole_dp_rank(figures: dict[str, Any], tp_size: int) -> dict[str, Any]:
+    """TP rank 0's byte figures scaled to its whole DP rank (the shards are equal)."""
+    return {k: v * tp_size if k in _SHARDED else v for k, v in figures.items()}
+
+
 class SchedulerKv:
     def __init__(self, scheduler: Any) -> None:
         self.sched = scheduler
         self.dp_rank, dp_size = dp_position()
-        # --april-kv-host-bytes is the whole server's: each DP rank holds its share.
-        self.store = HostKvStore(env.kv_host_bytes() // dp_size)
+        # Every TP rank of a DP rank saves its own shard of the heads, the same size on each.
+        self.tp = max(1, int(getattr(scheduler, "tp_size", 1) or 1))
+        self.store = HostKvStore(host_budget(env.kv_host_bytes(), dp_size, self.tp))
         self.marked: OrderedDict[str, str] = OrderedDict()  # rid -> snapshot key
         self.locks: dict[str, Any] = {}  # key -> TreeLock holding a restored prefix
         self.rank0 = getattr(scheduler, "tp_rank", 0) == 0
@@ -153,7 +170,7 @@ class SchedulerKv:
 
     def op_info(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         info = self.store.info(req.key)
-        return info is not None, info or {}
+        return info is not None, whole_dp_rank(info or {}, self.tp)
 
     def op_keys(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         return True, {"keys": self.store.ages()}
@@ -161,7 +178,7 @@ class SchedulerKv:
     def op_stats(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
         tree = self.sched.tree_cache
         return True, {
-            **self.store.stats(),
+            **whole_dp_rank(self.store.stats(), self.tp),
             "free_tokens": int(self.sched.token_to_kv_pool_allocator.available_size()),
             "evictable_tokens": int(tree.evictable_size()),
             "protected_tokens": int(tree.protected_size()),

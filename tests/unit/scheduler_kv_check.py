@@ -4,7 +4,8 @@ imports SGLang, which is slow and stubs sgl_kernel process-wide). Exit 0 = OK.
 Checks (#23): a restore that fails after allocating gives every slot back; a restore into a
 namespace inserts and matches with that namespace as the radix key's `extra_key`. And (review
 of 2026-12-06) a restore whose first tokens the tree holds already gives back the slots that
-duplicate them, as SGLang's own inserts do: its tree adopts only what lies past its prefix."""
+duplicate them, as SGLang's own inserts do: its tree adopts only what lies past its prefix.
+And the host budget is split over TP ranks too, their byte figures reported for the whole."""
 
 from __future__ import annotations
 
@@ -126,6 +127,15 @@ def main() -> int:
     owned = set(tree.slots)
     assert len(owned) == 4 and not owned & alloc.free_slots
     assert owned | alloc.free_slots == set(range(100)), "a partial-prefix restore leaked slots"
+
+    # --april-kv-host-bytes is the whole server's with TP too (review of 2026-12-06: each of
+    # T TP ranks held the whole DP share, T x the budget, and /stats showed one shard).
+    from april_server.door.scheduler_hooks import host_budget, whole_dp_rank
+
+    assert host_budget(8 << 30, 2, 4) == 1 << 30 and host_budget(100, 1, 1) == 100
+    assert whole_dp_rank({"snapshot_bytes_used": 10, "snapshots": 3}, 4) == {
+        "snapshot_bytes_used": 40, "snapshots": 3,
+    }  # fmt: skip
     print("scheduler kv check OK")
     return 0
 
