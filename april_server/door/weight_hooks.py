@@ -117,6 +117,7 @@ class Session:
     SESSION_LIMIT_S, so a trainer that died mid-push cannot stall the server for good."""
 
     open = False
+    beginning = False  # a begin is waiting for SGLang's answer: a second one cuts nothing
     held: list[UpdateListener] = []
     watchdog: asyncio.Task[None] | None = None
 
@@ -157,22 +158,30 @@ async def cut_at_version_boundary(obj: Any) -> AsyncIterator[None]:
         ready = await _cut(obj)
         yield
     finally:
-        for x in ready:
-            x.after_update()
+        if Session.open:  # a session began meanwhile: its end continues them, not this push
+            Session.held += ready
+        else:
+            for x in ready:
+                x.after_update()
 
 
 async def _around_begin(original: Any, tm: Any, obj: Any, *args: Any, **kw: Any) -> Any:
-    if Session.open:  # SGLang refuses a second begin; nothing more to hold
+    if Session.open or Session.beginning:
+        # SGLang refuses a second begin; nothing more to hold. Nor to let go: a begin still
+        # waiting for its answer holds what it cut, and a refusal here must not release it.
         return await original(tm, obj, *args, **kw)
-    ready = await _cut(obj)
+    Session.beginning = True
     opened = False
+    ready: list[UpdateListener] = []
     try:
+        ready = await _cut(obj)
         result = await original(tm, obj, *args, **kw)
         opened = bool(result[0])
         return result
     finally:
+        Session.beginning = False
         if opened:
-            Session.open, Session.held = True, ready
+            Session.open, Session.held = True, Session.held + ready
             Session.watchdog = asyncio.get_running_loop().create_task(Session.expire())
         else:
             for x in ready:

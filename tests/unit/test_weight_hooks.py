@@ -234,3 +234,49 @@ def test_a_flush_behind_requests_paused_in_place_gives_up_instead_of_wedging() -
     ok, msg, _ = asyncio.run(go())  # before the fix: TimeoutError (waited for good)
     assert not ok and msg.startswith(W.UPDATED_BUT_NOT_FLUSHED)
     assert tm.version == "v2"
+
+
+def test_a_second_begin_or_a_racing_push_does_not_release_a_session(monkeypatch: Any) -> None:
+    """Found by review: a second begin sent while the first still waited for SGLang's answer
+    cut again, and its refusal ("already open") continued the segments inside the first's
+    session; a plain push that began before the session and ended inside it did the same.
+    Either let our segments generate on half-updated weights."""
+    lst = _with_listener(monkeypatch)
+    tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
+    gate = asyncio.Event
+
+    async def go() -> None:
+        answer = gate()
+
+        async def slow_ok(tm: Any, obj: Any) -> tuple[bool, str]:
+            await answer.wait()
+            return True, "Success"
+
+        first = asyncio.ensure_future(W._around_begin(slow_ok, tm, obj))
+        await asyncio.sleep(0.01)
+        assert await W._around_begin(_refused, tm, obj) == (False, _refused_msg)
+        answer.set()
+        assert (await first)[0] and W.Session.open
+        assert lst.events == ["cut"]  # held: the refused second begin released nothing
+        pushed = gate()
+
+        async def slow_push(tm: Any, obj: Any) -> tuple[bool, str]:
+            await pushed.wait()
+            return True, "Success"
+
+        await W._around_end(_ok, tm, obj)
+        assert lst.events == ["cut", "continue"]
+        push = asyncio.ensure_future(W._around_update_flushing(slow_push, tm, obj))
+        await asyncio.sleep(0.01)  # the push cut its segments ...
+        assert await W._around_begin(_ok, tm, obj) == (True, "Success")  # ... a session began
+        pushed.set()
+        await push
+        # Still held (cut by the push, and by the begin), by the session now.
+        assert lst.events == ["cut", "continue", "cut", "cut"]
+        await W._around_end(_ok, tm, obj)
+        assert lst.events[4:] == ["continue", "continue"] and not W.Session.open
+
+    asyncio.run(go())
+
+
+_refused_msg = "a weight-update session is already open"
