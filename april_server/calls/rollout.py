@@ -117,6 +117,13 @@ def _check_as_sent(mgr: RolloutManager, group: Group) -> None:
                 f"group {group.group_id!r}: member {s.index}'s seed {s.seed} (seed + index) "
                 "is outside int64",
             )
+        floor = s.sampling_params.get("min_new_tokens") or 0
+        if isinstance(floor, int) and floor > s.max_new_tokens:  # a continuation caps it
+            raise bad_request(
+                "invalid_sampling_params",
+                f"group {group.group_id!r}: member {s.index}'s min_new_tokens {floor} exceeds "
+                f"its max_new_tokens {s.max_new_tokens}",
+            )
         key = _enc.encode((s.sampling_params, s.max_new_tokens))
         if key in checked:
             continue

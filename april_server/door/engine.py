@@ -55,9 +55,24 @@ def check_sampling_params(params: dict[str, Any], vocab_size: int | None) -> Non
     try:
         sp = SamplingParams(**params)
         sp.verify(vocab_size)
-        sp.normalize(None)  # the stop lists' bounds (SGLang checks them when it tokenizes)
+        _check_stop_counts(sp)
     except (TypeError, ValueError) as exc:
         raise bad_request("invalid_sampling_params", str(exc)) from None
+
+
+def _check_stop_counts(sp: Any) -> None:
+    """The stop lists' bounds, which SGLang checks only when its tokenizer manager normalizes
+    a request (`SamplingParams.normalize`; called here without a tokenizer, it would also
+    refuse every stop string, as if the server had none)."""
+    from sglang.srt.sampling import sampling_params as sglang_sp
+
+    for kind, given, most in (
+        ("stop strings", sp.stop_strs, sglang_sp.MAX_STOP_COUNT),
+        ("stop_regex patterns", sp.stop_regex_strs, sglang_sp.MAX_STOP_REGEX_COUNT),
+    ):
+        n = 1 if isinstance(given, str) else len(given or [])
+        if n > most:
+            raise ValueError(f"at most {most} {kind} are allowed, got {n}")
 
 
 def preload_sampling_params() -> None:

@@ -370,12 +370,14 @@ class SegmentRunner:
 
     def _replanned_after_update(self, run: Running, call: SegmentCall) -> SegmentCall:
         """A restore planned under the weights before the update would put their KV under the
-        new ones: the segment re-prefills instead (its snapshot is freed by the next plan,
-        which finds it stale)."""
+        new ones: the segment re-prefills instead, and the engine frees the snapshot at its
+        start (as a plan that gives one up does: the sample's figures go now, so nobody else
+        would know of it)."""
         if not call.restore or self.versions.now() == run.planned_version:
             return call
         run.restore_planned = False
-        return replace(call, restore=False, cache_ns=None)
+        K.clear(run.sample)
+        return replace(call, restore=False, cache_ns=None, drop=call.slot)
 
     async def _drop_unexecuted(self, call: SegmentCall) -> None:
         """The plan gave up the sample's old snapshot (`_plan` cleared its figures) and left

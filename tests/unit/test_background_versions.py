@@ -249,6 +249,7 @@ def test_a_segment_started_during_a_weight_update_waits_for_its_end(tmp_path: Pa
         await asyncio.wait_for(fresh, 30)
         (s,) = await asyncio.wait_for(resumed, 30)
         assert eng.restored == []  # planned under "0": re-prefilled under "1" instead
+        assert eng.snaps == set() and s.snapshot_bytes == 0  # and freed (chaos found it leak)
         assert s.segments[-1].weight_version == "1" and s.segments[-1].kv == "recomputed"
         mgr.check_integrity()
 
