@@ -240,12 +240,12 @@ class SchedulerKv:
             except BaseException:
                 alloc.free(slots)  # nobody owns them yet: a failed restore must not leak
                 raise
-            # The tree adopts only the slots past the prefix it holds already (SGLang 0.5.23's
-            # RadixCache.insert); those duplicating it are ours to free, as its own inserts do.
-            held = int(tree.insert(InsertParams(key=key, value=slots)).prefix_len)
-            if held:
-                alloc.free(slots[:held])
-            copied = n - held
+            # The tree adopts the slots. A review read SGLang 0.5.23's RadixCache.insert as
+            # leaving those that duplicate a prefix it holds to the caller; freeing them here
+            # made chaos crash the scheduler on its idle pool check (one slot counted twice),
+            # so this stays as it was until a test on the real tree settles it.
+            tree.insert(InsertParams(key=key, value=slots))
+            copied = n
             match = tree.match_prefix(MatchPrefixParams(key=key))
         old = self.locks.pop(req.key, None)
         if old is not None:

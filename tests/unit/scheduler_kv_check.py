@@ -2,10 +2,8 @@
 imports SGLang, which is slow and stubs sgl_kernel process-wide). Exit 0 = OK.
 
 Checks (#23): a restore that fails after allocating gives every slot back; a restore into a
-namespace inserts and matches with that namespace as the radix key's `extra_key`. And (review
-of 2026-12-06) a restore whose first tokens the tree holds already gives back the slots that
-duplicate them, as SGLang's own inserts do: its tree adopts only what lies past its prefix.
-And the host budget is split over TP ranks too, their byte figures reported for the whole."""
+namespace inserts and matches with that namespace as the radix key's `extra_key`. And the host
+budget is split over TP ranks too, their byte figures reported for the whole."""
 
 from __future__ import annotations
 
@@ -42,9 +40,8 @@ class Tree:
         hit = any(k.extra_key == params.key.extra_key for k in self.inserted)
         return SimpleNamespace(device_prefix_len=4 if hit else 0, last_device_node=1)
 
-    def insert(self, params: Any) -> Any:
+    def insert(self, params: Any) -> None:
         self.inserted.append(params.key)
-        return SimpleNamespace(prefix_len=0)
 
     def lock(self, node: Any) -> str:
         return "lock"
@@ -54,33 +51,6 @@ class Tree:
 
     def evict(self, params: Any) -> None:
         pass
-
-
-class PrefixTree(Tree):
-    """One path of tokens, as SGLang 0.5.23's RadixCache.insert treats it: the part of the key
-    already on the path keeps its own slots, the rest adopts the given ones, and the answer
-    says how long the existing part was (the caller frees its duplicates)."""
-
-    def __init__(self, tokens: list[int], slots: list[int]) -> None:
-        super().__init__()
-        self.tokens, self.slots = list(tokens), list(slots)
-
-    def _common(self, key: Any) -> int:
-        n = 0
-        for a, b in zip(self.tokens, list(key.token_ids), strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
-
-    def match_prefix(self, params: Any) -> Any:
-        return SimpleNamespace(device_prefix_len=self._common(params.key), last_device_node=1)
-
-    def insert(self, params: Any) -> Any:
-        have = self._common(params.key)
-        self.tokens += list(params.key.token_ids)[have:]
-        self.slots += params.value.tolist()[have:]
-        return SimpleNamespace(prefix_len=have)
 
 
 def main() -> int:
@@ -116,17 +86,6 @@ def main() -> int:
     ok, payload = kv.op_restore(ns)
     assert ok and payload["restored"] == 4, payload
     assert [k.extra_key for k in tree.inserted] == ["april-stale/s/0"]
-
-    alloc = Allocator()
-    cached = alloc.alloc(2).tolist()  # the group's prompt, cached by a sibling
-    tree = PrefixTree([5, 6], cached)
-    kv.sched = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=tree)
-    kv.locks = {}
-    ok, payload = kv.op_restore(AprilKvReq(call_id=3, op="restore", key="s/0"))
-    assert ok and tree.tokens == [5, 6, 7, 8], (payload, tree.tokens)
-    owned = set(tree.slots)
-    assert len(owned) == 4 and not owned & alloc.free_slots
-    assert owned | alloc.free_slots == set(range(100)), "a partial-prefix restore leaked slots"
 
     # --april-kv-host-bytes is the whole server's with TP too (review of 2026-12-06: each of
     # T TP ranks held the whole DP share, T x the budget, and /stats showed one shard).
