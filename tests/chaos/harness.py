@@ -467,12 +467,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"chaos: launching ({args.mode}) ...", file=sys.stderr, flush=True)
         target = launch(args.mode)
+
+    def keep_logs() -> None:
+        for proc in target.procs:
+            proc.keep_dir = True
+            print(f"chaos: server log kept: {proc.log_path}", file=sys.stderr)
+
     try:
         led = asyncio.run(run(target, args.duration_s, args.clients, args.seed))
         if led.final or args.keep_logs:  # keep the servers' logs of a failed run
-            for proc in target.procs:
-                proc.keep_dir = True
-                print(f"chaos: server log kept: {proc.log_path}", file=sys.stderr)
+            keep_logs()
+    except BaseException:  # a server gone, a harness bug: its log says why
+        keep_logs()
+        raise
     finally:
         for proc in target.procs:
             proc.stop()
