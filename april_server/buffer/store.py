@@ -266,8 +266,9 @@ def _forget_calls_beyond(db: sqlite3.Connection, max_bytes: int) -> None:
         (max_bytes,),
     ).fetchone()
     if row is not None:
-        newest = db.execute("SELECT MAX(seq) FROM calls").fetchone()[0]
-        db.execute("DELETE FROM calls WHERE seq <= ? AND seq < ?", (row[0], newest))
+        db.execute(
+            "DELETE FROM calls WHERE seq <= ? AND seq < (SELECT MAX(seq) FROM calls)", (row[0],)
+        )
 
 
 def _settle(future: cf.Future[Any], ok: bool, value: Any) -> None:

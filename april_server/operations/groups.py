@@ -31,9 +31,10 @@ KEY_PREFIX = "groups/"
 
 
 async def add_groups(mgr: RolloutManager, req: GroupsReq) -> GroupsResp:
-    key = None if req.request_id is None else KEY_PREFIX + req.request_id
-    if req.request_id is not None and key is not None:
+    key = None
+    if req.request_id is not None:
         check_id("request_id", req.request_id)
+        key = KEY_PREFIX + req.request_id
         stored = await mgr.store.load_call(key)
         if stored is not None and stored.startswith(b"{"):
             return _dec.decode(stored)

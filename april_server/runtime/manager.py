@@ -118,11 +118,7 @@ class RolloutManager:
 
     def sample(self, sample_id: str) -> Sample:
         """A sample of a claimed group (idle ones: `read_samples`)."""
-        parts = split_sample_id(sample_id)
-        g = self.groups.get(parts[0]) if parts else None
-        if parts is None or g is None or parts[1] >= len(g.samples):
-            raise not_found(f"unknown sample_id {sample_id!r}")
-        return g.samples[parts[1]]
+        return _member(self.groups, sample_id, split_sample_id(sample_id))
 
     async def read_group(self, group_id: str) -> Group:
         return (await self.buffer.read([group_id]))[group_id]
@@ -134,10 +130,7 @@ class RolloutManager:
         groups = await self.buffer.read([g for g in gids if self.buffer.known(g)])
         out = {}
         for sid, parts in parsed.items():
-            g = groups.get(parts[0]) if parts else None
-            if parts is None or g is None or parts[1] >= len(g.samples):
-                raise not_found(f"unknown sample_id {sid!r}")
-            out[sid] = g.samples[parts[1]]
+            out[sid] = _member(groups, sid, parts)
         return out
 
     def idle_groups(self) -> list[Group]:
@@ -287,3 +280,11 @@ class RolloutManager:
             "inflight_policy": self._inflight_stats(),
             "length_prediction": self.segments.lengths.figures(),
         }
+
+
+def _member(groups: Mapping[str, Group], sample_id: str, parts: tuple[str, int] | None) -> Sample:
+    """The member `sample_id` (parsed as `parts`) names in `groups`; 404 if none."""
+    g = groups.get(parts[0]) if parts else None
+    if parts is None or g is None or parts[1] >= len(g.samples):
+        raise not_found(f"unknown sample_id {sample_id!r}")
+    return g.samples[parts[1]]
