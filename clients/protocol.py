@@ -266,6 +266,10 @@ class RolloutStats(_Resp):
     # samples generating at once: the in-flight policy at work, auditable per call.
     num_started_groups: int = 0
     peak_running_samples: int = 0
+    # Groups the next call should hold, carried and new (max_inflight_groups "auto" only):
+    # enough to keep the running batch at the engine's best size until the quota is met,
+    # played forward from the predicted lengths. Advice; null without evidence.
+    groups_wanted: int | None = None
     # offpolicy_tokens / all output tokens of the returned groups.
     offpolicy_fraction: float = 0.0
     notes: list[str] = []

@@ -18,6 +18,8 @@ from april_server.calls.turns_in_call import TurnsInCall
 from april_server.engine.segment_state import Running
 from april_server.rules import samples as S
 from april_server.rules.idempotency import attempt_record
+from april_server.rules.inflight import choose_running_target
+from april_server.rules.pool_size import bound_per_quota, groups_wanted
 
 _enc = msgspec.json.Encoder()
 logger = logging.getLogger(__name__)
@@ -142,6 +144,7 @@ class WindDown(TurnsInCall):
             inflight_target=self.inflight_target,
             num_started_groups=len(self.started),
             peak_running_samples=self.peak_running,
+            groups_wanted=self._groups_wanted(buffered),
             offpolicy_fraction=round(
                 sum(S.offpolicy_tokens(g, version) for g in groups)
                 / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),
@@ -178,6 +181,25 @@ class WindDown(TurnsInCall):
         mgr.counters.returned_groups += len(returned)
         mgr.counters.dropped_groups += len(dropped)
         return resp
+
+    def _groups_wanted(self, buffered: list[str]) -> int | None:
+        """The advice for the next call (rules/pool_size.py): at the running target the
+        engine's step curve picks for this call's quota (with no cap from what was sent),
+        how many groups to hold so that the batch stays filled until the quota is met. Only
+        for `max_inflight_groups: "auto"` (a pinned number sets its own batch)."""
+        mgr, req = self.mgr, self.req
+        if req.max_inflight_groups != "auto" or mgr.last_inflight is None or not self.group_ids:
+            return None
+        size = round(sum(len(mgr.groups[g].samples) for g in self.group_ids) / len(self.group_ids))
+        curve = mgr.last_inflight[1]  # measured at this call's start
+        target = choose_running_target(curve, req.target_groups * size, mgr.admission.max_samples)
+        lengths = mgr.segments.lengths
+        carried = [lengths.remaining(mgr.groups[g]) for g in buffered]
+        per_quota = bound_per_quota(req.max_staleness)
+        recent = list(lengths.recent)
+        return groups_wanted(
+            req.target_groups, target.running_target, carried, recent, size, per_quota
+        )
 
 
 async def _recorded(tasks: list[asyncio.Task[None]]) -> None:

@@ -28,6 +28,7 @@ MAX_PROMPTS = 200_000  # prompts remembered; the least recently seen are forgott
 SIBLING_WEIGHT = 2.0  # a sibling counts as two earlier rollouts (same weights, same moment)
 EVIDENCE_HALF = 2.0  # confidence is w / (w + EVIDENCE_HALF) x agreement
 OUTLIVED_CONFIDENCE = 0.25  # longer than every observation: "at its budget", weakly held
+RECENT_LENGTHS = 1024  # lengths last seen to finish: what a fresh sample is played at
 
 Basis = Literal["siblings", "history", "both", "outlived"]
 
@@ -188,6 +189,10 @@ class LengthModel:
         # Every finished length seen (count, sum): the prior for a sample without evidence.
         self.finished_count = 0
         self.finished_sum = 0
+        # The newest finished lengths, in finishing order (rules/pool_size.py plays fresh
+        # groups at them). Every sample ends (completed, or truncated at its budget), so over
+        # a few calls this is the distribution, the tail included.
+        self.recent: deque[int] = deque(maxlen=RECENT_LENGTHS)
 
     def evidence(self, group: Group) -> Evidence:
         """What the group's unfinished members are predicted from: its finished members and
@@ -233,6 +238,7 @@ class LengthModel:
         self.history.add(prompt_key(sample.prompt_ids), length)
         self.finished_count += 1
         self.finished_sum += length
+        self.recent.append(length)
 
     @property
     def prior(self) -> float:
@@ -241,14 +247,17 @@ class LengthModel:
         per member (a replayed length distribution) would be the client's own answer."""
         return self.finished_sum / self.finished_count if self.finished_count else 0.0
 
+    def remaining(self, group: Group) -> list[float]:
+        """Each unfinished member's predicted remaining tokens (a member without evidence:
+        the prior, less what it generated)."""
+        return [
+            float(p.remaining) if p is not None else max(self.prior - len(s.output_ids), 0.0)
+            for s, p in self._predictions(group)
+        ]
+
     def group_remaining(self, group: Group) -> float:
-        """How long the group will still run: its longest member's predicted remaining tokens
-        (a member without evidence: the prior, less what it generated)."""
-        longest = 0.0
-        for s, p in self._predictions(group):
-            left = p.remaining if p is not None else max(self.prior - len(s.output_ids), 0.0)
-            longest = max(longest, float(left))
-        return longest
+        """How long the group will still run: its longest member's predicted remaining."""
+        return max(self.remaining(group), default=0.0)
 
     def order(self, groups: Sequence[Group], policy: LengthOrder) -> list[Group]:
         """`groups` in the order a call should start them (stable: ties keep arrival order)."""
@@ -259,8 +268,10 @@ class LengthModel:
         return [g for _, _, g in sorted(keyed, key=lambda t: (t[0], t[1]))]
 
     def forget(self) -> int:
-        """Forget every prompt's history (`DELETE /april/v1/lengths`); the score stays."""
+        """Forget every prompt's history and the recent lengths (`DELETE /april/v1/lengths`);
+        the score stays."""
         n = self.history.forget()
+        self.recent.clear()
         self.forgotten += n
         return n
 

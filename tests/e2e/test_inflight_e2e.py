@@ -88,6 +88,10 @@ def test_auto_never_runs_more_than_sent_or_its_target(
         assert target is not None and target >= 2 * 4  # never below what the quota needs
         assert st["num_started_groups"] <= count + buffered  # never more groups than it has
         assert st["peak_running_samples"] <= min(target, 4 * (count + buffered))
+        # The advice for the next call: at least the quota and all this call buffered, at
+        # most 4 x the quota unless it carries more (rules/pool_size.py).
+        wanted, kept = st["groups_wanted"], st["num_buffered_groups"]
+        assert wanted is not None and max(2, kept) <= wanted <= max(4 * 2, kept), (wanted, kept)
         assert seen.polls > 0 and seen.peak <= target, (seen.peak, target)
         assert len(r["groups"]) == 2
         policy = ok(http.get(R + "/stats"))["inflight_policy"]
@@ -109,5 +113,6 @@ def test_pinned_integer_caps_the_running_batch(http: httpx.Client, tiny_server: 
     with RunningPeak(tiny_server.url) as seen:
         r = ok(http.post(R + "/rollouts", json=body))
     assert r["stats"]["inflight_target"] is None
+    assert r["stats"]["groups_wanted"] is None  # a pinned batch sizes itself: no advice
     assert r["stats"]["peak_running_samples"] <= 3 * 4
     assert seen.peak <= 3 * 4

@@ -224,6 +224,18 @@ def test_model_order_is_stable_and_unknown_counts_as_the_mean_finished_length() 
     # New prompts (no history, nothing finished): alike whatever their budgets, as sent.
     fresh = [grp("e", [7], 10), grp("f", [8], 500), grp("g", [6], 50)]
     assert [g.group_id for g in m.order(fresh, "longest_first")] == ["e", "f", "g"]
+    # What a call plays forward (rules/pool_size.py): each open member's predicted remaining
+    # (prompt [1] ran 10 before: 10 left; no evidence: the prior of 40), and the lengths
+    # seen to finish, in order, until the history is forgotten.
+    a = gs[0].samples[0]
+    assert m.remaining(gs[0]) == [10.0] and m.remaining(fresh[0]) == [40.0]
+    a.output_ids = [5] * 4
+    assert m.remaining(gs[0]) == [10.0 - 4]
+    a.output_ids = [5] * 12
+    assert m.remaining(gs[0]) == [100.0 - 12]  # outlived its one observation: at its budget
+    assert list(m.recent) == [10, 90, 20]
+    m.forget()
+    assert list(m.recent) == [] and m.prior == 40.0
 
 
 def test_the_history_survives_a_restart_in_the_store(tmp_path: Any) -> None:
