@@ -18,18 +18,20 @@ from .protocol import Group, Sample
 StaleTokens = Literal["mask", "keep", "correct"]  # "correct": kept, see trl_correction.py
 
 
-def extra_groups(target: int, over_provision: float, buffered: int) -> int:
+def extra_groups(target: int, over_provision: float, buffered: int, advised: int = 0) -> int:
     """How many extra prompts to send beside the step's own `target` groups.
 
-    APRIL keeps `over_provision * target` groups in play per step. Groups already waiting in the
-    buffer count toward it, so the buffer never grows past `(over_provision - 1) * target` from
-    this rule: every call sends `target + extra`, returns `target`, and buffers `extra` more.
+    APRIL keeps `over_provision * target` groups in play per step, or `advised` if more (the
+    server's `stats.groups_wanted` from the last call, when the trainer follows it). Groups
+    already waiting in the buffer count toward it, so the buffer never grows past what is in
+    play less `target` from this rule: every call sends `target + extra`, returns `target`, and
+    buffers `extra` more.
     """
     if target < 1:
         raise ValueError(f"target must be >= 1, got {target}")
     if over_provision < 1.0:
         raise ValueError(f"over_provision must be >= 1.0, got {over_provision}")
-    wanted = math.ceil(over_provision * target - 1e-9)
+    wanted = max(math.ceil(over_provision * target - 1e-9), advised)
     return max(0, wanted - target - buffered)
 
 

@@ -13,7 +13,9 @@ there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
 2. Groups: TRL hands `P * n` prompts (each repeated `n = num_generations` times, contiguously).
    Each unique prompt becomes one group of `n`, with its dataset row as `metadata`; with
    `over_provision = F > 1` extra prompts drawn from the training set make `F * P` groups in
-   play (groups already buffered count toward that, so the buffer stays bounded).
+   play (groups already buffered count toward that, so the buffer stays bounded); with
+   `size_pool=True`, as many as the server's last `stats.groups_wanted` if that is more (the
+   pool it sizes from its step curve and predicted lengths: docs/api.md, Length prediction).
 3. One `/rollouts` call with `target_groups = P`: the server runs buffered groups first and
    answers with exactly `P` whole groups; the rest stays in its buffer for a later step.
 4. Rows: `n` per returned group, contiguous, with `prompt_ids` of the group that came back (a
@@ -139,6 +141,10 @@ class AprilRollout:
 
     client: AprilClient
     over_provision: float = 1.0
+    # Hold as many groups as the server advised after the last training call
+    # (`stats.groups_wanted`, from its step curve and predicted lengths), never fewer than
+    # `over_provision` x P. Needs `max_inflight_groups="auto"`: a pinned batch gets no advice.
+    size_pool: bool = False
     max_staleness: int | None = 1
     stale_tokens: StaleTokens = "mask"
     on_quota: Literal["snapshot", "tokens", "drop"] = "snapshot"
@@ -163,6 +169,7 @@ class AprilRollout:
     turns: TurnsArg = None  # what ends a turn (needed with `tool`)
     _tools: ToolLoop | None = None
     _warned_restarts: bool = False
+    _advised: int = 0  # the last training call's stats.groups_wanted (size_pool)
 
     def __post_init__(self) -> None:
         if self.tool is not None:
@@ -173,6 +180,10 @@ class AprilRollout:
             )
         if self.over_provision < 1.0:
             raise ValueError(f"over_provision must be >= 1.0, got {self.over_provision}")
+        if self.size_pool and self.max_inflight_groups != "auto":
+            raise ValueError(
+                "size_pool needs max_inflight_groups='auto': a pinned batch gets no advice"
+            )
         if self.weight_sync not in ("distributed", "disk"):
             raise ValueError(
                 f"weight_sync must be 'distributed' or 'disk', got {self.weight_sync!r}"
@@ -196,7 +207,8 @@ class AprilRollout:
         chosen = list(firsts)
         if training:
             outstanding = len(self.ledger.outstanding())
-            extra = extra_groups(len(firsts), self.over_provision, outstanding)
+            advised = self._advised if self.size_pool else 0
+            extra = extra_groups(len(firsts), self.over_provision, outstanding, advised)
             if self.background:  # never more outstanding after the call than the level
                 level = background_level(len(firsts), self.over_provision, self.max_staleness)
                 extra = min(extra, max(0, level - outstanding))
@@ -224,6 +236,8 @@ class AprilRollout:
             resp = self._tools.rollout(self.client, specs, len(firsts), tok, **kw)
         returned = [g.group_id for g in resp.groups]
         self.ledger.on_returned(returned, step)
+        if training:
+            self._advised = resp.stats.groups_wanted or 0
         version = resp.stats.weight_version
         if self.push_weights and version != str(step):
             raise RuntimeError(f"server reports weight version {version!r} after pushing {step}")

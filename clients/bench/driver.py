@@ -7,7 +7,9 @@
 - `april-kv`: the same with `on_quota: snapshot` (resumes restore KV snapshots); refused, not
   faked, when the server has no KV snapshots.
 - `april-tail`: `april` with `length_order: longest_first` (the server starts a call's new
-  groups by predicted length, longest first: docs/api.md, Length prediction).
+  groups by predicted length, longest first: docs/api.md, Length prediction), holding as
+  many groups as the last call's `stats.groups_wanted` advised (never fewer than
+  over_sampling x K): the server sizes the over-provisioning from its predicted lengths.
 - `april-async`: over-provisioning like `april`, with `on_quota: continue` (the call's
   stragglers keep generating in the background after it answered) and prefetch: right after a
   call answers, the next step's new groups go in with `POST /groups` (`start: background`), so
@@ -145,6 +147,7 @@ class ModeRunner:
         self.ticks = 0
         self.finished = False
         self.pred0: dict[str, Any] | None = None
+        self.advised = 0  # april-tail: the last call's stats.groups_wanted
 
     def gid(self, g: WorkGroup) -> str:
         return f"{self.cfg.run_tag}-{self.spec.slug}-g{g.index:06d}"
@@ -197,8 +200,10 @@ class ModeRunner:
 
     @property
     def want(self) -> int:
-        """Groups in flight at each call: over-sampling x K (at least K)."""
-        return max(self.cfg.groups, math.ceil(self.cfg.over_sampling * self.cfg.groups))
+        """Groups in flight at each call: over-sampling x K (at least K); april-tail: more
+        if the server advised more."""
+        base = max(self.cfg.groups, math.ceil(self.cfg.over_sampling * self.cfg.groups))
+        return max(base, self.advised) if self.mode == "april-tail" else base
 
     def outstanding(self) -> int:
         """Our groups on the server (buffered, generating or finished, not yet consumed).
@@ -402,6 +407,7 @@ class ModeRunner:
                 self.tick(step)
             elif ev["event"] == "done":
                 stats, buffered = ev["stats"], ev["buffered_group_ids"]
+        self.advised = int(stats.get("groups_wanted") or 0)
         wall = time.perf_counter() - t0
         self.buffered = buffered
         if self.mode == "april-kv" and stats.get("on_quota_effective") != "snapshot":

@@ -38,6 +38,7 @@ class FakeServer:
         self.calls: list[dict[str, Any]] = []
         self.prefetches: list[dict[str, Any]] = []
         self.restarts: list[int] = []  # per call: member 0 of its first group restarted this often
+        self.advice: int | None = None  # stats.groups_wanted answered
 
     def rollout(self, specs: list[dict[str, Any]], target: int, **kw: Any) -> RolloutResp:
         self.calls.append({"specs": specs, "target": target, **kw})
@@ -48,7 +49,7 @@ class FakeServer:
         stats = RolloutStats(wall_s=0.0, weight_version="0", num_finished_groups=target,
                              num_buffered_groups=len(self.buffer), output_tokens=0,
                              offpolicy_tokens=0, resumed_samples=0, restored_kv_tokens=0,
-                             recomputed_tokens=0)  # fmt: skip
+                             recomputed_tokens=0, groups_wanted=self.advice)  # fmt: skip
         k = self.restarts[len(self.calls) - 1] if len(self.calls) <= len(self.restarts) else 0
         groups = [_group(s, k if j == 0 else 0) for j, s in enumerate(out)]
         return RolloutResp(batch_id="b", groups=groups, buffered_group_ids=list(self.buffer),
@@ -226,3 +227,37 @@ def test_restarted_samples_are_counted_and_many_warn_once(caplog: pytest.LogCapt
     assert got == [(0, 0), (1, 3), (1, 2), (0, 0)]
     warned = [r.getMessage() for r in caplog.records if "max_staleness" in r.getMessage()]
     assert len(warned) == 1 and "1 of the 8 samples returned at step 1" in warned[0]
+
+
+@pytest.mark.parametrize("advice", [None, 3, 7, 12])
+def test_size_pool_holds_what_the_server_advised_never_less_than_over_provision(
+    advice: int | None,
+) -> None:
+    server = FakeServer()
+    server.advice = advice
+    adapter = AprilRollout(server, over_provision=1.5, size_pool=True,  # type: ignore[arg-type]
+                           push_weights=False, run_id="t")  # fmt: skip
+    _run(adapter, server, steps=4)
+    held = [
+        len(c["specs"]) + b
+        for c, b in zip(server.calls, [0, *_buffered_after(server)], strict=True)
+    ]
+    # The first call has no advice yet: over-provisioning's 1.5 x P; then the larger of both.
+    assert held[0] == 6
+    assert held[1:] == [max(6, advice or 0)] * 3
+    plain = FakeServer()
+    plain.advice = advice
+    _run(AprilRollout(plain, over_provision=1.5, push_weights=False, run_id="u"),  # type: ignore[arg-type]
+         plain, steps=4)  # fmt: skip
+    assert [len(c["specs"]) for c in plain.calls] == [6, 4, 4, 4]  # advice ignored when off
+    with pytest.raises(ValueError, match="size_pool needs"):
+        AprilRollout(server, size_pool=True, max_inflight_groups=4)  # type: ignore[arg-type]
+
+
+def _buffered_after(server: FakeServer) -> list[int]:
+    """Groups buffered after each call but the last (the fake returns the oldest first)."""
+    out, held = [], 0
+    for c in server.calls[:-1]:
+        held = held + len(c["specs"]) - c["target"]
+        out.append(held)
+    return out
