@@ -16,8 +16,8 @@ sweep:  ## sync vs static vs adaptive APRIL on the four issue-#6 configurations,
 bench-async:  ## never idle: sync vs april vs april-async, a trainer of TRAIN_S s between calls (default auto: as long as sync's rollout in the same run), max_staleness 1, 3 interleaved repeats (~5 min)
 	@V=$(VENV) && $$V/bin/april-bench --quick --sweep-point tiny:512:8x4 --repeat 3 --modes sync,april,april-async --train-s $${TRAIN_S:-auto} --max-staleness 1 --json-out out/async.jsonl
 
-bench-tail:  ## tail-aware rollouts on real text (HumanEval prompts on SmolLM2, lengths set by the model): sync vs APRIL vs predicted-longest-first APRIL, 3 repeats (~15 min)
-	@V=$(VENV) && $$V/bin/april-bench --workload text --sweep-point smollm2:192:4x4 --repeat 3 --modes sync,april@auto,april-tail@auto --steps 3 --prompts 8 --json-out out/tail.jsonl
+bench-tail:  ## tail-aware rollouts on real text (HumanEval prompts on SmolLM2, lengths set by the model): sync vs APRIL vs tail-aware APRIL (predicted-longest first, pool sized by the server), 10 steps, 3 repeats (~50 min)
+	@V=$(VENV) && $$V/bin/april-bench --workload text --sweep-point smollm2:192:4x4 --repeat 3 --modes sync,april@auto,april-tail@auto --steps 10 --prompts 8 --json-out out/tail.jsonl
 
 bench-drafts:  ## drafts from history, offline: n-gram drafts from a prompt's earlier rollouts vs prompt lookup, acceptance on real SmolLM2 samples (~3 min)
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.drafts
