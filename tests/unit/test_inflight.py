@@ -93,18 +93,23 @@ class CurveEngine(FakeEngine):
         return await super().generate(rid, input_ids, params)
 
 
+def staggered_groups() -> list[GroupSpec]:
+    """Ten groups of 2 whose budgets cycle 5, 25, 45 tokens."""
+    return [
+        GroupSpec(
+            group_id=f"g{i}", n=2, input_ids=[1, 2],
+            sampling_params={"ignore_eos": True, "max_new_tokens": 5 + 20 * (i % 3)},
+        )
+        for i in range(10)
+    ]  # fmt: skip
+
+
 def test_auto_refills_up_to_the_target_and_never_beyond_what_was_sent() -> None:
     async def go() -> None:
         eng = CurveEngine({b: 0.002 * b for b in SIZES})  # linear cost: the quota's demand,
         # raised to the floor of MIN_RUNNING samples
         mgr = RolloutManager(eng, BufferStore(None))
-        groups = [
-            GroupSpec(
-                group_id=f"g{i}", n=2, input_ids=[1, 2],
-                sampling_params={"ignore_eos": True, "max_new_tokens": 5 + 20 * (i % 3)},
-            )
-            for i in range(10)
-        ]  # fmt: skip
+        groups = staggered_groups()
         r = await rollout(mgr, RolloutReq(groups=groups, target_groups=3))
         assert r.stats.inflight_target == MIN_RUNNING == 8  # demand 3 groups x 2 samples = 6
         assert eng.max_active <= 8

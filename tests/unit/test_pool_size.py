@@ -10,14 +10,14 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from april_client.protocol import GroupSpec, RolloutReq
+from april_client.protocol import RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls import wind_down
 from april_server.calls.rollout import rollout
 from april_server.rules.inflight import StepCurve, choose_running_target
 from april_server.rules.pool_size import MAX_WANTED_PER_QUOTA, bound_per_quota, groups_wanted
 from april_server.runtime.manager import RolloutManager
-from tests.unit.test_inflight import SIZES, CurveEngine
+from tests.unit.test_inflight import SIZES, CurveEngine, staggered_groups
 
 
 def reference(
@@ -140,14 +140,9 @@ def test_a_call_reports_the_advice_from_its_curve_and_its_lengths(monkeypatch: A
 
         async def go() -> int | None:
             mgr = RolloutManager(CurveEngine(points), BufferStore(None))
-            groups = [
-                GroupSpec(
-                    group_id=f"g{i}", n=2, input_ids=[1, 2],
-                    sampling_params={"ignore_eos": True, "max_new_tokens": 5 + 20 * (i % 3)},
-                )
-                for i in range(10)
-            ]  # fmt: skip
-            req = RolloutReq(groups=groups, target_groups=3, max_inflight_groups=pinned or "auto")
+            req = RolloutReq(
+                groups=staggered_groups(), target_groups=3, max_inflight_groups=pinned or "auto"
+            )
             r = await rollout(mgr, req)
             if pinned:
                 assert not seen  # a pinned batch: no play, no advice
