@@ -144,6 +144,8 @@ class AprilRollout:
     # Hold as many groups as the server advised after the last training call
     # (`stats.groups_wanted`, from its step curve and predicted lengths), never fewer than
     # `over_provision` x P. Needs `max_inflight_groups="auto"`: a pinned batch gets no advice.
+    # The server bounds the advice by `max_staleness + 1` quotas (the default 1: at most
+    # 2 x P), and `background=True` caps what is held by `background_level` as before.
     size_pool: bool = False
     max_staleness: int | None = 1
     stale_tokens: StaleTokens = "mask"

@@ -144,7 +144,7 @@ class WindDown(TurnsInCall):
             inflight_target=self.inflight_target,
             num_started_groups=len(self.started),
             peak_running_samples=self.peak_running,
-            groups_wanted=self._groups_wanted(buffered),
+            groups_wanted=self._groups_wanted(buffered) if deliver else None,
             offpolicy_fraction=round(
                 sum(S.offpolicy_tokens(g, version) for g in groups)
                 / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),

@@ -14,8 +14,9 @@ so the policy goes and measures them rather than trusting a few noisy steps fore
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 from statistics import median
 from typing import NamedTuple
@@ -92,6 +93,11 @@ class StepCurve:
 
     points: dict[int, float]
     context: ContextModel | None = None  # how `smoothed` evened out the measured contexts
+    # The sorted sizes and the line past the largest, computed once: a policy decision asks
+    # for every size up to twice the largest measured, and each used to re-sort the sizes
+    # and refit the line (O(P^2) per size: seconds on the event loop at ~500 sizes).
+    _sizes_memo: list[int] = field(default_factory=list, compare=False, repr=False)
+    _line_memo: list[tuple[float, float]] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def smoothed(cls, raw: Mapping[int, float | StepStat]) -> StepCurve:
@@ -118,12 +124,18 @@ class StepCurve:
                 fitted[b] = t / n
         return cls(fitted, model)
 
+    def _sizes(self) -> list[int]:
+        if not self._sizes_memo:
+            self._sizes_memo.extend(sorted(self.points))
+        return self._sizes_memo
+
     def step_time(self, b: int) -> float:
-        sizes = sorted(self.points)
         if b in self.points:
             return self.points[b]
-        lo = max((s for s in sizes if s < b), default=None)
-        hi = min((s for s in sizes if s > b), default=None)
+        sizes = self._sizes()
+        i = bisect_left(sizes, b)  # sizes[i - 1] < b < sizes[i]
+        lo = sizes[i - 1] if i > 0 else None
+        hi = sizes[i] if i < len(sizes) else None
         if lo is not None and hi is not None:  # interpolate
             w = (b - lo) / (hi - lo)
             return self.points[lo] * (1 - w) + self.points[hi] * w
@@ -145,12 +157,15 @@ class StepCurve:
         top = sizes[-1]
         if len(sizes) < 2:
             return self.points[top]
-        upper = [s for s in sizes if s >= top / 2]
-        if len(upper) < 2:
-            upper = sizes[-2:]
-        pts = self.points
-        slope = max(median((pts[j] - pts[i]) / (j - i) for i, j in combinations(upper, 2)), 0.0)
-        intercept = median(pts[s] - slope * s for s in upper)
+        if not self._line_memo:
+            upper = [s for s in sizes if s >= top / 2]
+            if len(upper) < 2:
+                upper = sizes[-2:]
+            pts = self.points
+            pairs = combinations(upper, 2)
+            slope = max(median((pts[j] - pts[i]) / (j - i) for i, j in pairs), 0.0)
+            self._line_memo.append((median(pts[s] - slope * s for s in upper), slope))
+        intercept, slope = self._line_memo[0]
         return max(intercept + slope * b, 1e-9)
 
     def throughput(self, b: int) -> float:

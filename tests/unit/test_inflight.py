@@ -207,3 +207,17 @@ def test_a_size_measured_at_short_contexts_does_not_pin_the_target() -> None:
     assert d.running_target > 48, d
     blind = {b: m._replace(mean_context=0.0) for b, m in stats.items()}  # no context known
     assert choose_running_target(StepCurve.smoothed(blind), demand=32, cap=64).running_target < 40
+
+
+def test_a_decision_fits_the_line_past_the_largest_size_once(monkeypatch: Any) -> None:
+    # A decision asks for every size up to twice the largest measured; refitting the line for
+    # each cost O(P^2) per size (27 s at 1024 measured sizes, on the event loop).
+    from april_server.rules import inflight
+
+    fits = []
+    real_median = inflight.median
+    monkeypatch.setattr(inflight, "median", lambda xs: fits.append(1) or real_median(xs))
+    c = StepCurve.smoothed({b: StepStat(50, 0.01 + 0.00005 * b, 0.001) for b in range(1, 257)})
+    d = choose_running_target(c, 128, 1 << 30)
+    assert d.running_target > 256  # it looked past the largest measured size
+    assert len(fits) == 2  # one slope, one intercept
