@@ -42,6 +42,11 @@ from april_server.wire.errors import ApiError
 
 logger = logging.getLogger(__name__)
 READY_WAIT_S = 600.0  # how long start-up waits for a first engine before serving 503s
+# `/abort_request` and `/flush_cache` go to every engine, and SGLang answers both at once (a
+# flush that finds requests running refuses, it does not wait). An engine that hangs without
+# closing its connection would hold the answer for every engine: after this long it is
+# reported as failed, beside the engines that did answer.
+FANOUT_TIMEOUT_S = 60.0
 # The owner's routes that SGLang marks ADMIN_OPTIONAL on an engine server (0.5.23).
 ADMIN_ROUTES = frozenset(
     {
@@ -139,9 +144,16 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
     async def each(path: str, body: bytes) -> Response:
         pool = fleet.pool()
         resps = await asyncio.gather(
-            *(forward(m, "POST", path, body) for m in pool), return_exceptions=True
+            *(asyncio.wait_for(forward(m, "POST", path, body), FANOUT_TIMEOUT_S) for m in pool),
+            return_exceptions=True,
         )
-        bad = {m.name: str(r) for m, r in zip(pool, resps, strict=True) if isinstance(r, Exception)}
+        bad = {
+            m.name: f"no answer in {FANOUT_TIMEOUT_S:g} s"
+            if isinstance(r, TimeoutError)
+            else str(r)
+            for m, r in zip(pool, resps, strict=True)
+            if isinstance(r, Exception)
+        }
         bad |= {
             m.name: f"HTTP {r.status_code}"
             for m, r in zip(pool, resps, strict=True)

@@ -405,3 +405,42 @@ def test_engines_given_on_the_command_line_serve_beside_the_registry() -> None:
         await fleet.close()
 
     asyncio.run(go())
+
+
+class HangingFlush(FakeServers):
+    """`/flush_cache` answers on a:1 and never on b:1 (it hangs, its connection open)."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        super().__init__(hosts)
+        self.flushed: list[str] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/flush_cache", "/abort_request"):
+            host = request.url.netloc.decode()
+            if host == "b:1":
+                await asyncio.Event().wait()
+            self.flushed.append(host)
+            return httpx.Response(200, json={"success": True})
+        return await super().__call__(request)
+
+
+def test_a_hung_engine_does_not_hold_the_owners_flush_or_abort(monkeypatch: Any) -> None:
+    from april_server.fleet import gateway
+
+    monkeypatch.setattr(gateway, "FANOUT_TIMEOUT_S", 0.2)
+
+    async def go() -> None:
+        servers = HangingFlush(["a:1", "b:1"])
+        fleet, app = owner(servers, AuthPolicy())
+        await fleet.probe_all()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+            for path, payload in (("/flush_cache", None), ("/abort_request", {"abort_all": True})):
+                # Before: waited on b for good. Now a answers, b is reported, in bounded time.
+                r = await asyncio.wait_for(c.post(path, json=payload), 5.0)
+                assert r.status_code == 502, r.text
+                assert r.json() == {"success": False, "failed": {"b:1": "no answer in 0.2 s"}}
+        assert servers.flushed == ["a:1", "a:1"]
+        await fleet.close()
+
+    asyncio.run(go())
