@@ -191,7 +191,7 @@ class WindDown(TurnsInCall):
         if req.max_inflight_groups != "auto" or mgr.last_inflight is None or not self.group_ids:
             return None
         size = round(sum(len(mgr.groups[g].samples) for g in self.group_ids) / len(self.group_ids))
-        curve = mgr.last_inflight[1]  # measured at this call's start
+        curve = mgr.last_inflight[1]  # the newest decision's curve (this call's, or later)
         target = choose_running_target(curve, req.target_groups * size, mgr.admission.max_samples)
         lengths = mgr.segments.lengths
         carried = [lengths.remaining(mgr.groups[g]) for g in buffered]

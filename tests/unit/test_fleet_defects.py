@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -121,15 +123,25 @@ def owner(servers: FakeServers, auth: AuthPolicy) -> tuple[FleetEngine, Any]:
     return fleet, create_owner_app(fleet, AprilConfig(), auth)
 
 
+@asynccontextmanager
+async def owner_client(
+    servers: FakeServers, auth: AuthPolicy | None = None
+) -> AsyncIterator[tuple[FleetEngine, Any, httpx.AsyncClient]]:
+    """An owner over engines a:1 and b:1, probed, and a client of its app (the fleet is the
+    caller's to close: some tests look at it after the client is gone)."""
+    fleet, app = owner(servers, auth or AuthPolicy())
+    await fleet.probe_all()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+        yield fleet, app, c
+
+
 def test_the_user_key_gets_403_on_every_admin_route_of_the_owner() -> None:
     async def go() -> None:
         servers = FakeServers(["a:1", "b:1"])
-        fleet, app = owner(servers, AuthPolicy("user", "admin"))
-        await fleet.probe_all()
         user = {"authorization": "Bearer user"}
         admin = {"authorization": "Bearer admin"}
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+        async with owner_client(servers, AuthPolicy("user", "admin")) as (fleet, _, c):
             body = {"model_path": "/m", "weight_version": "9"}
             for path, payload in (
                 ("/update_weights_from_disk", body),
@@ -153,10 +165,7 @@ def test_the_owner_serves_its_buffer_with_every_engine_down() -> None:
     async def go() -> None:
         servers = FakeServers(["a:1", "b:1"])
         servers.hold_segments.set()
-        fleet, app = owner(servers, AuthPolicy())
-        await fleet.probe_all()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+        async with owner_client(servers) as (fleet, _, c):
             groups = [
                 {"group_id": g, "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
                 for g in ("g1", "g2")
@@ -186,10 +195,7 @@ def test_the_owner_serves_its_buffer_with_every_engine_down() -> None:
 def test_an_update_without_a_version_gets_one_so_a_restarted_engine_is_not_up_to_date() -> None:
     async def go() -> None:
         servers = FakeServers(["a:1", "b:1"])
-        fleet, app = owner(servers, AuthPolicy())
-        await fleet.probe_all()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+        async with owner_client(servers) as (fleet, _, c):
             r = await c.post("/update_weights_from_disk", json={"model_path": "/m"})
             assert r.status_code == 200, r.text
         new = fleet.weight_version()
@@ -219,10 +225,7 @@ class FailingStream(FakeServers):
 def test_a_generate_stream_that_fails_part_way_leaves_no_request_counted() -> None:
     async def go() -> None:
         servers = FailingStream(["a:1", "b:1"])
-        fleet, app = owner(servers, AuthPolicy())
-        await fleet.probe_all()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+        async with owner_client(servers) as (fleet, app, c):
             for _ in range(3):
                 try:
                     await c.post("/generate", json={"input_ids": [1], "stream": True})
@@ -431,10 +434,7 @@ def test_a_hung_engine_does_not_hold_the_owners_flush_or_abort(monkeypatch: Any)
 
     async def go() -> None:
         servers = HangingFlush(["a:1", "b:1"])
-        fleet, app = owner(servers, AuthPolicy())
-        await fleet.probe_all()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://owner") as c:
+        async with owner_client(servers) as (fleet, _, c):
             for path, payload in (("/flush_cache", None), ("/abort_request", {"abort_all": True})):
                 # Before: waited on b for good. Now a answers, b is reported, in bounded time.
                 r = await asyncio.wait_for(c.post(path, json=payload), 5.0)
