@@ -19,7 +19,6 @@ from april_server.engine.segment_state import Running
 from april_server.rules import samples as S
 from april_server.rules.idempotency import attempt_record
 from april_server.rules.inflight import choose_running_target
-from april_server.rules.pool_size import bound_per_quota, groups_wanted
 
 _enc = msgspec.json.Encoder()
 logger = logging.getLogger(__name__)
@@ -144,7 +143,7 @@ class WindDown(TurnsInCall):
             inflight_target=self.inflight_target,
             num_started_groups=len(self.started),
             peak_running_samples=self.peak_running,
-            groups_wanted=self._groups_wanted(buffered) if deliver else None,
+            groups_wanted=self._groups_wanted(buffered, version) if deliver else None,
             offpolicy_fraction=round(
                 sum(S.offpolicy_tokens(g, version) for g in groups)
                 / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),
@@ -182,7 +181,7 @@ class WindDown(TurnsInCall):
         mgr.counters.dropped_groups += len(dropped)
         return resp
 
-    def _groups_wanted(self, buffered: list[str]) -> int | None:
+    def _groups_wanted(self, buffered: list[str], version: str) -> int | None:
         """The advice for the next call (rules/pool_size.py): at the running target the
         engine's step curve picks for this call's quota (with no cap from what was sent),
         how many groups to hold so that the batch stays filled until the quota is met. Only
@@ -195,10 +194,14 @@ class WindDown(TurnsInCall):
         target = choose_running_target(curve, req.target_groups * size, mgr.admission.max_samples)
         lengths = mgr.segments.lengths
         carried = [lengths.remaining(mgr.groups[g]) for g in buffered]
-        per_quota = bound_per_quota(req.max_staleness)
-        recent = list(lengths.recent)
-        return groups_wanted(
-            req.target_groups, target.running_target, carried, recent, size, per_quota
+        return mgr.pool_advisor.advise(
+            req.target_groups,
+            target.running_target,
+            version,
+            carried,
+            list(lengths.recent),
+            size,
+            req.max_staleness,
         )
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 # A bound on the advice, in multiples of the quota: every group held beyond the quota is work
 # in progress that a trainer carries into later steps (staleness), `W / K - 1` steps' worth on
@@ -30,12 +32,53 @@ from collections.abc import Iterator, Sequence
 MAX_WANTED_PER_QUOTA = 4
 
 
-def bound_per_quota(max_staleness: int | None) -> int:
+# With a weight push between calls, every carried group is re-prefilled under the new weights
+# and consumed a version staler: there the advice stays within slime's 2 x (what APRIL holds
+# anyway). Measured on the four reference configurations (a push after every step), 4 x lost
+# x0.84-0.93 to APRIL (docs/benchmarks.md).
+PUSHED_PER_QUOTA = 2
+# The running target the advice plays at is the median of the last calls' targets: one call's
+# knee moves with the curve's noise (16 to 61 samples on our CPU, where the curve is nearly
+# flat past ~30), and the pool moved between 2 and 20 groups with it.
+SMOOTHING_CALLS = 5
+
+
+def bound_per_quota(max_staleness: int | None, pushed: bool = False) -> int:
     """The advice's bound in multiples of the quota: with `max_staleness = s`, a group may be
-    carried s steps, so at most s + 1 quotas' worth is held (s = 1: slime's 2 x)."""
-    if max_staleness is None:
-        return MAX_WANTED_PER_QUOTA
-    return max(1, min(MAX_WANTED_PER_QUOTA, max_staleness + 1))
+    carried s steps, so at most s + 1 quotas' worth is held (s = 1: slime's 2 x); with a push
+    between calls (`pushed`), at most `PUSHED_PER_QUOTA`."""
+    bound = PUSHED_PER_QUOTA if pushed else MAX_WANTED_PER_QUOTA
+    if max_staleness is not None:
+        bound = min(bound, max_staleness + 1)
+    return max(1, bound)
+
+
+@dataclass
+class PoolAdvisor:
+    """What the advice remembers across calls (one per server): the recent running targets
+    and the weight version the last advised call ended under."""
+
+    targets: deque[int] = field(default_factory=lambda: deque(maxlen=SMOOTHING_CALLS))
+    version: str | None = None
+
+    def advise(
+        self,
+        target_groups: int,
+        running_target: int,
+        version: str,
+        carried: Sequence[Sequence[float]],
+        fresh_lengths: Sequence[int],
+        group_size: int,
+        max_staleness: int | None,
+    ) -> int | None:
+        """`groups_wanted` at the smoothed running target, bounded by `bound_per_quota`;
+        a push since the last advised call counts as pushes between calls."""
+        pushed = self.version is not None and self.version != version
+        self.version = version
+        self.targets.append(running_target)
+        smoothed = sorted(self.targets)[len(self.targets) // 2]
+        per_quota = bound_per_quota(max_staleness, pushed)
+        return groups_wanted(target_groups, smoothed, carried, fresh_lengths, group_size, per_quota)
 
 
 def _fresh_groups(lengths: Sequence[int], group_size: int) -> Iterator[list[float]]:

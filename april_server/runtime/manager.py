@@ -38,6 +38,7 @@ from april_server.rules.inflight import (
     StepStat,
     choose_running_target,
 )
+from april_server.rules.pool_size import PoolAdvisor
 from april_server.runtime.background import OWNER as BACKGROUND
 from april_server.runtime.background import Background
 from april_server.runtime.loop_lag import LoopLagMonitor
@@ -99,6 +100,7 @@ class RolloutManager:
         self.last_inflight: (
             tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None
         ) = None
+        self.pool_advisor = PoolAdvisor()  # `stats.groups_wanted` across calls (pool_size.py)
         self.loop_lag: LoopLagMonitor | None = None  # the server starts one (server.py)
         self.sweep: SnapshotSweep | None = None  # the server may start one (server.py)
         # Groups generating between calls: it gets what it works with, not the manager.

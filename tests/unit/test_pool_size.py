@@ -12,10 +12,17 @@ from hypothesis import strategies as st
 
 from april_client.protocol import RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls import wind_down
 from april_server.calls.rollout import rollout
+from april_server.rules import pool_size
 from april_server.rules.inflight import StepCurve, choose_running_target
-from april_server.rules.pool_size import MAX_WANTED_PER_QUOTA, bound_per_quota, groups_wanted
+from april_server.rules.pool_size import (
+    MAX_WANTED_PER_QUOTA,
+    PUSHED_PER_QUOTA,
+    SMOOTHING_CALLS,
+    PoolAdvisor,
+    bound_per_quota,
+    groups_wanted,
+)
 from april_server.runtime.manager import RolloutManager
 from tests.unit.test_inflight import SIZES, CurveEngine, staggered_groups
 
@@ -117,6 +124,32 @@ def test_max_staleness_bounds_how_many_quotas_are_held() -> None:
     assert groups_wanted(1, 8, [[9.0]] * 5, [5], 4, bound_per_quota(0)) == 5
 
 
+def test_a_push_between_calls_bounds_the_advice_at_slimes_two_quotas() -> None:
+    # A huge running target and lengths that barely end want the most the bound allows.
+    args = ([], [1, 5000], 4, None)
+    advisor = PoolAdvisor()
+    assert advisor.advise(2, 10_000, "v0", *args) == MAX_WANTED_PER_QUOTA * 2  # first call
+    assert advisor.advise(2, 10_000, "v0", *args) == MAX_WANTED_PER_QUOTA * 2  # no push
+    assert advisor.advise(2, 10_000, "v1", *args) == PUSHED_PER_QUOTA * 2  # a push since
+    assert advisor.advise(2, 10_000, "v1", *args) == MAX_WANTED_PER_QUOTA * 2  # none again
+    # max_staleness bounds it further, pushes or not.
+    assert bound_per_quota(0, pushed=True) == 1
+    assert bound_per_quota(5, pushed=True) == PUSHED_PER_QUOTA
+
+
+def test_the_advice_plays_at_the_median_of_the_recent_running_targets() -> None:
+    # Equal lengths: the advice is what fills the batch, so it shows the target played at.
+    advisor = PoolAdvisor()
+    wanted = [advisor.advise(4, t, "v0", [], [100], 4, None) for t in (32, 16, 64, 16, 32)]
+    # Medians of 32 | 32,16 | 32,16,64 | 32,16,64,16 | 32,16,64,16,32: one call's swing to 64
+    # or 16 moves the pool no further than the calls around it agree.
+    assert wanted == [8, 8, 8, 8, 8]
+    assert len(advisor.targets) == SMOOTHING_CALLS
+    for _ in range(SMOOTHING_CALLS // 2 + 1):  # a lasting change wins within a few calls
+        last = advisor.advise(4, 16, "v0", [], [100], 4, None)
+    assert last == 4
+
+
 def test_no_lengths_seen_is_no_advice() -> None:
     assert groups_wanted(4, 32, [], [], 4) is None
 
@@ -133,7 +166,7 @@ def test_a_call_reports_the_advice_from_its_curve_and_its_lengths(monkeypatch: A
         seen.append(args)
         return groups_wanted(*args)
 
-    monkeypatch.setattr(wind_down, "groups_wanted", recorded)
+    monkeypatch.setattr(pool_size, "groups_wanted", recorded)
 
     def run(points: dict[int, float], pinned: int | None = None) -> int | None:
         seen.clear()
