@@ -73,10 +73,26 @@ def json_response(obj: Any) -> Response:
     return Response(_enc.encode(obj), media_type="application/json")
 
 
+async def read_bounded(request: Request) -> bytes:
+    """The body, refused (413) as soon as it passes `MAX_BODY_BYTES`: a declared
+    Content-Length is checked before anything is read, and a chunked body is counted as it
+    arrives, so an oversize upload is never held whole in memory."""
+    too_large = ApiError(413, "body_too_large", f"the body exceeds {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def decode(request: Request, typ: type[T]) -> T:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise ApiError(413, "body_too_large", f"the body exceeds {MAX_BODY_BYTES} bytes")
+    body = await read_bounded(request)
     try:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as exc:

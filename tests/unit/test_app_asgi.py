@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from april_client.protocol import RejectReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.http import app as app_module
 from april_server.http.app import create_router
 from april_server.runtime.manager import RolloutManager
 from april_server.settings.config import AprilConfig
@@ -214,5 +215,46 @@ def test_limits_are_clear_4xx() -> None:
             r = await c.post(R + "/rollouts", json=wide)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_n"
             assert mgr.groups == {}
+
+    asyncio.run(go())
+
+
+def test_an_oversize_body_is_refused_before_it_is_read_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        app = FastAPI()
+        app.include_router(create_router(lambda: mgr))
+        async with await _client(app) as c:
+            big = {"groups": [group(f"g{i}", [1]) for i in range(40)]}  # > 1000 bytes
+            r = await c.post(R + "/rollouts", json=big)  # with a Content-Length
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+            async def chunked() -> Any:  # no Content-Length: counted as it arrives
+                for _ in range(20):
+                    yield b" " * 100
+
+            r = await c.post(R + "/rollouts", content=chunked())
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+            assert mgr.groups == {}
+
+        # The reader stops at the first chunk past the bound: the rest is never pulled.
+        pulled = 0
+
+        class Chunks:
+            headers: dict[str, str] = {}
+
+            async def stream(self) -> Any:
+                nonlocal pulled
+                for _ in range(1000):
+                    pulled += 1
+                    yield b"x" * 300
+
+        with pytest.raises(ApiError):
+            await app_module.read_bounded(Chunks())  # type: ignore[arg-type]
+        assert pulled == 4  # 4 x 300 > 1000
 
     asyncio.run(go())
