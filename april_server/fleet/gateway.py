@@ -29,11 +29,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from april_server.door.engine import preload_sampling_params
+from april_server.engine.base import EngineUnavailable
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
 from april_server.fleet.weight_group import FleetWeights
 from april_server.http.app import StreamThen, create_router, error_response, extend_app
 from april_server.http.server import ManagerHolder
+from april_server.rules.placement import Slot
 from april_server.runtime.manager import RolloutManager
 from april_server.runtime.snapshot_sweep import SWEEP_INTERVAL_S
 from april_server.settings.config import AprilConfig
@@ -169,7 +171,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
                 return await fn(request)  # type: ignore[no-any-return]
             except ApiError as exc:
                 return error_response(exc.status, exc.code, exc.message)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, EngineUnavailable) as exc:
                 return error_response(502, "engine_unreachable", str(exc))
 
         wrapper.__name__ = fn.__name__
@@ -249,9 +251,12 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             headers={**m.headers, "content-type": "application/json"},
             timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),
         )
+        # No read timeout: a generation may rightly run long. A hung engine (its connection
+        # open, no answer) ends the request instead once the owner's probes mark it down.
+        slot = Slot(m.name, 0)
         proxied[m.name] += 1
         try:
-            resp = await fleet.http.send(req, stream=True)
+            resp = await m.unless_down(fleet.http.send(req, stream=True), slot)
         except BaseException:
             proxied[m.name] -= 1
             raise
@@ -261,7 +266,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             await resp.aclose()
 
         return StreamThen(
-            resp.aiter_raw(),
+            m.stream_unless_down(resp.aiter_raw(), slot),
             done,
             status_code=resp.status_code,
             media_type=resp.headers.get("content-type"),

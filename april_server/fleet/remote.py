@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -44,6 +44,8 @@ from april_server.rules.inflight import EngineCapacity, StepStat
 from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.samples import SegmentResult
 from april_server.wire.errors import bad_request
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +197,7 @@ class RemoteEngine(SnapshotEngine):
             timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),  # a segment takes long
         )
         try:
-            resp = await self._unless_down(post, call.slot)
+            resp = await self.unless_down(post, call.slot)
         except EngineUnavailable:
             self._forget_segment(call)
             raise
@@ -210,11 +212,12 @@ class RemoteEngine(SnapshotEngine):
         out = segment_outcome.decode(resp.content)
         return replace(out, slot=Slot(self.name, out.slot.dp_rank))
 
-    async def _unless_down(self, request: Awaitable[httpx.Response], slot: Slot) -> httpx.Response:
+    async def unless_down(self, request: Awaitable[T], slot: Slot) -> T:
         """`request`'s answer, unless a probe marks this engine down first: one that hangs
         without resetting its connections (a lost host, a partition, a stopped process)
         would otherwise hold the caller for the request's whole timeout (a segment has none;
-        a weight push 30 min, with every engine's segments held meanwhile)."""
+        a weight push 30 min, with every engine's segments held meanwhile; a proxied
+        `/generate` none)."""
         work = asyncio.ensure_future(request)
         down = asyncio.ensure_future(self._down.wait())
         try:
@@ -226,6 +229,19 @@ class RemoteEngine(SnapshotEngine):
         if not work.done() or work.cancelled():
             raise EngineUnavailable(slot, self.why)
         return work.result()
+
+    async def stream_unless_down(
+        self, chunks: AsyncIterator[bytes], slot: Slot
+    ) -> AsyncIterator[bytes]:
+        """`chunks` as they come, ended by `EngineUnavailable` once a probe marks this engine
+        down: a stream that stalls with its connection open would hold its reader for good."""
+        it = aiter(chunks)
+        while True:
+            try:
+                chunk = await self.unless_down(anext(it), slot)
+            except StopAsyncIteration:
+                return
+            yield chunk
 
     def _forget_segment(self, call: SegmentCall) -> None:
         """A segment whose answer never came back runs again elsewhere: whatever snapshot of
@@ -389,7 +405,7 @@ class RemoteEngine(SnapshotEngine):
             headers=self.headers,
             timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=UPDATE_TIMEOUT_S),
         )
-        resp = await self._unless_down(post, Slot(self.name, 0))
+        resp = await self.unless_down(post, Slot(self.name, 0))
         out: dict[str, Any] = resp.json() if resp.content else {}
         if resp.status_code != 200 or out.get("success") is False:
             raise RuntimeError(f"HTTP {resp.status_code}: {out.get('message', resp.text[:300])}")

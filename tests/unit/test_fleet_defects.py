@@ -444,3 +444,51 @@ def test_a_hung_engine_does_not_hold_the_owners_flush_or_abort(monkeypatch: Any)
         await fleet.close()
 
     asyncio.run(go())
+
+
+# ---- a proxied /generate on an engine that hangs with its connection open ------------------
+
+
+class HangingGenerate(FakeServers):
+    """`/generate` on a:1 never answers (`stream: false`), or sends one chunk and then
+    nothing (`stream: true`), its connection open."""
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/generate":
+            if not json.loads(request.content).get("stream"):
+                await asyncio.Event().wait()
+
+            async def chunks() -> Any:
+                yield b'data: {"text": "a"}\n\n'
+                await asyncio.Event().wait()
+
+            return httpx.Response(200, content=chunks(), headers={"content-type": "text/plain"})
+        return await super().__call__(request)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_proxied_generate_ends_when_its_engine_is_marked_down(stream: bool) -> None:
+    async def go() -> None:
+        servers = HangingGenerate(["a:1", "b:1"])
+        async with owner_client(servers) as (fleet, app, c):
+            call = asyncio.ensure_future(
+                c.post("/generate", json={"input_ids": [1], "stream": stream})
+            )
+            while not app.state.proxied["a:1"]:  # the least loaded, first by name
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the request (and the stream's first chunk) under way
+            servers.gone.add("a:1")  # its probe is refused now: marked down at once
+            await fleet.probe_all()
+            assert fleet.members["a:1"].state == "down"
+            # Before: no read timeout, so the owner waited on a:1 for good.
+            try:
+                r = await asyncio.wait_for(call, 5.0)
+            except (EngineUnavailable, httpx.HTTPError):
+                assert stream  # the streamed answer broke off after its headers
+            else:
+                assert not stream and r.status_code == 502, r.text
+                assert r.json()["error"]["code"] == "engine_unreachable"
+            assert sum(app.state.proxied.values()) == 0
+        await fleet.close()
+
+    asyncio.run(go())
