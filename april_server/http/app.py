@@ -109,6 +109,13 @@ def check_limits(req: RolloutReq | GroupsReq, config: AprilConfig) -> None:
     for g in req.groups:
         if g.n > config.max_n:
             raise ApiError(400, "invalid_n", f"group {g.group_id!r}: n is at most {config.max_n}")
+    samples = sum(g.n for g in req.groups)
+    if samples > config.max_samples_per_call:
+        raise ApiError(
+            413,
+            "too_many_samples",
+            f"{samples} samples (the sum of n); at most {config.max_samples_per_call} per call",
+        )
 
 
 DEFAULT_PAGE = 1000

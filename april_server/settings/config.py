@@ -36,6 +36,9 @@ class AprilConfig:
     # Request limits: each violation is a clear 4xx, never work started.
     max_groups_per_call: int = 4096
     max_n: int = 1024
+    # Samples (the sum of n) in one call: each is an object held in memory and a row in the
+    # buffer, so 4096 groups x 1024 would be 4M from a body of a few MiB.
+    max_samples_per_call: int = 65536
 
     def __post_init__(self) -> None:
         if self.kv_host_bytes < 0:
@@ -46,6 +49,8 @@ class AprilConfig:
             raise ValueError("snapshot_sweep_s must be >= 0")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
+        if self.max_samples_per_call < 1:
+            raise ValueError("max_samples_per_call must be >= 1")
         if self.length_order not in LENGTH_ORDERS:
             raise ValueError(f"length_order must be one of {', '.join(LENGTH_ORDERS)}")
         if self.placement not in PLACEMENTS:

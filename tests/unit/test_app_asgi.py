@@ -205,7 +205,7 @@ def test_limits_are_clear_4xx() -> None:
     async def go() -> None:
         mgr = RolloutManager(FakeEngine(), BufferStore(None))
         app = FastAPI()
-        cfg = AprilConfig(max_groups_per_call=2, max_n=4)
+        cfg = AprilConfig(max_groups_per_call=2, max_n=4, max_samples_per_call=6)
         app.include_router(create_router(lambda: mgr, config=cfg))
         async with await _client(app) as c:
             many = {"groups": [group(f"g{i}", [1]) for i in range(3)]}
@@ -214,6 +214,12 @@ def test_limits_are_clear_4xx() -> None:
             wide = {"groups": [group("w", [1] * 5)]}
             r = await c.post(R + "/rollouts", json=wide)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_n"
+            # Each group within max_n, but 4 + 4 samples in all: more than 6.
+            heavy = {"groups": [group("h1", [1] * 4), group("h2", [1] * 4)]}
+            for path in ("/rollouts", "/groups"):
+                r = await c.post(R + path, json=heavy)
+                assert r.status_code == 413, r.text
+                assert r.json()["error"]["code"] == "too_many_samples"
             assert mgr.groups == {}
 
     asyncio.run(go())
