@@ -34,13 +34,19 @@ MAX_WANTED_PER_QUOTA = 4
 
 # With a weight push between calls, every carried group is re-prefilled under the new weights
 # and consumed a version staler: there the advice stays within slime's 2 x (what APRIL holds
-# anyway). Measured on the four reference configurations (a push after every step), 4 x lost
-# x0.84-0.93 to APRIL (docs/benchmarks.md).
+# anyway). Measured on the four reference configurations (a push after every step), 4 x at
+# every call lost x0.84-0.93 to APRIL on three of them (docs/benchmarks.md). "Pushes between
+# calls": the version changed between either of the last `PUSH_MEMORY` pairs of advised calls
+# (a trainer pushing every other step would otherwise be advised 4 x just before each push).
 PUSHED_PER_QUOTA = 2
-# The running target the advice plays at is the median of the last calls' targets: one call's
-# knee moves with the curve's noise (16 to 61 samples on our CPU, where the curve is nearly
-# flat past ~30), and the pool moved between 2 and 20 groups with it.
+PUSH_MEMORY = 2
+# The running target the advice plays at is the median of the last calls' targets for the
+# same call shape (quota x group size): one call's knee moves with the curve's noise (16 to 61
+# samples on our CPU, where the curve is nearly flat past ~30), and the pool moved between 2
+# and 20 groups with it. Keyed by shape so that interleaved callers (training and evaluation,
+# several trainers) do not smooth each other's targets.
 SMOOTHING_CALLS = 5
+MAX_SHAPES = 64  # call shapes remembered (beyond: forgotten and started afresh)
 
 
 def bound_per_quota(max_staleness: int | None, pushed: bool = False) -> int:
@@ -56,10 +62,12 @@ def bound_per_quota(max_staleness: int | None, pushed: bool = False) -> int:
 @dataclass
 class PoolAdvisor:
     """What the advice remembers across calls (one per server): the recent running targets
-    and the weight version the last advised call ended under."""
+    by call shape, the weight version the last advised call ended under, and whether it
+    changed between the last pairs of advised calls."""
 
-    targets: deque[int] = field(default_factory=lambda: deque(maxlen=SMOOTHING_CALLS))
+    targets: dict[tuple[int, int], deque[int]] = field(default_factory=dict)
     version: str | None = None
+    pushes: deque[bool] = field(default_factory=lambda: deque(maxlen=PUSH_MEMORY))
 
     def advise(
         self,
@@ -71,13 +79,19 @@ class PoolAdvisor:
         group_size: int,
         max_staleness: int | None,
     ) -> int | None:
-        """`groups_wanted` at the smoothed running target, bounded by `bound_per_quota`;
-        a push since the last advised call counts as pushes between calls."""
-        pushed = self.version is not None and self.version != version
+        """`groups_wanted` at the smoothed running target, bounded by `bound_per_quota`. The
+        server's first advice has nothing to compare its version with: no push is assumed
+        (what was measured: the pool it starts drains back to 2 x once pushes show)."""
+        if self.version is not None:
+            self.pushes.append(self.version != version)
         self.version = version
-        self.targets.append(running_target)
-        smoothed = sorted(self.targets)[len(self.targets) // 2]
-        per_quota = bound_per_quota(max_staleness, pushed)
+        shape = (target_groups, group_size)
+        if shape not in self.targets and len(self.targets) >= MAX_SHAPES:
+            self.targets.clear()
+        recent = self.targets.setdefault(shape, deque(maxlen=SMOOTHING_CALLS))
+        recent.append(running_target)
+        smoothed = sorted(recent)[len(recent) // 2]
+        per_quota = bound_per_quota(max_staleness, any(self.pushes))
         return groups_wanted(target_groups, smoothed, carried, fresh_lengths, group_size, per_quota)
 
 

@@ -17,6 +17,7 @@ from april_server.rules import pool_size
 from april_server.rules.inflight import StepCurve, choose_running_target
 from april_server.rules.pool_size import (
     MAX_WANTED_PER_QUOTA,
+    PUSH_MEMORY,
     PUSHED_PER_QUOTA,
     SMOOTHING_CALLS,
     PoolAdvisor,
@@ -128,10 +129,15 @@ def test_a_push_between_calls_bounds_the_advice_at_slimes_two_quotas() -> None:
     # A huge running target and lengths that barely end want the most the bound allows.
     args = ([], [1, 5000], 4, None)
     advisor = PoolAdvisor()
-    assert advisor.advise(2, 10_000, "v0", *args) == MAX_WANTED_PER_QUOTA * 2  # first call
-    assert advisor.advise(2, 10_000, "v0", *args) == MAX_WANTED_PER_QUOTA * 2  # no push
-    assert advisor.advise(2, 10_000, "v1", *args) == PUSHED_PER_QUOTA * 2  # a push since
-    assert advisor.advise(2, 10_000, "v1", *args) == MAX_WANTED_PER_QUOTA * 2  # none again
+    most, pushed = MAX_WANTED_PER_QUOTA * 2, PUSHED_PER_QUOTA * 2
+    assert advisor.advise(2, 10_000, "v0", *args) == most  # the first: nothing to compare
+    assert advisor.advise(2, 10_000, "v0", *args) == most  # no push since
+    assert advisor.advise(2, 10_000, "v1", *args) == pushed  # a push since
+    # Remembered for PUSH_MEMORY pairs of calls: a trainer pushing every other step is not
+    # advised 4 x just before its next push.
+    for _ in range(PUSH_MEMORY - 1):
+        assert advisor.advise(2, 10_000, "v1", *args) == pushed
+    assert advisor.advise(2, 10_000, "v1", *args) == most
     # max_staleness bounds it further, pushes or not.
     assert bound_per_quota(0, pushed=True) == 1
     assert bound_per_quota(5, pushed=True) == PUSHED_PER_QUOTA
@@ -144,7 +150,9 @@ def test_the_advice_plays_at_the_median_of_the_recent_running_targets() -> None:
     # Medians of 32 | 32,16 | 32,16,64 | 32,16,64,16 | 32,16,64,16,32: one call's swing to 64
     # or 16 moves the pool no further than the calls around it agree.
     assert wanted == [8, 8, 8, 8, 8]
-    assert len(advisor.targets) == SMOOTHING_CALLS
+    assert len(advisor.targets[(4, 4)]) == SMOOTHING_CALLS
+    # Another call shape between them keeps its own targets (its target of 8 is not mixed in).
+    assert advisor.advise(2, 8, "v0", [], [100], 4, None) == 2
     for _ in range(SMOOTHING_CALLS // 2 + 1):  # a lasting change wins within a few calls
         last = advisor.advise(4, 16, "v0", [], [100], 4, None)
     assert last == 4
