@@ -17,6 +17,7 @@ SGLang routes, as the owner answers them:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections import Counter
@@ -33,7 +34,13 @@ from april_server.engine.base import EngineUnavailable
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
 from april_server.fleet.weight_group import FleetWeights
-from april_server.http.app import StreamThen, create_router, error_response, extend_app
+from april_server.http.app import (
+    StreamThen,
+    create_router,
+    error_response,
+    extend_app,
+    read_bounded,
+)
 from april_server.http.server import ManagerHolder
 from april_server.rules.placement import Slot
 from april_server.runtime.manager import RolloutManager
@@ -186,8 +193,8 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
     @app.post("/update_weights_from_disk")
     @guarded
     async def update_weights(request: Request) -> Response:
-        body = await request.json()
-        if not isinstance(body, dict) or "model_path" not in body:
+        body = await json_body(request)
+        if "model_path" not in body:
             raise ApiError(
                 400, "invalid_request", "send {'model_path': ..., 'weight_version': ...}"
             )
@@ -217,7 +224,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:
-            body = await request.json()
+            body = json.loads(await read_bounded(request))
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -247,18 +254,23 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         req = fleet.http.build_request(
             "POST",
             m.url + "/generate",
-            content=await request.body(),
+            content=await read_bounded(request),
             headers={**m.headers, "content-type": "application/json"},
             timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None),
         )
         # No read timeout: a generation may rightly run long. A hung engine (its connection
-        # open, no answer) ends the request instead once the owner's probes mark it down.
+        # open, no answer) ends the request instead once the owner marks it down.
         slot = Slot(m.name, 0)
         proxied[m.name] += 1
+        sending = asyncio.ensure_future(fleet.http.send(req, stream=True))
         try:
-            resp = await m.unless_down(fleet.http.send(req, stream=True), slot)
+            resp = await m.unless_down(sending, slot)
         except BaseException:
             proxied[m.name] -= 1
+            if sending.done() and not sending.cancelled() and sending.exception() is None:
+                # Answered in the step its caller went away: nobody reads it, so close it
+                # (its connection, and the engine's generation, would otherwise stay open).
+                asyncio.ensure_future(sending.result().aclose())
             raise
 
         async def done() -> None:  # once, however the stream ends (#23: it failed part-way)
@@ -275,7 +287,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
     @app.post("/abort_request")
     @guarded
     async def abort_request(request: Request) -> Response:
-        return await each("/abort_request", await request.body())
+        return await each("/abort_request", await read_bounded(request))
 
     @app.post("/flush_cache")
     @guarded

@@ -12,6 +12,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import msgspec
@@ -83,11 +84,12 @@ async def read_bounded(request: Request) -> bytes:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
+    async with aclosing(request.stream()) as stream:
+        async for chunk in stream:
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
@@ -107,8 +109,10 @@ def check_limits(req: RolloutReq | GroupsReq, config: AprilConfig) -> None:
             413, "too_many_groups", f"at most {config.max_groups_per_call} groups per call"
         )
     for g in req.groups:
-        if g.n > config.max_n:
-            raise ApiError(400, "invalid_n", f"group {g.group_id!r}: n is at most {config.max_n}")
+        # n >= 1 here, not only where the group is built: the sum below must not be lowered
+        # by a negative n after thousands of groups have been built.
+        if not 1 <= g.n <= config.max_n:
+            raise ApiError(400, "invalid_n", f"group {g.group_id!r}: n lies in [1, {config.max_n}]")
     samples = sum(g.n for g in req.groups)
     if samples > config.max_samples_per_call:
         raise ApiError(

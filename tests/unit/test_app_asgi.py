@@ -214,6 +214,10 @@ def test_limits_are_clear_4xx() -> None:
             wide = {"groups": [group("w", [1] * 5)]}
             r = await c.post(R + "/rollouts", json=wide)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_n"
+            # A negative n cannot lower the sum below (nor reach a group build): a 400 first.
+            sneaky = {"groups": [group("h1", [1] * 4), {**group("h2", [1]), "n": -100}]}
+            r = await c.post(R + "/rollouts", json=sneaky)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_n"
             # Each group within max_n, but 4 + 4 samples in all: more than 6.
             heavy = {"groups": [group("h1", [1] * 4), group("h2", [1] * 4)]}
             for path in ("/rollouts", "/groups"):
@@ -262,5 +266,13 @@ def test_an_oversize_body_is_refused_before_it_is_read_whole(
         with pytest.raises(ApiError):
             await app_module.read_bounded(Chunks())  # type: ignore[arg-type]
         assert pulled == 4  # 4 x 300 > 1000
+
+        # A declared Content-Length over the bound is refused before anything is pulled.
+        pulled = 0
+        declared = Chunks()
+        declared.headers = {"content-length": "1001"}
+        with pytest.raises(ApiError):
+            await app_module.read_bounded(declared)  # type: ignore[arg-type]
+        assert pulled == 0
 
     asyncio.run(go())

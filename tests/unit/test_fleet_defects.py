@@ -492,3 +492,68 @@ def test_a_proxied_generate_ends_when_its_engine_is_marked_down(stream: bool) ->
         await fleet.close()
 
     asyncio.run(go())
+
+
+def test_the_owners_own_routes_refuse_bad_and_oversize_bodies(monkeypatch: Any) -> None:
+    from april_server.http import app as app_module
+
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
+
+    async def go() -> None:
+        servers = FakeServers(["a:1", "b:1"])
+        async with owner_client(servers) as (fleet, app, c):
+            # Before: the JSON decode error escaped the route (a 500).
+            r = await c.post("/update_weights_from_disk", content=b"{not json")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+            big = {"input_ids": [1] * 1000}
+            for path in ("/generate", "/abort_request", "/update_weights_from_disk"):
+                r = await c.post(path, json=big)
+                assert r.status_code == 413, (path, r.text)
+                assert r.json()["error"]["code"] == "body_too_large"
+            assert servers.updates == [] and sum(app.state.proxied.values()) == 0
+        await fleet.close()
+
+    asyncio.run(go())
+
+
+class ClosedStream(httpx.AsyncByteStream):
+    """A /generate answer that records being closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b"{}"
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_a_generate_answered_as_its_caller_left_is_closed(monkeypatch: Any) -> None:
+    from april_server.fleet.remote import RemoteEngine
+
+    answer = ClosedStream()
+
+    class Answering(FakeServers):
+        async def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/generate":
+                return httpx.Response(200, stream=answer)
+            return await super().__call__(request)
+
+    async def answered_then_cancelled(self: RemoteEngine, work: Any, slot: Any) -> Any:
+        await work  # the engine's answer is in, and in the same step the caller goes away
+        raise asyncio.CancelledError
+
+    async def go() -> None:
+        async with owner_client(Answering(["a:1", "b:1"])) as (fleet, app, c):
+            monkeypatch.setattr(RemoteEngine, "unless_down", answered_then_cancelled)
+            # The route ends cancelled (the owner's key middleware reports no response).
+            with pytest.raises((asyncio.CancelledError, RuntimeError)):
+                await c.post("/generate", json={"input_ids": [1]})
+            for _ in range(10):  # the close runs on its own
+                await asyncio.sleep(0)
+            assert answer.closed  # before: left open, its connection with it
+            assert sum(app.state.proxied.values()) == 0
+        await fleet.close()
+
+    asyncio.run(go())
