@@ -175,9 +175,11 @@ class RolloutManager:
 
     def forget_lengths(self) -> int:
         """`DELETE /april/v1/lengths`: forget every prompt's length history (here and in the
-        store); returns how many prompts it held."""
+        store) and what the pool advice remembers (it plays from those lengths: the next
+        advice starts afresh); returns how many prompts it held."""
         n = self.segments.lengths.forget()
         self.store.save_lengths([], forget=True)
+        self.pool_advisor = PoolAdvisor()
         return n
 
     async def admission_ready(self) -> Admission:
