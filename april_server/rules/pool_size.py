@@ -37,7 +37,10 @@ MAX_WANTED_PER_QUOTA = 4
 # anyway). Measured on the four reference configurations (a push after every step), 4 x at
 # every call lost x0.84-0.93 to APRIL on three of them (docs/benchmarks.md). "Pushes between
 # calls": the version changed between either of the last `PUSH_MEMORY` pairs of advised calls
-# (a trainer pushing every other step would otherwise be advised 4 x just before each push).
+# (a trainer pushing every other step would otherwise be advised 4 x just before each push),
+# or no pair seen yet: a first advice of 4 x under pushes after every step (the common RL
+# case) gave x0.97-1.01 APRIL's throughput in one sweep and x1.00-1.21 in another (noise), and
+# every time more staleness (20-39 % of tokens 2+ versions old vs 10-22 %).
 PUSHED_PER_QUOTA = 2
 PUSH_MEMORY = 2
 # The running target the advice plays at is the median of the last calls' targets for the
@@ -80,8 +83,8 @@ class PoolAdvisor:
         max_staleness: int | None,
     ) -> int | None:
         """`groups_wanted` at the smoothed running target, bounded by `bound_per_quota`. The
-        server's first advice has nothing to compare its version with: no push is assumed
-        (what was measured: the pool it starts drains back to 2 x once pushes show)."""
+        first advice has nothing to compare its version with: it is bounded as under pushes
+        (the cadence unknown), and 4 x waits for a pair of calls with no push between."""
         if self.version is not None:
             self.pushes.append(self.version != version)
         self.version = version
@@ -91,7 +94,8 @@ class PoolAdvisor:
         recent = self.targets.setdefault(shape, deque(maxlen=SMOOTHING_CALLS))
         recent.append(running_target)
         smoothed = sorted(recent)[len(recent) // 2]
-        per_quota = bound_per_quota(max_staleness, any(self.pushes))
+        pushed = not self.pushes or any(self.pushes)
+        per_quota = bound_per_quota(max_staleness, pushed)
         return groups_wanted(target_groups, smoothed, carried, fresh_lengths, group_size, per_quota)
 
 
