@@ -12,7 +12,7 @@ import httpx
 
 from . import _routes as routes
 from . import _weight_routes as weights
-from ._base import DEFAULT_TIMEOUT, UNHEALTHY, GroupArg, _ClientBase
+from ._base import DEFAULT_TIMEOUT, LIMITS, UNHEALTHY, GroupArg, _ClientBase
 from ._errors import AprilError
 from ._routes import Call
 from ._stream import AsyncRolloutStream
@@ -54,6 +54,7 @@ class AsyncAprilClient(_ClientBase):
             base_url=self.base_url,
             headers=self._headers,
             timeout=self._timeout(timeout),
+            limits=LIMITS,
             transport=transport,
         )
 

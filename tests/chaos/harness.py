@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from april_client._base import LIMITS
 from april_client.bench.launcher import LaunchedServer, start_all
 from tests.chaos.ledger import ChaosLedger
 
@@ -116,7 +117,8 @@ class Client:
     def __init__(self, k: int, target: Target, led: ChaosLedger, seed: int) -> None:
         self.k, self.target, self.led = k, target, led
         self.rng = random.Random(seed * 1000 + k)
-        self.http = httpx.AsyncClient(base_url=target.url, timeout=READ_TIMEOUT_S)
+        # Idle connections expire before the server's keep-alive closes them (april_client's).
+        self.http = httpx.AsyncClient(base_url=target.url, timeout=READ_TIMEOUT_S, limits=LIMITS)
         self.pending: dict[str, dict[str, Any]] = {}  # request_id -> body of an abandoned call
         self.late: list[tuple[str, int]] = []  # (sample id, turn) to answer after its call
         self.n = 0
