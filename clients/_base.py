@@ -19,10 +19,8 @@ from .protocol import GroupSpec
 DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=3600.0, write=60.0, pool=60.0)
 # The server (SGLang's uvicorn) closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE, 5 s by
 # default, and httpx keeps one for 5 s too: a request sent down a connection the server is
-# closing at that moment fails with a ReadError (seen in `make chaos`). Ours expire first
-# (the owner's engine client too: april_server/fleet/remote.py).
-KEEPALIVE_EXPIRY_S = 2.0
-LIMITS = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+# closing at that moment fails with a ReadError (seen in `make chaos`). Ours expire first.
+LIMITS = httpx.Limits(keepalive_expiry=2.0)
 
 GroupArg = Sequence[GroupSpec | Mapping[str, Any]]
 UNHEALTHY = (ServerError, TransportError)  # starting (503) or not listening: not an error

@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from april_client._base import KEEPALIVE_EXPIRY_S
 from april_server.engine.base import (
     EngineUnavailable,
     SegmentCall,
@@ -66,8 +65,8 @@ MakeClient = Callable[[], httpx.AsyncClient]
 # An engine server (SGLang's uvicorn) closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE,
 # 5 s by default, and httpx keeps one for 5 s too: a segment sent down a connection the engine
 # is closing at that moment fails with a ReadError, and the engine was marked down for it (owner
-# chaos: 65-400 ms outages under load, each re-running its segments elsewhere). Ours expire
-# first, as april_client's do (`KEEPALIVE_EXPIRY_S`, one value for both).
+# chaos: 65-400 ms outages under load, each re-running its segments elsewhere). Ours expire first.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 def new_client() -> httpx.AsyncClient:
