@@ -264,13 +264,15 @@ class PartialBuffer:
 
     # ---- integrity (tests): O(buffer) ----------------------------------------------------------
 
-    def check(self, quiescent: bool, in_place: str | None = None) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent. `quiescent`: no call is
-        running, so the store must hold exactly the idle groups, as summarized. `in_place`:
-        the owner whose groups stay in the index while held (the background)."""
+    def check(self, in_place: str | None = None) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent; valid at any moment between
+        two callbacks. `in_place`: the owner whose groups stay in the index while held (the
+        background). The store holds every idle group that nobody holds, as summarized (a
+        held group's row may be mid-commit), and no row of a group that is neither idle nor
+        held."""
         arrived = {gid for gid, h in self.holders.items() if h.arrived.is_set()}
         assert set(self.claimed) == arrived, (sorted(self.claimed), sorted(arrived))
-        listed = {e.group_id for e in self.idle.oldest()}
+        listed = {e.group_id: e for e in self.idle.oldest()}
         for gid, h in self.holders.items():
             assert h.in_place == (gid in listed), (gid, h.owner, h.in_place)
             assert not h.in_place or h.owner == in_place, (gid, h.owner)
@@ -278,12 +280,14 @@ class PartialBuffer:
         assert sum(len(v) for v in self._owned.values()) == len(self.holders)
         for owner, gids in self._owned.items():
             assert all(self.holders[g].owner == owner for g in gids), owner
-        if quiescent:
-            stored = self.store.load_all()
-            idle = {e.group_id: e for e in self.idle.oldest()}
-            assert [g.group_id for g in stored] == list(idle), "store and index differ"
-            for g in stored:
-                assert summarize(g, idle[g.group_id].seq) == idle[g.group_id], g.group_id
+        stored = {g.group_id: g for g in self.store.load_all()}
+        for gid, e in listed.items():
+            if gid in self.holders:
+                continue
+            assert gid in stored, f"idle group {gid} has no stored row"
+            assert summarize(stored[gid], e.seq) == e, f"idle group {gid}: store and index differ"
+        stray = set(stored) - set(listed) - set(self.holders)
+        assert not stray, f"stored rows of groups nobody holds and not idle: {sorted(stray)}"
 
     def load_idle(self) -> list[Group]:
         """Every idle group's body, oldest first: O(buffer), for tests only."""

@@ -247,6 +247,18 @@ class Background:
         else:  # the round checks whether a hand-over in place left it a fill to do
             self._changed.set()
 
+    def check(self) -> None:
+        """Its views against the holder map (`RolloutManager.check_integrity`)."""
+        buf = self.buffer
+        held = buf.held_by(OWNER)
+        assert set(self._left) <= held, f"running {sorted(set(self._left) - held)} not held"
+        assert set(self._ends.values()) <= set(self._left), "a segment of a group not running"
+        for gid in self.wanted:
+            assert buf.known(gid), f"the background wants {gid}, which the server does not hold"
+        for r in self.segments.running.values():
+            if r.owner == OWNER:
+                assert r.sample.group_id in held, f"{r.sample.sample_id} runs, group not held"
+
     # ---- one round: hold, run, hand back ----------------------------------------------------
 
     async def _stop(self) -> None:

@@ -223,7 +223,10 @@ class RolloutManager:
     # ---- integrity ---------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if an invariant of the module docstring is broken."""
+        """Raise AssertionError if an invariant is broken. Valid at any moment between two
+        callbacks (the simulator checks it there, `tests/sim`): the holder map is the one
+        word on who holds a group, and every other view of it agrees with it."""
+        buf = self.buffer
         for gid, g in self.groups.items():
             assert all(s.group_id == gid for s in g.samples), gid
             assert [s.index for s in g.samples] == list(range(len(g.samples))), gid
@@ -234,8 +237,18 @@ class RolloutManager:
                 assert covered == len(s.output_ids), s.sample_id
         for sid, r in self.running.items():
             assert r.sample.sample_id == sid
-            assert r.sample.group_id in self.groups, sid  # only claimed groups generate
-        self.buffer.check(quiescent=not self.calls and not self.running, in_place=BACKGROUND)
+            gid = r.sample.group_id
+            assert gid in self.groups, sid  # only claimed groups generate
+            assert buf.owner_of(gid) == r.owner, f"{sid} runs for {r.owner}, held by {buf.owner_of(gid)}"
+            assert self.groups[gid].samples[r.sample.index] is r.sample, f"{sid}: another body"
+        for batch_id, call in self.calls.items():
+            held = buf.held_by(batch_id)
+            listed = set(call.group_ids)
+            assert held <= listed, f"{batch_id} holds {sorted(held - listed)} it does not list"
+            if not call.stopped:  # a call that ended may have handed groups on (wind_down.py)
+                assert listed == held, f"{batch_id} lists {sorted(listed - held)} it does not hold"
+        self.background.check()
+        buf.check(in_place=BACKGROUND)
 
     async def stats(self) -> dict[str, Any]:
         idle = self.buffer.idle

@@ -1,0 +1,61 @@
+"""Run seeds of the simulator: `run_seed(seed)` returns None or what failed, with the trace."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import traceback
+from dataclasses import dataclass
+
+from tests.sim import loop as sim_loop
+from tests.sim.store import simulated_store
+from tests.sim.world import World
+
+ROUNDS = 4
+MAX_VIRTUAL_S = 600.0
+
+
+@dataclass
+class Failure:
+    seed: int
+    check: str  # the first failing check
+    trace: list[str]  # what the clients did up to it
+    detail: str  # the traceback
+
+    def replay(self) -> str:
+        return f"PYTHONHASHSEED=0 python -m tests.sim --seed {self.seed} --verbose"
+
+
+def run_seed(seed: int, rounds: int = ROUNDS) -> Failure | None:
+    rng = random.Random(seed)
+    world: World | None = None
+
+    async def main() -> None:
+        nonlocal world
+        world = World(seed, rng)
+        loop = sim_loop.asyncio.get_running_loop()
+        loop.after_step = world.after_step  # type: ignore[attr-defined]
+        try:
+            await world.main(rounds)
+        finally:
+            loop.after_step = None  # type: ignore[attr-defined]
+            world.store.close()
+
+    logging.disable(logging.CRITICAL)  # the server logs injected failures as errors
+    try:
+        with simulated_store(random.Random(rng.random())):
+            sim_loop.run(seed, main, MAX_VIRTUAL_S)
+    except BaseException as exc:  # noqa: BLE001 - every failure is a finding
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        trace = world.trace if world is not None else []
+        check = f"{type(exc).__name__}: {exc}"
+        return Failure(seed, check, trace, traceback.format_exc())
+    finally:
+        logging.disable(logging.NOTSET)
+    return None
+
+
+def hash_seed_fixed() -> bool:
+    return os.environ.get("PYTHONHASHSEED") == "0"
