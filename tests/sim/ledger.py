@@ -43,6 +43,13 @@ class Ledger:
     answers: dict[str, list[list[int]]] = field(default_factory=dict)  # sample -> answers taken
     bodies: list[Group] = field(default_factory=list)  # delivered bodies
     answered: dict[str, str] = field(default_factory=dict)  # request_id -> batch it answered
+    # A `continue` call whose client went away hands groups to the background with its own
+    # bound, unseen: bounds are then checked at the loosest one it may have set.
+    unseen_bound: int | None = -1
+
+    def loosen(self, bound: int | None) -> None:
+        if self.unseen_bound is not None:
+            self.unseen_bound = None if bound is None else max(self.unseen_bound, bound)
 
     def create(self, gid: str, by: str) -> None:
         earlier = self.created.get(gid)
@@ -55,11 +62,13 @@ class Ledger:
             gid = g.group_id
             self.delivered[gid] = self.delivered.get(gid, 0) + 1
             require(self.delivered[gid] == 1, f"group {gid} delivered twice")
+            bound = self.bounds.get(gid)
+            if bound is not None and self.unseen_bound != -1:
+                bound = None if self.unseen_bound is None else max(bound, self.unseen_bound)
             self.leave(gid)
             self.bodies.append(g)
             for s in g.samples:
                 require(s.status in ("completed", "truncated"), f"{s.sample_id} {s.status}")
-                bound = self.bounds.get(gid)
                 if bound is not None and s.segments:
                     lag = start_version - int(s.segments[0].weight_version)
                     require(

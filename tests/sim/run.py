@@ -9,7 +9,8 @@ import traceback
 from dataclasses import dataclass
 
 from tests.sim import loop as sim_loop
-from tests.sim.store import simulated_store
+from april_server.wire.errors import ApiError
+from tests.sim.store import errors_recorded, simulated_store
 from tests.sim.world import World
 
 ROUNDS = 4
@@ -42,9 +43,17 @@ def run_seed(seed: int, rounds: int = ROUNDS) -> Failure | None:
             loop.after_step = None  # type: ignore[attr-defined]
             world.store.close()
 
+    def error_state(exc: ApiError) -> None:  # who held what as the error was raised
+        if world is not None:
+            buf = world.mgr.buffer
+            exc.sim_state = (  # type: ignore[attr-defined]
+                {g: h.owner for g, h in buf.holders.items()},
+                {e.group_id for e in buf.idle.oldest()},
+            )
+
     logging.disable(logging.CRITICAL)  # the server logs injected failures as errors
     try:
-        with simulated_store(random.Random(rng.random())):
+        with simulated_store(random.Random(rng.random())), errors_recorded(error_state):
             sim_loop.run(seed, main, MAX_VIRTUAL_S)
     except BaseException as exc:  # noqa: BLE001 - every failure is a finding
         if isinstance(exc, KeyboardInterrupt):

@@ -22,6 +22,7 @@ from typing import Any
 
 from april_server.buffer import store as store_module
 from april_server.buffer.store import MAX_BATCHED_COMMITS, _open, _Op, _run_read, _run_writes
+from april_server.wire.errors import ApiError
 
 
 class SimDb:
@@ -112,3 +113,20 @@ def simulated_store(rng: random.Random) -> Iterator[None]:
     finally:
         store_module._DbThread = saved_thread  # type: ignore[misc]
         store_module.BufferStore._blocking = saved_blocking  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def errors_recorded(record: Callable[[ApiError], None]) -> Iterator[None]:
+    """Every `ApiError` made while this holds is passed to `record` as it is made (the raise
+    is where the state that allowed it can be seen)."""
+    saved = ApiError.__init__
+
+    def init(self: ApiError, *args: Any, **kw: Any) -> None:
+        saved(self, *args, **kw)
+        record(self)
+
+    ApiError.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ApiError.__init__ = saved  # type: ignore[method-assign]

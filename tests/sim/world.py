@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+
+import msgspec
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,12 +26,14 @@ from april_client.protocol import (
     InputReq,
     ResumeReq,
     RolloutReq,
+    RolloutResp,
     SampleAwaitingEvent,
     StreamEvent,
     TurnsSpec,
 )
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
+from april_server.rules.idempotency import is_attempt
 from april_server.operations.abort import abort
 from april_server.operations.delete import delete
 from april_server.operations.groups import add_groups
@@ -59,6 +63,8 @@ class World:
         self.batches: list[str] = []  # batch ids of calls that answered
         self.pending: list[tuple[str, int]] = []  # awaiting members nobody answered
         self.late: list[asyncio.Task[None]] = []
+        self.abandoned: list[tuple[RolloutReq, list[str], int]] = []
+        self.first_start: dict[str, int] = {}  # request_id -> version its first attempt began
         self.trace: list[str] = []  # what each client did, in order: printed on a failure
         self.check_p = 0.02  # chance of an integrity check between two callbacks
 
@@ -100,21 +106,23 @@ class World:
     # ---- the error codes a state allows ------------------------------------------------------
 
     def allowed(self, op: str, exc: ApiError, groups: list[str]) -> None:
-        """`exc` came back for `op` on `groups`: is it what the state now allows?"""
-        buf, code = self.mgr.buffer, exc.code
+        """`exc` came back for `op` on `groups`: is it what the state allowed when it was
+        raised (`error_state`: who held what at that moment)?"""
+        code = exc.code
+        holders, idle = getattr(exc, "sim_state", ({}, set()))
         if exc.status == 404:
-            live = [g for g in groups if buf.known(g)]
-            require(not live, f"{op}: 404 ({exc}) while the server holds {live}")
+            live = [g for g in groups if g in holders or g in idle]
+            require(not live, f"{op}: 404 ({exc}) while the server held {live}")
             return
         if code == "group_exists":
-            require(any(buf.known(g) for g in groups), f"{op}: {exc} but none is known")
+            require(any(g in holders or g in idle for g in groups), f"{op}: {exc}, none known")
             return
         if code in ("group_busy", "sample_busy"):
             require(op in ("delete", "answer", "resume"), f"{op} got {code}: {exc}")
-            held = [g for g in groups if buf.owner_of(g) is not None]
-            require(bool(held), f"{op}: {exc} while none of {groups} is held")
+            held = [g for g in groups if g in holders]
+            require(bool(held), f"{op}: {exc} while none of {groups} was held")
             return
-        if code == "not_awaiting":
+        if code in ("not_awaiting", "invalid_budget", "context_overflow"):
             require(op == "answer", f"{op} got {code}")
             return
         if code in ("sample_finished", "awaiting_input", "no_snapshot"):
@@ -149,13 +157,19 @@ class World:
         if how == "plain":
             await self.call(req, gids)
             return
-        # Abandoned (the client goes away); a retry sends the same request_id again.
-        if how == "retry" and req.request_id is None:
+        # Abandoned (the client goes away); a retry sends the same request_id again. It may
+        # have delivered as it went away: the drain reads what (`settle_abandoned`).
+        if req.request_id is None:
             req.request_id = self.fresh("r")
+        self.abandoned.append((req, gids, self.first_start.get(req.request_id, self.version())))
+        if req.on_quota == "continue":  # it may hand groups to the background unseen
+            self.ledger.loosen(req.max_staleness)
         task = asyncio.ensure_future(self.call(req, gids, abandoned=True))
         await asyncio.sleep(rng.uniform(0, 0.05))
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        if isinstance(outcome, Exception):  # a failed check, not the cancellation
+            raise outcome
         if how == "retry":
             await asyncio.sleep(rng.uniform(0, 0.02))
             if rng.random() < 0.3:
@@ -168,7 +182,11 @@ class World:
         label = f"call {req.request_id or ''} {gids} target {req.target_groups} {req.on_quota}"
         self.note(f"{label} {'(retry)' if retry else ''} starts")
         events: asyncio.Queue[StreamEvent | None] | None = asyncio.Queue() if req.stream else None
-        start_version = self.version()
+        # The version the delivering attempt started under (a retry may be answered with the
+        # response of the first attempt of its request_id).
+        start_version = self.first_start.setdefault(req.request_id or "", self.version())
+        if req.request_id is None:
+            start_version = self.version()
         reader = None
         if events is not None:
             reader = asyncio.ensure_future(self.read_events(events))
@@ -188,6 +206,12 @@ class World:
                 events.put_nowait(None)
                 await reader
         self.note(f"{label}: {resp.batch_id} delivered {[g.group_id for g in resp.groups]}")
+        self.answered(req, gids, resp, start_version, label)
+        self.check()
+
+    def answered(
+        self, req: RolloutReq, gids: list[str], resp: RolloutResp, start_version: int, label: str
+    ) -> None:
         self.batches.append(resp.batch_id)
         led = self.ledger
         if req.request_id is not None:  # a retry answered with the stored response
@@ -209,7 +233,19 @@ class World:
                 led.handed_by[gid] = resp.batch_id
                 if req.max_staleness is not None:
                     led.bounds[gid] = req.max_staleness
-        self.check()
+
+    async def settle_abandoned(self) -> None:
+        """What abandoned calls delivered as their client went away (their stored response)."""
+        abandoned, self.abandoned = self.abandoned, []
+        for req, gids, start_version in abandoned:
+            rid = req.request_id or ""
+            if rid in self.ledger.answered:
+                continue
+            stored = await self.mgr.store.load_call(rid)
+            if stored is not None and not is_attempt(stored):
+                resp = msgspec.json.decode(stored, type=RolloutResp)
+                self.note(f"abandoned {rid} had delivered {[g.group_id for g in resp.groups]}")
+                self.answered(req, gids, resp, start_version, f"abandoned {rid}")
 
     def retry_target_allowed(self, req: RolloutReq, gids: list[str]) -> None:
         """A retry with `resume_first: false` runs again on its own groups: 400 only when
@@ -315,13 +351,14 @@ class World:
         async def by_call() -> None:
             req = RolloutReq(groups=[self.spec(gid, False)], target_groups=1, on_quota="tokens",
                              max_inflight_groups=1)
+            start_version = self.version()
             try:
                 resp = await rollout(self.mgr, req)
             except ApiError as exc:
                 self.allowed("call", exc, [gid])
                 return
             ok.append("call")
-            self.ledger.deliver(resp.groups, self.version())
+            self.ledger.deliver(resp.groups, start_version)
             for g in resp.dropped_group_ids:
                 self.ledger.dropped.add(g)
 
@@ -352,6 +389,9 @@ class World:
     async def aborted(self, req: AbortReq, named: set[str]) -> None:
         led, keep = self.ledger, req.keep
         label = f"abort all={req.all} batch={req.batch_id} named={sorted(named)} keep={keep}"
+        self.note(f"{label} starts")
+        if req.batch_id is not None:  # what the server says that batch left in the background
+            named |= self.mgr.background.handed_in_by(req.batch_id)
         try:
             await abort(self.mgr, req)
         except ApiError as exc:
@@ -361,8 +401,6 @@ class World:
         # Right as it returns: nothing it named generates, no call still counts on it, and the
         # background no longer wants it.
         mgr = self.mgr
-        if req.batch_id is not None:
-            named |= {g for g, b in led.handed_by.items() if b == req.batch_id}
         for gid in named if not req.all else set(mgr.background.wanted) | named:
             holder = mgr.buffer.owner_of(gid)
             call = mgr.calls.get(holder or "")
@@ -453,6 +491,7 @@ class World:
             await asyncio.gather(*(self.client(n, rng.uniform(0, 0.05)) for n in burst))
             while self.late:
                 await self.late.pop()
+            await self.settle_abandoned()
             self.quiet_check()
         await self.drain()
 
@@ -476,6 +515,7 @@ class World:
         for sid, turn in self.pending:
             await self.answer(sid, turn)
         self.pending.clear()
+        await self.settle_abandoned()
         await abort(self.mgr, AbortReq(all=True, keep="tokens"))
         self.ledger.background.clear()
         for _ in range(100):
