@@ -39,6 +39,7 @@ class Holder:
     in_place: bool = False  # still listed in the index while held (the background's)
     # Clear while the group's body is being read from the store: set once it is in memory.
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # set when it lets go
 
 
 class PartialBuffer:
@@ -99,7 +100,11 @@ class PartialBuffer:
     # ---- claiming: `take*` decide and record at once, `arrive` reads the bodies ---------------
 
     def adopt(self, groups: list[Group], owner: str) -> None:
-        """New groups of a call: claimed by it from the start, stored once persisted."""
+        """New groups of a call: claimed by it from the start, stored once persisted. All or
+        none: 409 `group_exists` if the server knows one already (never an overwrite)."""
+        for g in groups:
+            if self.known(g.group_id):
+                raise conflict("group_exists", f"group {g.group_id!r} is already known")
         for g in groups:
             self._hold(g.group_id, owner).arrived.set()
             self.claimed[g.group_id] = g
@@ -223,6 +228,7 @@ class PartialBuffer:
         mine.discard(gid)
         if not mine:
             del self._owned[h.owner]
+        h.released.set()
         return h
 
     def release(self, owner: str) -> None:

@@ -153,13 +153,20 @@ class RolloutCall(Refill, WindDown):
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
         fresh = await new_groups(mgr, req.groups, self.handed_in, req.turns)
+        await self._settle_own_groups()
+        # From here to the claims below nothing awaits: what is decided is what is taken.
         for g in fresh:  # the validation yielded: another call may have sent the same id
             if mgr.buffer.known(g.group_id):
                 raise conflict("group_exists", f"group {g.group_id!r} is already known")
-        # A retry takes back what its earlier attempt left idle in the buffer; those another
-        # call holds or already delivered are not this call's to run again.
-        again = [s.group_id for s in req.groups if s.group_id in self.handed_in]
-        again = [gid for gid in again if gid in mgr.buffer.idle]
+        # A retry takes back what its earlier attempt left in the buffer; those another call
+        # holds or already delivered are not this call's to run again.
+        again = [
+            s.group_id
+            for s in req.groups
+            if s.group_id in self.handed_in
+            and s.group_id in mgr.buffer.idle
+            and mgr.buffer.owner_of(s.group_id) is None
+        ]
         # Groups waiting only for answers are not available: nothing of them can run.
         buffered = mgr.buffer.idle.claimable if req.resume_first else len(again)
         available = buffered + len(fresh)
@@ -170,22 +177,39 @@ class RolloutCall(Refill, WindDown):
                 f"({len(fresh)} sent, {buffered} buffered and idle)",
             )
         mgr.calls[self.batch_id] = self
-        if any(mgr.buffer.owner_of(gid) == BACKGROUND for gid in again):
-            await mgr.background.give_way()  # a retry's own groups: buffered again first
-        if again:  # claimed whole now, started before anything else
-            entries = mgr.buffer.take(again, self.batch_id, busy_code="group_busy")
-            taken = await self._arrive(entries)
-            self.ready.extend(g.group_id for g in taken)
-            await mgr.background.restart_stale(taken, self.tally)
         # Sent groups are this call's from now on; buffered ones are claimed as it needs them
         # (`_next_group`), so the rest stay available to other calls.
         mgr.buffer.adopt(fresh, self.batch_id)
         self.group_ids.extend(g.group_id for g in fresh)
+        entries = mgr.buffer.take(again, self.batch_id, busy_code="group_busy")
         # New groups start in the call's length order (predicted longest first: the tail
         # begins early and short ones fill the batch; docs/api.md, Length prediction).
         lengths = mgr.segments.lengths
         order = lengths.order(fresh, req.length_order or lengths.default_order)
         self.fresh = deque(g.group_id for g in order)
+        if again:  # claimed whole now, started before anything else
+            taken = await self._arrive(entries)
+            self.ready.extend(g.group_id for g in taken)
+            await mgr.background.restart_stale(taken, self.tally)
+
+    async def _settle_own_groups(self) -> None:
+        """Before a retry decides which of its own groups it runs again: wait out an
+        operation that holds one now (an answer being made durable, a resume, a delete), and
+        have the background give back those it runs; groups another call holds are left to
+        it. Their holders are read from the map again after every wait."""
+        mgr, buf = self.mgr, self.mgr.buffer
+        own = [s.group_id for s in self.req.groups if s.group_id in self.handed_in]
+        gave_way = False
+        while own:
+            holders = [h for gid in own if (h := buf.holders.get(gid)) is not None]
+            busy = [h for h in holders if h.owner not in mgr.calls and h.owner != BACKGROUND]
+            if busy:
+                await busy[0].released.wait()
+            elif not gave_way and any(h.owner == BACKGROUND for h in holders):
+                await mgr.background.give_way()  # buffered again first
+                gave_way = True
+            else:
+                return
 
     def reject(self, body: RejectReq) -> None:
         if self.stopped:

@@ -39,9 +39,9 @@ class CallState:
         self.discarded: list[Group] = []
         self.tasks: dict[asyncio.Task[None], str] = {}  # segment tasks not yet collected
         self.active: dict[str, int] = {}  # group id -> its segment tasks not yet collected
-        # Agent rollouts (turns_in_call.py): (sample id, turns ended) already announced as
+        # Agent rollouts (turns_in_call.py): (sample id, turns ended, when) already announced as
         # awaiting input; groups an abort named, whose answers the call no longer waits for.
-        self.announced: set[tuple[str, int]] = set()
+        self.announced: set[tuple[str, int, float]] = set()
         self.given_up: set[str] = set()
         self.closed = asyncio.Event()  # set once the call has handed its groups back
 

@@ -30,9 +30,15 @@ class TurnsInCall(CallState):
         if not self.takes_answers:
             return
         for s in self.mgr.groups[gid].samples:
-            if not T.awaiting(s) or (s.sample_id, len(s.turns)) in self.announced:
+            if not T.awaiting(s):
                 continue
-            self.announced.add((s.sample_id, len(s.turns)))
+            # A member reset since (dropped, restarted for staleness) reaches "the same" turn
+            # again: the turn's end time tells them apart, or the call would wait for good for
+            # an answer to a turn it never announced.
+            key = (s.sample_id, len(s.turns), s.turns[-1].ended_at)
+            if key in self.announced:
+                continue
+            self.announced.add(key)
             if self.events is not None:
                 t = s.turns[-1]  # a turn is short: decoding it here costs little
                 text = self.mgr.engine.detokenize(s.output_ids[t.start : t.end])

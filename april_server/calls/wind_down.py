@@ -167,7 +167,7 @@ class WindDown(TurnsInCall):
         # Dropped groups and returned ones leave the server: so do their KV snapshots.
         self.discarded = [mgr.groups[g] for g in dropped + returned]
         await mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
-        mgr.background.forget(returned + dropped)  # they left the server
+        mgr.background.forget(returned + dropped, gone=True)  # they left the server
         if req.on_quota == "continue":  # they go on generating once this call has ended
             # Not those an abort named meanwhile (it landed during the persist): it ended
             # their background life before it answered.

@@ -554,9 +554,13 @@ class SegmentRunner:
     async def forget(self, sample: Sample) -> None:
         """Free the sample's snapshot, wherever it lives."""
         slot = K.held_at(sample)
-        if slot is not None and self.snap is not None:
-            await self.snap.drop_snapshot(sample.sample_id, slot)
         K.clear(sample)
+        await self.drop(sample.sample_id, slot)
+
+    async def drop(self, sample_id: str, slot: Slot | None) -> None:
+        """Free a snapshot the sample's figures no longer point at (held on `slot`)."""
+        if slot is not None and self.snap is not None:
+            await self.snap.drop_snapshot(sample_id, slot)
 
     async def refresh(self, samples: Sequence[Sample]) -> None:
         """Clear the figures of snapshots the store has evicted since."""

@@ -11,7 +11,6 @@ from april_server.runtime.manager import RolloutManager, run_to_end
 
 async def delete(mgr: RolloutManager, group_id: str) -> DeleteResp:
     async with mgr.background.paused():
-        mgr.background.forget([group_id], gone=True)
         return await run_to_end(_delete(mgr, group_id))
 
 
@@ -21,6 +20,8 @@ async def _delete(mgr: RolloutManager, group_id: str) -> DeleteResp:
         await mgr.buffer.resolve(group_id)  # a claim in flight: wait it out, then 409
         (group,) = await mgr.buffer.claim([group_id], owner, busy_code="group_busy")
         await mgr.persist([], [group_id])
+        # Only now is it gone: a delete refused (409, 404) leaves the background's view alone.
+        mgr.background.forget([group_id], gone=True)
     finally:
         mgr.release(owner)
     for s in group.samples:

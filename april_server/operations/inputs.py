@@ -124,6 +124,7 @@ async def _answer_taken(
         await mgr.persist([group], [])  # durable before the route answers
     finally:
         mgr.release(owner)
+        mgr.background.kick()  # a group it wants, passed over while held here
     return InputResp(sample=sample, batch_id=None)
 
 

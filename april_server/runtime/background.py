@@ -45,12 +45,13 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from april_client.protocol import Group
+from april_client.protocol import Group, Sample
 from april_server.buffer.buffer_index import open_footprint
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import BACKGROUND, CallTally, Running
 from april_server.rules import samples as S
+from april_server.rules import snapshots as K
 from april_server.rules.inflight import kv_need
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class Background:
         self.handed_by: dict[str, str] = {}  # group id -> the call that handed it in
         # group id -> the max_staleness it was put here with, until a call claims it (5.)
         self.bounds: dict[str, int | None] = {}
+        # group id -> (max_staleness, handed_by) of groups that finished here: a staleness
+        # restart at a call's claim reopens them (5.), and they are wanted here again.
+        self.resting: dict[str, tuple[int | None, str]] = {}
         self.tally = CallTally()
         self._holds = 0  # calls and other operations that have paused the background
         self.pauses = 0  # pauses that found background segments running, and their time
@@ -98,37 +102,41 @@ class Background:
         if group_ids is None:
             self.wanted.clear()
             self.handed_by.clear()
+            self.resting.clear()
         for gid in group_ids or ():
             self.wanted.pop(gid, None)
             self.handed_by.pop(gid, None)
+            self.resting.pop(gid, None)
             if gone:
                 self.bounds.pop(gid, None)
 
     async def restart_stale(self, groups: Iterable[Group], tally: CallTally) -> None:
-        """A call claims these buffered groups (see the module docstring, 5). A restarted
-        member's snapshot is of no use any more: freed, or it would stay held on its engine."""
+        """A call claims these buffered groups (see the module docstring, 5). Decided and
+        recorded before the first `await`, in the step the call's claim landed in: an answer
+        waiting for the group must not start a member before its bound was applied. A
+        restarted member's snapshot is of no use any more: freed after, or it would stay held
+        on its engine. A group that had finished here and was reopened by a restart is wanted
+        here again."""
         if not self.bounds:
             return
-        current = self.segments.versions.now()
+        current, history = self.segments.versions.now(), self.segments.versions.history
+        useless = []
         for g in groups:
-            bound = self.bounds.pop(g.group_id, None)
+            bound = self.bounds.get(g.group_id)
             if bound is None:  # not put here, or put here without a bound
                 continue
             for s in g.samples:
-                if (
-                    s.sample_id in self.segments.running
-                ):  # taken over generating: judged at every cut
+                if s.sample_id in self.segments.running:  # taken over: judged at every cut
                     continue
-                if (
-                    s.segments
-                    and S.version_lag(
-                        s.segments[0].weight_version, current, self.segments.versions.history
-                    )
-                    > bound
-                ):
-                    await self.segments.forget(s)
+                if s.segments and S.version_lag(s.segments[0].weight_version, current, history) > bound:
+                    useless.append((s.sample_id, K.held_at(s)))
                     S.restart_for_staleness(s)
                     self.segments.count_restart(s, tally)
+                    rested = self.resting.pop(g.group_id, None)
+                    if rested is not None:
+                        self.wanted[g.group_id], self.handed_by[g.group_id] = rested
+        for sample_id, slot in useless:
+            await self.segments.drop(sample_id, slot)
 
     @asynccontextmanager
     async def yielding(self) -> AsyncIterator[None]:
@@ -157,12 +165,19 @@ class Background:
         refused = []
         for gid, runs in going.items():
             pending = [r for r in runs if not r.task.done()]
-            if gid not in self.wanted or not pending or any(r.stopping for r in pending):
+            if (
+                gid not in self.wanted
+                or not pending
+                or any(r.stopping for r in pending)
+                or any(self._past_bound(r.sample, self.wanted[gid]) for r in pending)
+            ):
+                # A member already past the bound it would run under here: stopped and
+                # buffered, its continuation here restarts it (5.).
                 refused.append(gid)
                 continue
             self.buffer.pass_in_place(gid, OWNER)
-            for r in pending:
-                r.owner, r.tally = OWNER, self.tally
+            for r in pending:  # planned from now on under the background's bound (5.)
+                r.owner, r.tally, r.max_staleness = OWNER, self.tally, self.wanted[gid]
                 self._ends[r.task] = gid
             self._left[gid] = len(pending)
         if len(refused) < len(going):
@@ -171,6 +186,13 @@ class Background:
             if self._task is None:  # it fills once the call has ended (`kick`)
                 self._task = asyncio.get_running_loop().create_task(self._round())
         return refused
+
+    def _past_bound(self, sample: Sample, bound: int | None) -> bool:
+        if bound is None or not sample.segments:
+            return False
+        versions = self.segments.versions
+        lag = S.version_lag(sample.segments[0].weight_version, versions.now(), versions.history)
+        return bool(lag > bound)
 
     def hand_over(self, owner: str, take: Callable[[Group, int], bool]) -> list[Group]:
         """Running groups pass to the call `owner`, oldest first, while `take(group, running
@@ -199,7 +221,6 @@ class Background:
             for t in [t for t, g in self._ends.items() if g == gid]:
                 del self._ends[t]
             del self._left[gid]
-            self.forget([gid])
             taken.append(group)
         if taken:
             self._changed.set()
@@ -318,8 +339,10 @@ class Background:
     async def _fill(self) -> list[str]:
         """Hold the wanted groups in place and start what fits; returns those that did not."""
         waiting: list[str] = []
-        for gid in [g for g in self.wanted if g not in self.buffer.idle]:
+        for gid in [g for g in self.wanted if not self.buffer.known(g)]:
             self.forget([gid], gone=True)  # delivered, deleted or dropped meanwhile
+        # Those someone else holds now (an answer being made durable) are left to a later
+        # round: `take_in_place` passes them over, and their holder kicks when it lets go.
         groups = await self.buffer.hold_in_place(list(self.wanted), OWNER)
         ends, left = self._ends, self._left
         touched: list[str] = []  # looked at by `start_group`, nothing started
@@ -359,6 +382,8 @@ class Background:
             return
         await self.buffer.persist([self.buffer.claimed[g] for g in held], [])
         for gid in held:
-            if S.group_finished(self.buffer.claimed[gid]):
+            if S.group_finished(self.buffer.claimed[gid]) and gid in self.wanted:
+                rest = (self.wanted[gid], self.handed_by.get(gid, ""))
                 self.forget([gid])
+                self.resting[gid] = rest
         self.buffer.release_in_place(OWNER, held)
