@@ -15,7 +15,7 @@ background counts on a named group.
 
 from __future__ import annotations
 
-from april_client.protocol import AbortReq, AbortResp
+from april_client.protocol import AbortReq, AbortResp, Group, Sample
 from april_server.engine.segment_state import BACKGROUND, Running
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import not_found
@@ -27,6 +27,11 @@ async def abort(mgr: RolloutManager, req: AbortReq) -> AbortResp:
     if req.batch_id is not None:
         if req.batch_id not in mgr.calls and req.batch_id not in mgr.finished_batches:
             raise not_found(f"unknown batch_id {req.batch_id!r}")
+    # What it names must exist (404), checked before anything changes.
+    for gid in req.group_ids or []:
+        if not mgr.buffer.known(gid):
+            raise not_found(f"unknown group_id {gid!r}")
+    await mgr.read_samples(req.sample_ids or [])
     named = _groups_of(mgr, req)
     # Background samples stop like any (with a snapshot when they are paused, the keep asked
     # for when they are aborted) and are no longer wanted there.
@@ -36,10 +41,10 @@ async def abort(mgr: RolloutManager, req: AbortReq) -> AbortResp:
     scope.update(r.sample.sample_id for r in runs)
     await mgr.stop_running(runs, req.keep)
     async with mgr.background.paused():
-        groups = await mgr.buffer.read(list(dict.fromkeys(req.group_ids or [])))
+        groups = await mgr.buffer.read_bodies(list(dict.fromkeys(req.group_ids or [])))
         for g in groups.values():
             scope.update(s.sample_id for s in g.samples)
-        scope.update(await mgr.read_samples(req.sample_ids or []))
+        scope.update(req.sample_ids or [])
         while True:
             _give_up(mgr, req, named)
             runs = _in_scope(mgr, req, named, scope)
@@ -47,11 +52,11 @@ async def abort(mgr: RolloutManager, req: AbortReq) -> AbortResp:
                 scope.update(r.sample.sample_id for r in runs)
                 await mgr.stop_running(runs, req.keep)
                 continue
-            known = [sid for sid in sorted(scope) if mgr.buffer.known(_group(sid))]
-            now = await mgr.read_samples(known)
+            bodies = await mgr.buffer.read_bodies(sorted({_group(sid) for sid in scope}))
             _give_up(mgr, req, named)
             if not _in_scope(mgr, req, named, scope):  # nothing started during the read
-                return AbortResp(samples=[now[sid] for sid in known if sid in now])
+                # Groups that left meanwhile (delivered, deleted) are not reported.
+                return AbortResp(samples=_members(bodies, sorted(scope)))
 
 
 def _groups_of(mgr: RolloutManager, req: AbortReq) -> set[str]:
@@ -60,6 +65,16 @@ def _groups_of(mgr: RolloutManager, req: AbortReq) -> set[str]:
     if req.batch_id is not None:
         named |= mgr.background.handed_in_by(req.batch_id)
     return named
+
+
+def _members(bodies: dict[str, Group], sample_ids: list[str]) -> list[Sample]:
+    out = []
+    for sid in sample_ids:
+        parts = split_sample_id(sid)
+        g = bodies.get(parts[0]) if parts is not None else None
+        if parts is not None and g is not None and parts[1] < len(g.samples):
+            out.append(g.samples[parts[1]])
+    return out
 
 
 def _group(sample_id: str) -> str:

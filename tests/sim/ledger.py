@@ -77,6 +77,13 @@ class Ledger:
                         f"bound {bound} (call started at version {start_version})",
                     )
 
+    def bound(self, gid: str, max_staleness: int | None) -> None:
+        """The group was handed to the background with this bound (the latest counts)."""
+        if max_staleness is None:
+            self.bounds.pop(gid, None)
+        else:
+            self.bounds[gid] = max_staleness
+
     def leave(self, gid: str) -> None:
         self.background.discard(gid)
         self.bounds.pop(gid, None)

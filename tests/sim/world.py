@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import msgspec
 from collections.abc import Awaitable, Callable
@@ -110,8 +111,10 @@ class World:
         raised (`error_state`: who held what at that moment)?"""
         code = exc.code
         holders, idle = getattr(exc, "sim_state", ({}, set()))
-        if exc.status == 404:
-            live = [g for g in groups if g in holders or g in idle]
+        if exc.status == 404:  # judged for the group it names
+            named = re.findall(r"'([^']+)'", exc.message)[:1]
+            ids = [n.split("/")[0] for n in named] or groups
+            live = [g for g in ids if g in holders or g in idle]
             require(not live, f"{op}: 404 ({exc}) while the server held {live}")
             return
         if code == "group_exists":
@@ -219,8 +222,10 @@ class World:
             if earlier != resp.batch_id or resp.batch_id in self.batches[:-1]:
                 require(earlier == resp.batch_id, f"{label}: two answers for one request_id")
                 return
-        for gid in gids:
-            if gid not in led.created or gid in resp.buffered_group_ids:
+        named = {g.group_id for g in resp.groups} | set(resp.buffered_group_ids)
+        named |= set(resp.dropped_group_ids)
+        for gid in gids:  # a stored response speaks for the groups of the attempt it answered
+            if gid in named:
                 led.create(gid, req.request_id or resp.batch_id)
         led.deliver(resp.groups, start_version)
         for gid in resp.dropped_group_ids:
@@ -231,8 +236,7 @@ class World:
             if req.on_quota == "continue" and bg.handed_by.get(gid) == resp.batch_id:
                 led.background.add(gid)
                 led.handed_by[gid] = resp.batch_id
-                if req.max_staleness is not None:
-                    led.bounds[gid] = req.max_staleness
+                led.bound(gid, req.max_staleness)
 
     async def settle_abandoned(self) -> None:
         """What abandoned calls delivered as their client went away (their stored response)."""
@@ -332,8 +336,7 @@ class World:
                 if req.start == "background" and attempt == 0:
                     self.ledger.background.add(gid)
                     self.ledger.handed_by.pop(gid, None)
-                    if req.max_staleness is not None:
-                        self.ledger.bounds[gid] = req.max_staleness
+                    self.ledger.bound(gid, req.max_staleness)
             self.check()
 
     async def op_same_id(self) -> None:
@@ -369,6 +372,43 @@ class World:
         for who in ok:
             self.ledger.created[gid] = who
             self.ledger.acked.add(gid)
+
+    async def op_retry_grows(self) -> None:
+        """A retry that sends one more group than its first attempt, while another request
+        sends that group's id: the id has one creator, whichever adopts it first."""
+        rng = self.rng
+        gids = [self.fresh("g") for _ in range(rng.randint(1, 2))]
+        extra = self.fresh("x")
+        req = RolloutReq(groups=[self.spec(g, False) for g in gids], target_groups=1,
+                         on_quota="tokens", request_id=self.fresh("r"), max_inflight_groups=1)
+        self.abandoned.append((req, gids, self.version()))
+        first = asyncio.ensure_future(self.call(req, gids, abandoned=True))
+        await asyncio.sleep(rng.uniform(0, 0.03))
+        first.cancel()
+        (outcome,) = await asyncio.gather(first, return_exceptions=True)
+        if isinstance(outcome, Exception):
+            raise outcome
+        grown = RolloutReq(groups=[*req.groups, self.spec(extra, False)], target_groups=1,
+                           on_quota="tokens", request_id=req.request_id, max_inflight_groups=1)
+        ok: list[str] = []
+
+        async def rival() -> None:
+            await asyncio.sleep(rng.uniform(0, 0.006))
+            try:
+                await add_groups(self.mgr, GroupsReq(groups=[self.spec(extra, False)], start="idle"))
+            except ApiError as exc:
+                self.allowed("groups", exc, [extra])
+                return
+            ok.append("groups")
+            self.ledger.create(extra, "rival")
+
+        async def retry() -> None:
+            await self.call(grown, [*gids, extra], retry=True)
+            if self.ledger.created.get(extra) not in (None, "rival"):
+                ok.append("retry")
+
+        await asyncio.gather(rival(), retry())
+        self.note(f"retry grown by {extra}: created by {ok}")
 
     async def op_abort(self) -> None:
         rng, led = self.rng, self.ledger
@@ -468,7 +508,7 @@ class World:
     OPS: list[tuple[str, float]] = [
         ("op_call", 5), ("op_groups", 2), ("op_answer", 2), ("op_abort", 1.5),
         ("op_delete", 1), ("op_resume", 1), ("op_push", 1.5), ("op_same_id", 0.3),
-        ("op_engine_errors", 0.3),
+        ("op_engine_errors", 0.3), ("op_retry_grows", 0.5),
     ]
 
     async def client(self, name: str, at: float) -> None:
