@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-weights bench-fleet bench-placement gpu-check gpu-check-dry soak chaos
+.PHONY: simulate demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-weights bench-fleet bench-placement gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -62,6 +62,9 @@ bench-placement:  ## tail placement on an owner over two SmolLM2 engines (same c
 
 bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engine servers on the same cores (~5 min)
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --json-out out/fleet.jsonl
+
+simulate:  ## the core's deterministic simulator (tests/sim): SEEDS seeds (default 10000) from START (0), seeds/s shown; a failure prints the command that replays it
+	@V=$(VENV) && PYTHONHASHSEED=0 $$V/bin/python -m tests.sim --seeds $${SEEDS:-10000} --start $${START:-0}
 
 soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py -k quick

@@ -281,15 +281,22 @@ class SegmentRunner:
             # A weight update cut this segment at the version boundary: what the old weights
             # made is kept as its own segment, and the sample goes on under the new weights
             # (unless it is being stopped meanwhile: then it ends like any interrupted one).
-            await self._until_updated(run)
-            if run.stopping:
-                break
-            self._record(sample, out, cont, run.tally)
-            await self._settle(sample, out, True, False, False, run.restore_planned)
-            if S.is_finished(sample) or T.awaiting(sample):  # the cut landed on its last token
-                ended = None
-                break
-            cont, call, restore = self._continue_after_cut(run, need)
+            # Until its continuation is planned it is judged by no one yet: nobody may take
+            # it over meanwhile (`Background.hand_over`), or it would be judged by the taker's
+            # rule instead of the one it was cut under.
+            run.resuming = True
+            try:
+                await self._until_updated(run)
+                if run.stopping:
+                    break
+                self._record(sample, out, cont, run.tally)
+                await self._settle(sample, out, True, False, False, run.restore_planned)
+                if S.is_finished(sample) or T.awaiting(sample):  # the cut hit its last token
+                    ended = None
+                    break
+                cont, call, restore = self._continue_after_cut(run, need)
+            finally:
+                run.resuming = False
         if run.unplanned_drop is not None and self.snap is not None:
             # Never planned (stopped, or nothing healthy): free the restart's useless snapshot.
             try:

@@ -30,6 +30,7 @@ class Running:
     # A snapshot a staleness restart made useless, not yet handed to a plan to free.
     unplanned_drop: Slot | None = None
     cut: bool = False  # aborted at a weight update's version boundary, to continue after it
+    resuming: bool = False  # cut, its continuation not planned yet
     # Its segment was planned to restore the snapshot: whatever the restore achieved, the
     # snapshot is still held where it was and is freed unless kept as the new one.
     restore_planned: bool = False

@@ -95,7 +95,9 @@ def _give_up(mgr: RolloutManager, req: AbortReq, named: set[str]) -> None:
     mgr.background.forget(None if req.all else named)
 
 
-def _in_scope(mgr: RolloutManager, req: AbortReq, named: set[str], scope: set[str]) -> list[Running]:
+def _in_scope(
+    mgr: RolloutManager, req: AbortReq, named: set[str], scope: set[str]
+) -> list[Running]:
     """Step 2: what of its scope generates now."""
     return [
         r

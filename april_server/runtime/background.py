@@ -128,7 +128,10 @@ class Background:
             for s in g.samples:
                 if s.sample_id in self.segments.running:  # taken over: judged at every cut
                     continue
-                if s.segments and S.version_lag(s.segments[0].weight_version, current, history) > bound:
+                if (
+                    s.segments
+                    and S.version_lag(s.segments[0].weight_version, current, history) > bound
+                ):
                     useless.append((s.sample_id, K.held_at(s)))
                     S.restart_for_staleness(s)
                     self.segments.count_restart(s, tally)
@@ -211,7 +214,10 @@ class Background:
         for _, gid in running:
             group = self.buffer.claimed[gid]
             runs = [r for r in self.segments.running.values() if r.sample.group_id == gid]
-            if any(r.stopping for r in runs):  # an abort is stopping it: not the call's
+            # An abort is stopping it, or a push cut it and its continuation is not planned
+            # yet under the background's bound (the cut may not even have landed): not the
+            # call's.
+            if any(r.stopping or r.cut or r.resuming for r in runs):
                 continue
             if not take(group, len(runs)):
                 break

@@ -239,7 +239,9 @@ class RolloutManager:
             assert r.sample.sample_id == sid
             gid = r.sample.group_id
             assert gid in self.groups, sid  # only claimed groups generate
-            assert buf.owner_of(gid) == r.owner, f"{sid} runs for {r.owner}, held by {buf.owner_of(gid)}"
+            assert buf.owner_of(gid) == r.owner, (
+                f"{sid} runs for {r.owner}, held by {buf.owner_of(gid)}"
+            )
             assert self.groups[gid].samples[r.sample.index] is r.sample, f"{sid}: another body"
         for batch_id, call in self.calls.items():
             held = buf.held_by(batch_id)

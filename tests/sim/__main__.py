@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from tests.sim.mutants import MUTANTS, mutant
 from tests.sim.run import hash_seed_fixed, run_seed
 
 
@@ -19,6 +20,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="run just this seed")
     ap.add_argument("--verbose", action="store_true", help="print the trace and traceback")
     ap.add_argument("--keep-going", action="store_true", help="count every failing seed")
+    ap.add_argument("--mutant", choices=sorted(MUTANTS), help="put a known bug back (mutants.py)")
     args = ap.parse_args()
     if not hash_seed_fixed():
         os.environ["PYTHONHASHSEED"] = "0"
@@ -29,7 +31,8 @@ def main() -> int:
     done = 0
     last = t0
     for seed in seeds:
-        failure = run_seed(seed)
+        with mutant(args.mutant):
+            failure = run_seed(seed)
         done += 1
         if failure is not None:
             failed.append(failure)
@@ -38,7 +41,8 @@ def main() -> int:
                 if args.verbose:
                     print("\n".join(failure.trace[-60:]))
                     print(failure.detail)
-                print(f"replay: {failure.replay()}", flush=True)
+                extra = f" --mutant {args.mutant}" if args.mutant else ""
+                print(f"replay: {failure.replay()}{extra}", flush=True)
             if not args.keep_going:
                 break
         now = time.perf_counter()

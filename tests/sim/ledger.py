@@ -40,7 +40,8 @@ class Ledger:
     bounds: dict[str, int] = field(default_factory=dict)  # background max_staleness per group
     handed_by: dict[str, str] = field(default_factory=dict)  # group -> the batch that handed it
     background: set[str] = field(default_factory=set)  # groups the background should want
-    answers: dict[str, list[list[int]]] = field(default_factory=dict)  # sample -> answers taken
+    # sample -> answers posted (ids, whether the server said it took it), in order
+    answers: dict[str, list[tuple[list[int], bool]]] = field(default_factory=dict)
     bodies: list[Group] = field(default_factory=list)  # delivered bodies
     answered: dict[str, str] = field(default_factory=dict)  # request_id -> batch it answered
     # A `continue` call whose client went away hands groups to the background with its own
@@ -103,10 +104,20 @@ class Ledger:
         if s.status == "completed" and s.turn_rule is None:
             require(s.output_ids[-1:] == [EOS], f"{s.sample_id} completed without EOS")
         # A drop or a staleness restart forgets a member's answers with its output: what it
-        # holds are the last answers taken, in order, none twice.
+        # holds are the last answers taken, in order, none twice (one whose client went away
+        # may or may not have been taken).
         took = self.answers.get(s.sample_id, [])
         held = [a.ids for a in s.appended]
-        require(
-            took[len(took) - len(held) :] == held if held else True,
-            f"{s.sample_id} holds answers {held}, server took {took}",
-        )
+        require(_ends_with(took, held), f"{s.sample_id} holds answers {held}, server took {took}")
+
+
+def _ends_with(took: list[tuple[list[int], bool]], held: list[list[int]]) -> bool:
+    """Whether `held` is what the tail of `took` leaves, skipping uncertain answers."""
+    i = len(took) - 1
+    for ids in reversed(held):
+        while i >= 0 and not took[i][1] and took[i][0] != ids:
+            i -= 1
+        if i < 0 or took[i][0] != ids:
+            return False
+        i -= 1
+    return True

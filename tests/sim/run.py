@@ -8,8 +8,8 @@ import random
 import traceback
 from dataclasses import dataclass
 
-from tests.sim import loop as sim_loop
 from april_server.wire.errors import ApiError
+from tests.sim import loop as sim_loop
 from tests.sim.store import errors_recorded, simulated_store
 from tests.sim.world import World
 
@@ -28,7 +28,8 @@ class Failure:
         return f"PYTHONHASHSEED=0 python -m tests.sim --seed {self.seed} --verbose"
 
 
-def run_seed(seed: int, rounds: int = ROUNDS) -> Failure | None:
+def run_seed(seed: int, rounds: int = ROUNDS, trace_out: list[str] | None = None) -> Failure | None:
+    """One seed; None when every check passed. `trace_out` receives the clients' trace."""
     rng = random.Random(seed)
     world: World | None = None
 
@@ -42,6 +43,8 @@ def run_seed(seed: int, rounds: int = ROUNDS) -> Failure | None:
         finally:
             loop.after_step = None  # type: ignore[attr-defined]
             world.store.close()
+            if trace_out is not None:
+                trace_out.extend(world.trace)
 
     def error_state(exc: ApiError) -> None:  # who held what as the error was raised
         if world is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from april_server.buffer import store as store_module
-from april_server.buffer.store import MAX_BATCHED_COMMITS, _open, _Op, _run_read, _run_writes
+from april_server.buffer.store import MAX_BATCHED_COMMITS, _Op, _open, _run_read, _run_writes
 from april_server.wire.errors import ApiError
 
 
@@ -78,10 +78,7 @@ class SimDb:
             return
         batch = [self._ops.popleft()]
         while (
-            batch[0].write
-            and self._ops
-            and self._ops[0].write
-            and len(batch) < MAX_BATCHED_COMMITS
+            batch[0].write and self._ops and self._ops[0].write and len(batch) < MAX_BATCHED_COMMITS
         ):
             batch.append(self._ops.popleft())
         if batch[0].write and self.fail_writes:

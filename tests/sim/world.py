@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-
-import msgspec
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import msgspec
 
 from april_client.protocol import (
     AbortReq,
@@ -34,7 +34,6 @@ from april_client.protocol import (
 )
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
-from april_server.rules.idempotency import is_attempt
 from april_server.operations.abort import abort
 from april_server.operations.delete import delete
 from april_server.operations.groups import add_groups
@@ -42,6 +41,7 @@ from april_server.operations.inputs import post_input
 from april_server.operations.resume import resume
 from april_server.rules import samples as S
 from april_server.rules import turns as T
+from april_server.rules.idempotency import is_attempt
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.sim.engine import SimEngine
@@ -89,12 +89,17 @@ class World:
             params["ignore_eos"] = True
         turns = TurnsSpec(stop_token_ids=STOPS, max_turns=3) if agent else None
         n = self.rng.randint(1, 3)
-        return GroupSpec(gid, input_ids=[7, self.rng.randint(3, 60)], n=n, sampling_params=params,
-                         turns=turns)
+        return GroupSpec(
+            gid, input_ids=[7, self.rng.randint(3, 60)], n=n, sampling_params=params, turns=turns
+        )
 
     def known_groups(self) -> list[str]:
-        return sorted(self.ledger.acked - set(self.ledger.delivered) - self.ledger.deleted
-                      - self.ledger.dropped)
+        return sorted(
+            self.ledger.acked
+            - set(self.ledger.delivered)
+            - self.ledger.deleted
+            - self.ledger.dropped
+        )
 
     def check(self) -> None:
         self.mgr.check_integrity()
@@ -140,7 +145,7 @@ class World:
 
     async def op_call(self) -> None:
         rng = self.rng
-        agent = rng.random() < 0.3
+        agent = rng.random() < 0.4
         gids = [self.fresh("g") for _ in range(rng.randint(1, 3))]
         specs = [self.spec(g, agent) for g in gids]
         buffered = self.mgr.buffer.idle.claimable
@@ -255,10 +260,7 @@ class World:
         """A retry with `resume_first: false` runs again on its own groups: 400 only when
         some of them left or another call holds them (not an answer, not the background)."""
         buf = self.mgr.buffer
-        usable = [
-            g for g in gids
-            if buf.known(g) and not (buf.owner_of(g) or "").startswith("b-")
-        ]
+        usable = [g for g in gids if buf.known(g) and not (buf.owner_of(g) or "").startswith("b-")]
         require(
             len(usable) < req.target_groups,
             f"retry: invalid_target though its groups {usable} are all available",
@@ -294,8 +296,12 @@ class World:
             self.note(f"answer {sid} turn {turn}: {exc.code}")
             self.allowed("answer", exc, [gid])
             return
+        except asyncio.CancelledError:  # its client went away: taken or not, it cannot know
+            self.note(f"answer {sid} turn {turn}: abandoned")
+            self.ledger.answers.setdefault(sid, []).append((ids, False))
+            raise
         self.note(f"answer {sid} turn {turn}: taken")
-        self.ledger.answers.setdefault(sid, []).append(ids)
+        self.ledger.answers.setdefault(sid, []).append((ids, True))
         if twice:
             try:
                 await post_input(self.mgr, sid, InputReq(append_ids=ids, turn=turn))
@@ -307,13 +313,16 @@ class World:
                 raise AssertionError(f"{sid} took a second answer for turn {turn}")
 
     async def op_answer(self) -> None:
-        if self.pending:
+        """Answers that were held back, now, often while a call claims their group."""
+        tasks = []
+        while self.pending and (not tasks or self.rng.random() < 0.5):
             sid, turn = self.pending.pop(self.rng.randrange(len(self.pending)))
-            await self.answer(sid, turn)
+            tasks.append(self.answer(sid, turn, delay=self.rng.random() < 0.5))
+        await asyncio.gather(*tasks)
 
     async def op_groups(self) -> None:
         rng = self.rng
-        agent = rng.random() < 0.2
+        agent = rng.random() < 0.35
         gids = [self.fresh("p") for _ in range(rng.randint(1, 3))]
         req = GroupsReq(
             groups=[self.spec(g, agent) for g in gids],
@@ -352,8 +361,12 @@ class World:
                 self.allowed("groups", exc, [gid])
 
         async def by_call() -> None:
-            req = RolloutReq(groups=[self.spec(gid, False)], target_groups=1, on_quota="tokens",
-                             max_inflight_groups=1)
+            req = RolloutReq(
+                groups=[self.spec(gid, False)],
+                target_groups=1,
+                on_quota="tokens",
+                max_inflight_groups=1,
+            )
             start_version = self.version()
             try:
                 resp = await rollout(self.mgr, req)
@@ -379,8 +392,13 @@ class World:
         rng = self.rng
         gids = [self.fresh("g") for _ in range(rng.randint(1, 2))]
         extra = self.fresh("x")
-        req = RolloutReq(groups=[self.spec(g, False) for g in gids], target_groups=1,
-                         on_quota="tokens", request_id=self.fresh("r"), max_inflight_groups=1)
+        req = RolloutReq(
+            groups=[self.spec(g, False) for g in gids],
+            target_groups=1,
+            on_quota="tokens",
+            request_id=self.fresh("r"),
+            max_inflight_groups=1,
+        )
         self.abandoned.append((req, gids, self.version()))
         first = asyncio.ensure_future(self.call(req, gids, abandoned=True))
         await asyncio.sleep(rng.uniform(0, 0.03))
@@ -388,14 +406,21 @@ class World:
         (outcome,) = await asyncio.gather(first, return_exceptions=True)
         if isinstance(outcome, Exception):
             raise outcome
-        grown = RolloutReq(groups=[*req.groups, self.spec(extra, False)], target_groups=1,
-                           on_quota="tokens", request_id=req.request_id, max_inflight_groups=1)
+        grown = RolloutReq(
+            groups=[*req.groups, self.spec(extra, False)],
+            target_groups=1,
+            on_quota="tokens",
+            request_id=req.request_id,
+            max_inflight_groups=1,
+        )
         ok: list[str] = []
 
         async def rival() -> None:
             await asyncio.sleep(rng.uniform(0, 0.006))
             try:
-                await add_groups(self.mgr, GroupsReq(groups=[self.spec(extra, False)], start="idle"))
+                await add_groups(
+                    self.mgr, GroupsReq(groups=[self.spec(extra, False)], start="idle")
+                )
             except ApiError as exc:
                 self.allowed("groups", exc, [extra])
                 return
@@ -411,7 +436,7 @@ class World:
         self.note(f"retry grown by {extra}: created by {ok}")
 
     async def op_abort(self) -> None:
-        rng, led = self.rng, self.ledger
+        rng = self.rng
         kind = rng.choice(["all", "batch", "group", "group", "sample"])
         keep = rng.choice(KEEPS)
         known = self.known_groups()
@@ -419,8 +444,9 @@ class World:
         if kind == "batch" and self.batches:
             req = AbortReq(batch_id=rng.choice(self.batches), keep=keep)
         elif kind == "group" and known:
-            req = AbortReq(group_ids=rng.sample(known, min(len(known), rng.randint(1, 2))),
-                           keep=keep)
+            req = AbortReq(
+                group_ids=rng.sample(known, min(len(known), rng.randint(1, 2))), keep=keep
+            )
         elif kind == "sample" and known:
             req = AbortReq(sample_ids=[f"{rng.choice(known)}/0"], keep=keep)
         named = set(req.group_ids or []) | {s.rpartition("/")[0] for s in req.sample_ids or []}
@@ -506,9 +532,16 @@ class World:
         self.eng.fail_p = 0.0
 
     OPS: list[tuple[str, float]] = [
-        ("op_call", 5), ("op_groups", 2), ("op_answer", 2), ("op_abort", 1.5),
-        ("op_delete", 1), ("op_resume", 1), ("op_push", 1.5), ("op_same_id", 0.3),
-        ("op_engine_errors", 0.3), ("op_retry_grows", 0.5),
+        ("op_call", 5),
+        ("op_groups", 2),
+        ("op_answer", 3),
+        ("op_abort", 1.5),
+        ("op_delete", 1),
+        ("op_resume", 1),
+        ("op_push", 2),
+        ("op_same_id", 0.3),
+        ("op_engine_errors", 0.3),
+        ("op_retry_grows", 0.5),
     ]
 
     async def client(self, name: str, at: float) -> None:
