@@ -51,6 +51,14 @@ ENGINE_WAIT_S = 30.0  # how long a segment whose engine went away waits for a he
 HEALTH_POLL_S = 0.5
 
 
+class _PlannedBeforeUpdate(Exception):
+    """A segment held by a weight update before it started, planned under the old weights."""
+
+    def __init__(self, call: SegmentCall) -> None:
+        super().__init__(call.rid)
+        self.call = call
+
+
 class SegmentRunner:
     def __init__(
         self,
@@ -270,9 +278,12 @@ class SegmentRunner:
         sample = run.sample
         ended: SegmentOutcome | None = None  # None: ended by a cut, recorded already
         while True:
-            out = self._classified(
-                sample, cont, await self._one_segment(run, cont, restore, call, need)
-            )
+            try:
+                outcome = await self._one_segment(run, cont, restore, call, need)
+            except _PlannedBeforeUpdate as moved:
+                cont, call, restore = self._plan_after_update(run, need, moved.call)
+                continue
+            out = self._classified(sample, cont, outcome)
             ended = out
             cut = run.cut and out.result.finish_reason == "abort" and out.result.error is None
             run.cut = False
@@ -346,7 +357,9 @@ class SegmentRunner:
                 held = await self._held_for_update(run, call)
                 if held is not None:
                     return held
-                call = self._replanned_after_update(run, call)
+                if self.versions.now() != run.planned_version:
+                    self._add_load(call.slot, -1, -need)
+                    raise _PlannedBeforeUpdate(call)
             try:
                 return await self.engine.run_segment(call)
             except EngineUnavailable as exc:
@@ -375,16 +388,38 @@ class SegmentRunner:
         result = SegmentResult([], [], "abort", self.versions.now())
         return SegmentOutcome(result, call.slot)
 
-    def _replanned_after_update(self, run: Running, call: SegmentCall) -> SegmentCall:
-        """A restore planned under the weights before the update would put their KV under the
-        new ones: the segment re-prefills instead, and the engine frees the snapshot at its
-        start (as a plan that gives one up does: the sample's figures go now, so nobody else
-        would know of it)."""
-        if not call.restore or self.versions.now() == run.planned_version:
-            return call
-        run.restore_planned = False
-        K.clear(run.sample)
-        return replace(call, restore=False, cache_ns=None, drop=call.slot)
+    def _plan_after_update(
+        self, run: Running, need: float, old: SegmentCall
+    ) -> tuple[S.Continuation, SegmentCall | None, bool]:
+        """A segment planned under the weights before an update and held until its end, not
+        started: planned again under the new version, as a segment the update cut is, so
+        its owner's `max_staleness` judges it now (it would otherwise extend a prefix the
+        rule no longer allows). A snapshot the old plan was to restore (under the old
+        weights) or to free is freed by the new plan's engine call."""
+        sample = run.sample
+        held = old.slot if old.restore else old.drop
+        if old.restore:
+            run.restore_planned = False
+            K.clear(sample)
+        version = self.versions.now()
+        cont = S.plan_continuation(
+            sample,
+            version,
+            run.max_staleness,
+            self.versions.history,
+            run.override_params,
+            run.owner == BACKGROUND,
+        )
+        if cont.restarted:
+            self.count_restart(sample, run.tally)
+        call = self._plan(sample, run.owner, cont, False, held)
+        run.planned_version = version
+        if call is not None:
+            run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
+            self._add_load(call.slot, 1, need)
+        else:
+            run.unplanned_drop = held
+        return cont, call, False
 
     async def _drop_unexecuted(self, call: SegmentCall) -> None:
         """The plan gave up the sample's old snapshot (`_plan` cleared its figures) and left
@@ -526,6 +561,7 @@ class SegmentRunner:
         if cont.restarted:
             self.count_restart(sample, run.tally)
         call = self._plan(sample, run.owner, cont, False, None)
+        run.planned_version = version
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
             self._add_load(call.slot, 1, need)

@@ -287,7 +287,7 @@ class World:
 
     async def answer(self, sid: str, turn: int, twice: bool = False, delay: bool = False) -> None:
         if delay:
-            await asyncio.sleep(self.rng.uniform(0, 0.1))
+            await asyncio.sleep(self.rng.uniform(0, 0.01 if self.rng.random() < 0.5 else 0.1))
         ids = [(len(sid) + turn) % 60 + 1, turn]
         gid = sid.rpartition("/")[0]
         try:
@@ -319,6 +319,28 @@ class World:
             sid, turn = self.pending.pop(self.rng.randrange(len(self.pending)))
             tasks.append(self.answer(sid, turn, delay=self.rng.random() < 0.5))
         await asyncio.gather(*tasks)
+
+    async def op_answer_beside_call(self) -> None:
+        """A held-back answer posted as a call starts that may claim its group: the answer
+        waits for the claim to land, then continues the member in that call."""
+        bounded = [
+            (sid, t) for sid, t in self.pending if sid.rpartition("/")[0] in self.ledger.bounds
+        ]
+        if not bounded or not self.mgr.buffer.idle.claimable:
+            return
+        sid, turn = self.rng.choice(bounded)
+        self.pending.remove((sid, turn))
+        req = RolloutReq(
+            groups=[self.spec(self.fresh("g"), False)],
+            target_groups=1,
+            on_quota=self.rng.choice(["snapshot", "tokens"]),
+            max_staleness=None,
+            max_inflight_groups=self.rng.randint(2, 4),
+        )
+        await asyncio.gather(
+            self.call(req, [g.group_id for g in req.groups]),
+            self.answer(sid, turn, delay=True),
+        )
 
     async def op_groups(self) -> None:
         rng = self.rng
