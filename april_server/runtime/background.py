@@ -24,12 +24,19 @@ call ends and the background begins:
 3. A group whose members have all finished is persisted and handed back at once: `state:
    finished`, delivered without waiting by the next call that asks for buffered groups.
 4. A weight push cuts background segments at the version boundary like any (`segment_runner.py`);
-   a continuation past the `max_staleness` of the call that started it restarts from its
-   prompt. An abort, a delete or a restart forget the group here: it stays buffered, idle.
-5. That bound holds until the group is delivered: when a call claims a group put here, each
-   member whose oldest kept token is then more than the bound behind restarts from its prompt,
-   finished or not (`restart_stale`; a member taken over generating was judged at its last
-   cut, and is judged by the call's rule from then on). Otherwise a group that finished here,
+   a continuation past the `max_staleness` it was handed with restarts from its prompt. An
+   abort or a restart forget the group here: it stays buffered, idle. A group stays wanted
+   while a call holds it without delivering it (taken over generating, or claimed idle): the
+   background takes it again once no call runs. Who holds a group is read from the holder
+   map only: one an answer holds right now is passed over, not forgotten.
+5. The bound travels with the group until it leaves the server (delivered, dropped,
+   deleted): when a call claims a group put here, each member whose oldest kept token is
+   then more than the bound behind restarts from its prompt, finished or not
+   (`restart_stale`, decided in the step the claim lands in; a member taken over generating
+   was judged at its last cut, and is judged by the call's rule from then on, which is why a
+   member whose cut's continuation is not planned yet is not taken over). A group that
+   finished here and is reopened by such a restart is wanted here again; a running member
+   handed back past the bound is not adopted in place. Otherwise a group that finished here,
    or that a call claimed before the background ran it again after a push, would be
    delivered staler.
 What is durable is what was persisted: at a hand-back (pause, finish) and at every call's
