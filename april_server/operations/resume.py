@@ -18,6 +18,7 @@ from april_server.rules import samples as S
 from april_server.rules import turns as turn_rules
 from april_server.runtime.manager import RolloutManager, run_to_end
 from april_server.wire.errors import bad_request, conflict, not_found
+from april_server.wire.ids import split_sample_id
 
 
 async def resume(mgr: RolloutManager, req: ResumeReq) -> list[Sample]:
@@ -36,10 +37,11 @@ async def resume(mgr: RolloutManager, req: ResumeReq) -> list[Sample]:
                 "invalid_request", "the budget is the sample's own; omit max_new_tokens"
             )
         mgr.engine.check_sampling_params(req.sampling_params)
-    gids = sorted({sid.rpartition("/")[0] for sid in req.sample_ids})
-    for sid in req.sample_ids:
-        if not mgr.buffer.known(sid.rpartition("/")[0]):
+    parsed = {sid: split_sample_id(sid) for sid in req.sample_ids}
+    for sid, parts in parsed.items():
+        if parts is None or not mgr.buffer.known(parts[0]):
             raise not_found(f"unknown sample_id {sid!r}")
+    gids = sorted({parts[0] for parts in parsed.values() if parts is not None})
     owner = f"resume-{uuid.uuid4().hex[:12]}"
     # Claimed, run and persisted to the end even if the caller goes away meanwhile: a
     # release before the segments ended would drop what they record (tokens, snapshots).

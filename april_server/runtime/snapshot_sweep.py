@@ -28,6 +28,7 @@ from april_server.engine.base import SnapshotEngine
 from april_server.engine.segment_state import Running
 from april_server.rules import snapshots as K
 from april_server.rules.placement import Slot
+from april_server.wire.ids import split_sample_id
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,13 @@ class SnapshotSweep:
 
     async def _unreferenced(self, held: list[tuple[Slot, str]]) -> set[tuple[Slot, str]]:
         maybe = [(slot, key) for slot, key in held if not self._referenced_now(key, slot)]
-        idle = {key.rpartition("/")[0] for _, key in maybe} - set(self.buffer.holders)
+        idle = {_parts(key)[0] for _, key in maybe} - set(self.buffer.holders)
         bodies = await self.buffer.read_bodies(sorted(g for g in idle if g))
         out = set()
         for slot, key in maybe:
             if self._referenced_now(key, slot):  # claimed while the bodies were read
                 continue
-            gid, _, idx = key.rpartition("/")
+            gid, idx = _parts(key)
             group = bodies.get(gid)
             sample = _sample(group.samples if group else [], idx)
             if sample is None or K.held_at(sample) != slot:
@@ -118,7 +119,7 @@ class SnapshotSweep:
         """What memory says: it runs, or its group is held by a call (or being claimed)."""
         if key in self.running:
             return True
-        gid, _, idx = key.rpartition("/")
+        gid, idx = _parts(key)
         if gid not in self.buffer.holders:
             return False  # idle or gone: its body, read from the store, decides
         group = self.buffer.claimed.get(gid)
@@ -131,5 +132,10 @@ class SnapshotSweep:
         return {"snapshot_sweeps": self.sweeps, "snapshots_swept": self.freed}
 
 
-def _sample(samples: list[Sample], idx: str) -> Sample | None:
-    return samples[int(idx)] if idx.isdigit() and int(idx) < len(samples) else None
+def _parts(key: str) -> tuple[str, int]:
+    """(group id, member index) of a snapshot key (a sample id); ("", -1) for any other."""
+    return split_sample_id(key) or ("", -1)
+
+
+def _sample(samples: list[Sample], idx: int) -> Sample | None:
+    return samples[idx] if 0 <= idx < len(samples) else None
