@@ -1,7 +1,8 @@
 """TRL adapter: `GRPOTrainer(..., rollout_func=AprilRollout(client))` generates on april-server.
 
-Install with `pip install "april-server[trl]"` (pins TRL 1.16.0; `rollout_func` is experimental
-there, set `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
+Install with `pip install "./clients[trl]"` (april-client's `trl` extra: the client alone,
+with TRL pinned to 1.16.0; `rollout_func` is experimental there, set
+`TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
 
 1. Weights: once per optimizer step the trainer's model becomes weight version
    `str(global_step)`, so every segment the server returns names the step whose weights

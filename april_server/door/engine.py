@@ -1,4 +1,6 @@
-"""The one door to SGLang: every `import sglang` of april-server is in this module.
+"""The HTTP-process side of the door to SGLang (`door/` as a whole is the only package that
+imports `sglang`: tests/unit/test_structure.py; the scheduler-process side is
+`scheduler_hooks.py`).
 
 - `SGLangEngine` drives the in-process TokenizerManager (`generate_request`, `abort_request`).
 - `launch()` builds SGLang's own server args and FastAPI app, adds our routes, and runs

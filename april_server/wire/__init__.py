@@ -1,8 +1,9 @@
-"""The wire contract (docs/api.md): what crosses HTTP, and nothing else.
+"""The wire contract's server side (docs/api.md): what crosses HTTP, and nothing else.
 
-- `protocol`: every request, response, event and stored object (msgspec structs);
 - `errors`: `ApiError` and the 400/404/409 builders every route answers with;
-- `ids`: what a client-chosen id may look like;
+- `ids`: what a client-chosen id may look like, and `split_sample_id`;
 - `auth`: `AuthPolicy`, who may call the admin routes.
-The client package imports `protocol` from here, so nothing in this package imports torch or
-SGLang."""
+The types themselves (every request, response, event and stored object, msgspec structs) are
+not here: they are `april_client.protocol` (clients/protocol.py), which the client ships and
+the server imports, so both sides speak the same structs (tests/unit/test_layers.py counts it
+in this layer). Nothing in this package imports torch or SGLang."""

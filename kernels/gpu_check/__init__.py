@@ -3,7 +3,8 @@ on one CUDA device, kernel parity, KV GB/s, resume times and april-bench, each p
 timeout, into one JSON + Markdown report; `--dry-run` runs what a CPU can. The ahead-of-time
 compile check of the KV kernels (`aot_*.py`) lives here too.
 
-It lives beside the other benchmarks that launch servers, not in `kernels/`: it imports the
-server and the client (to start april-server and run april-bench), and `kernels/` is the bottom
-layer, which imports neither (tests/unit/test_layers.py).
+It lives in `kernels/`, beside the kernels it checks, but not in their layer: it imports the
+server and the client (to start april-server and run april-bench), so tests/unit/test_layers.py
+puts `kernels.gpu_check` on top of everything (`harness`), while the kernels themselves are the
+bottom layer and import nothing of ours.
 """
