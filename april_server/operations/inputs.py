@@ -1,7 +1,7 @@
 """`POST /april/v1/samples/{sample_id}/input`: the tool's answer for a member awaiting input.
 
 - A running call holds the member's group: the answer is appended and the member continues at
-  once under that call's quota (`call_turns.continue_answered`); it is made durable with the
+  once under that call's quota (`turns_in_call.continue_answered`); it is made durable with the
   call's outcome, like every token the call generates. An abort that named the group during
   the call keeps the answer but does not continue the member (it waits idle after the call).
 - A call that is winding down holds it: the answer waits until the call has handed the group
