@@ -3,8 +3,10 @@
 Plain Python over asyncio: no torch, no SGLang (the engine is a `BaseEngine`). Invariants,
 checked by `check_integrity()`:
 - every known sample is in exactly one group, and a group is either idle in the buffer or
-  claimed by exactly one call (`partial_buffer.py`: idle groups are summaries, bodies on disk);
-- a sample is generating in at most one engine request (`running`), of a claimed group;
+  held by exactly one owner: a call, the background or an operation (`partial_buffer.py`'s
+  holder map; idle groups are summaries, bodies on disk);
+- a sample is generating in at most one engine request (`running`), of a claimed group, for
+  that group's holder;
 - the buffer on disk equals the idle groups after every acknowledged call.
 """
 
