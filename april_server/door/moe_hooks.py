@@ -43,3 +43,38 @@ def _around_host_register(original: Any, buffer: Any, *args: Any, **kwargs: Any)
     if torch.cuda.is_available():
         return original(buffer, *args, **kwargs)
     return None  # nothing to register host memory with: the buffer stays plain pageable
+
+
+# ---- routing beside a KV snapshot ------------------------------------------------------------
+# SGLang's capturer keeps the experts of every token in a host buffer indexed by KV slot
+# (`host_cache.buffer[slot] = [layers, top_k]`, written at each forward) and answers a request
+# from the slots of its prefix. A restored snapshot gets new slots, whose rows hold whatever
+# token used them last; so a snapshot keeps its tokens' rows, and a restore writes them back
+# under the new slots: a later request matching the restored prefix (the continuation, a
+# sibling with the same prompt) is answered the routing that computed that KV.
+
+
+def _capturer() -> Any:
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+    try:
+        return get_global_experts_capturer()
+    except Exception:  # no runtime context in this process: nothing is captured here
+        return None
+
+
+def saved_routing(slots: torch.Tensor) -> torch.Tensor | None:
+    """A host copy of the capture rows of `slots` ([n] int64 KV slots); None without capture."""
+    cap = _capturer()
+    if cap is None or getattr(cap.host_cache, "buffer", None) is None:
+        return None
+    rows: torch.Tensor = cap.host_cache.buffer[slots.cpu()].clone()
+    return rows  # [n, num_moe_layers, top_k] int32
+
+
+def restore_routing(slots: torch.Tensor, routing: torch.Tensor | None, n: int) -> None:
+    """Write a snapshot's first `n` capture rows under the slots its KV was restored into."""
+    cap = _capturer()
+    if cap is None or routing is None or getattr(cap.host_cache, "buffer", None) is None:
+        return
+    cap.host_cache.buffer[slots[:n].cpu()] = routing[:n]
