@@ -31,6 +31,7 @@ LAYERS, TOP_K = 2, 2  # the tiny MoE (models.py)
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     proc = ServerProc(tmp_path_factory.mktemp("april-moe"), ["--april-model", "tiny-moe"])
+    # NOTE: kill9 crashes it and start() brings it back on the same state dir (durable buffer)
     proc.start()
     yield proc
     proc.stop()
@@ -96,10 +97,42 @@ def test_a_rollout_returns_sglangs_routing_of_every_position(http: httpx.Client)
     assert len({int(e) for e in got.flatten()}) > TOP_K  # the router does spread tokens
 
 
-def test_no_routing_unless_asked_and_a_dense_model_refuses_it(http: httpx.Client) -> None:
-    body = {"groups": [group("d", [5, 6, 7], [4])]}
-    s = ok(http.post(R + "/rollouts", json=body))["groups"][0]["samples"][0]
-    assert s["routing"] is None and s["return_routed_experts"] is False
+def test_no_routing_unless_asked_and_a_group_may_ask_alone(http: httpx.Client) -> None:
+    body = {"groups": [group("d", [5, 6, 7], [4]), {**group("e", [5, 6, 7], [4]),
+            "return_routed_experts": True}], "target_groups": 2}  # fmt: skip
+    got = {
+        g["group_id"]: g["samples"][0] for g in ok(http.post(R + "/rollouts", json=body))["groups"]
+    }
+    assert got["d"]["routing"] is None and got["d"]["return_routed_experts"] is False
+    assert as_sample(got["e"]).routing is not None
+
+
+def test_a_dense_model_refuses_routing(tiny_server: ServerProc) -> None:
+    with tiny_server.client() as c:
+        body = {"groups": [group("dense", [5, 6, 7], [4])], "return_routed_experts": True}
+        r = c.post(R + "/rollouts", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "routing_unavailable"
+        assert c.get(f"{R}/partials/dense").status_code == 404  # nothing was added
+
+
+def test_routing_survives_kill9_and_resumes_exactly(
+    http: httpx.Client, moe_server: ServerProc
+) -> None:
+    prompt, budget = [11, 12, 13, 14, 15], 150
+    want_ids, want = sglang_routing(http, prompt, budget)
+    s = interrupt(http, "k", prompt, budget, 6)
+    assert s.routing is not None
+    moe_server.kill9()
+    moe_server.start()
+    with moe_server.client() as c:
+        back = as_sample(ok(c.get(f"{R}/partials/k"))["samples"][0])
+        assert back.routing == s.routing  # durable, byte for byte
+        out = ok(c.post(R + "/resume", json={"sample_ids": ["k/0"]}))
+        done = as_sample(out["samples"][0])
+    assert done.output_ids == want_ids and done.routing is not None
+    assert (decode.experts(done.routing) == want).all()
+    _, mask = decode.recomputed(done.routing)
+    assert np.flatnonzero(mask).tolist() == list(range(s.routing.num_positions))  # re-prefilled
 
 
 @settings(
