@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from april_client import routing as decode
 from april_client.protocol import Sample
+from april_server.models import ensure_tiny_moe
 from tests.e2e.test_rollouts_e2e import GREEDY, R, clear_buffer, group, ok
 from tests.server_proc import ServerProc
 
@@ -30,7 +31,8 @@ LAYERS, TOP_K = 2, 2  # the tiny MoE (models.py)
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    proc = ServerProc(tmp_path_factory.mktemp("april-moe"), ["--april-model", "tiny-moe"])
+    args = ["--april-model", "tiny-moe", "--april-allow-stale-kv"]
+    proc = ServerProc(tmp_path_factory.mktemp("april-moe"), args)
     # NOTE: kill9 crashes it and start() brings it back on the same state dir (durable buffer)
     proc.start()
     yield proc
@@ -202,3 +204,33 @@ def test_a_snapshot_keeps_its_routing_in_its_budget(http: httpx.Client) -> None:
     assert after["snapshot_bytes_used"] - before["snapshot_bytes_used"] == s.snapshot_bytes
     http.delete(R + "/partials/b")
     assert ok(http.get(R + "/stats"))["snapshot_routing_bytes"] == before["snapshot_routing_bytes"]
+
+
+@pytest.mark.parametrize("kv", ["restore", "recompute"])
+def test_a_push_between_segments_keeps_old_routing_and_flags_the_recomputed(
+    http: httpx.Client, kv: str
+) -> None:
+    prompt, budget = [21, 22, 23, 24], 120
+    want_ids, want = sglang_routing(http, prompt, budget)
+    s = interrupt(http, "w", prompt, budget, 8)
+    old = s.segments[0].weight_version
+    assert s.routing is not None and s.snapshot_bytes > 0
+    known = s.routing.num_positions
+    new = f"moe-{kv}-{known}"  # the same files under a new version: tokens must not change
+    body = {"model_path": str(ensure_tiny_moe()), "weight_version": new}
+    assert ok(http.post("/update_weights_from_disk", json=body))["success"]
+    resume = {"sample_ids": ["w/0"], "kv": kv, "max_staleness": 1}
+    done = as_sample(ok(http.post(R + "/resume", json=resume))["samples"][0])
+    assert done.output_ids == want_ids and done.routing is not None
+    assert done.segments[-1].weight_version == new
+    assert (decode.experts(done.routing) == want).all()
+    versions = decode.versions(done.routing)
+    assert versions[:known] == [old] * known  # every old position keeps its first routing
+    assert versions[known:] == [new] * (len(versions) - known)
+    rows, mask = decode.recomputed(done.routing)
+    if kv == "restore":
+        assert done.segments[-1].kv == "restored" and not mask.any()
+    else:
+        assert np.flatnonzero(mask).tolist() == list(range(known))
+        assert {r.weight_version for r in done.routing.recomputed} == {new}
+        assert (rows == want).all()  # same files: the recomputation routed alike
