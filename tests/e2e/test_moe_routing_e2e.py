@@ -234,3 +234,14 @@ def test_a_push_between_segments_keeps_old_routing_and_flags_the_recomputed(
         assert np.flatnonzero(mask).tolist() == list(range(known))
         assert {r.weight_version for r in done.routing.recomputed} == {new}
         assert (rows == want).all()  # same files: the recomputation routed alike
+
+
+def test_the_client_asks_and_decodes(http: httpx.Client, moe_server: ServerProc) -> None:
+    from april_client import AprilClient
+
+    prompt, budget = [31, 32, 33], 10
+    _, want = sglang_routing(http, prompt, budget)
+    with AprilClient(moe_server.url) as client:
+        out = client.rollout([group("c", prompt, [budget])], 1, return_routed_experts=True)
+    r = out.groups[0].samples[0].routing
+    assert r is not None and (decode.experts(r) == want).all()

@@ -155,3 +155,25 @@ def test_asking_routing_of_a_dense_model_is_a_400() -> None:
     assert err.value.status == 400
     R.check_wanted(True, (2, 2, "uint8"), "group 'g'")
     R.check_wanted(False, None, "group 'g'")
+
+
+def test_routing_crosses_the_owner_engine_wire() -> None:
+    """An owner sends a segment's `routing_start` and gets its rows back (fleet/wire.py)."""
+    from april_server.engine.base import SegmentCall, SegmentOutcome
+    from april_server.fleet.wire import (
+        EngineInfo,
+        encoder,
+        engine_info,
+        segment_call,
+        segment_outcome,
+    )
+    from april_server.rules.placement import Slot
+
+    call = SegmentCall("r", "g/0", [1, 2], {"max_new_tokens": 3}, Slot("e:1", 0), routing_start=0)
+    assert segment_call.decode(encoder.encode(call)) == call
+    rows = R.RoutingRows(4, bytes(range(8)), LAYERS, TOP_K, "uint8")
+    res = S.SegmentResult([1], [0.0], "abort", "v", routing_asked=4, routing=rows)
+    out = SegmentOutcome(res, Slot("e:1", 0))
+    assert segment_outcome.decode(encoder.encode(out)) == out
+    info = EngineInfo(8, 448, 1, "v", False, True, routing_format=(LAYERS, TOP_K, "uint8"))
+    assert engine_info.decode(encoder.encode(info)).routing_format == (LAYERS, TOP_K, "uint8")
