@@ -245,3 +245,19 @@ def test_the_client_asks_and_decodes(http: httpx.Client, moe_server: ServerProc)
         out = client.rollout([group("c", prompt, [budget])], 1, return_routed_experts=True)
     r = out.groups[0].samples[0].routing
     assert r is not None and (decode.experts(r) == want).all()
+
+
+@pytest.mark.parametrize("kv", ["auto", "recompute"])
+def test_appended_tool_tokens_are_routed_in_context_order(http: httpx.Client, kv: str) -> None:
+    prompt, budget, tool = [61, 62, 63, 64], 60, [70, 71, 72, 73, 74]
+    s = interrupt(http, "a", prompt, budget, 6)
+    so_far = list(s.output_ids)
+    resume = {"sample_ids": ["a/0"], "append_ids": {"a/0": tool}, "kv": kv}
+    done = as_sample(ok(http.post(R + "/resume", json=resume))["samples"][0])
+    context = prompt + so_far + tool
+    # the oracle: SGLang on the whole context at once, then the rest of the budget
+    want_ids, want = sglang_routing(http, context, budget - len(so_far))
+    assert done.output_ids[len(so_far) :] == want_ids
+    assert done.routing is not None and done.response_ids == so_far + tool + want_ids
+    assert done.routing.num_positions == len(prompt) + len(done.response_ids) - 1
+    assert (decode.experts(done.routing) == want).all()
