@@ -1,10 +1,12 @@
 """What routing replay costs on the tiny MoE, on a real CPU april-server (`make bench-routing`).
 
-Not a test. One server (`--april-model tiny-moe`, capture on); the same greedy call (groups x n
-samples, every sample to its budget) is run with `return_routed_experts` off and on, alternated,
-the radix cache flushed before each, and printed side by side: output tokens per wall second and
-response bytes per output token; then the routing's own bytes per position, on the wire (base64
-in JSON) and in a KV snapshot (int32 rows beside the KV, `/stats` `snapshot_routing_bytes`):
+Not a test. Two servers on the tiny MoE, up side by side and used one at a time: one without
+routed-experts capture, one with it (`--april-model tiny-moe` turns it on). The same greedy call
+(groups x n samples, every sample to its budget) runs on the first, and on the second with
+`return_routed_experts` off and on, in rotated order, the radix cache flushed before each;
+printed side by side: output tokens per wall second and response bytes per output token; then
+the routing's own bytes per position, on the wire (base64 in JSON) and in a KV snapshot (int32
+rows beside the KV, `/stats` `snapshot_routing_bytes`):
 
     python -m april_client.bench.routing [--groups 8] [--n 4] [--max-tokens 128] [--repeats 3]
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from april_client.bench.launcher import LaunchedServer
+from april_client.bench.launcher import LaunchedServer, start_all
 
 R = "/april/v1"
 
@@ -71,7 +73,7 @@ def snapshot_cost(c: httpx.Client) -> dict[str, float]:
             {"group_id": "snap", "input_ids": [7, 8, 9], "sampling_params":
              {**params, "max_new_tokens": 400}},
             {"group_id": "snap-t", "input_ids": [1, 2], "sampling_params":
-             {**params, "max_new_tokens": 40}},
+             {**params, "max_new_tokens": 200}},
         ],
         "target_groups": 1, "on_quota": "snapshot", "resume_first": False,
         "max_inflight_groups": 2, "return_routed_experts": True,
@@ -90,6 +92,8 @@ def snapshot_cost(c: httpx.Client) -> dict[str, float]:
 
 
 def main() -> None:
+    from april_server.models import ensure_tiny_moe
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
@@ -97,36 +101,48 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-    with (
-        LaunchedServer(["--april-model", "tiny-moe"]) as srv,
-        httpx.Client(base_url=srv.url, timeout=1800) as c,
-    ):
-        one_call(c, "warm", args, True)  # first-call costs (imports, pool) out of the figures
-        for k in range(args.repeats):
-            for routing in (False, True) if k % 2 == 0 else (True, False):
-                runs[routing].append(one_call(c, f"r{k}-{int(routing)}", args, routing))
-        snap = snapshot_cost(c)
+    modes = ("no capture", "capture, not asked", "capture, asked")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    # --model-path given: the launcher adds no capture flag (cli.build_argv)
+    plain = LaunchedServer(["--model-path", str(ensure_tiny_moe())])
+    capture = LaunchedServer(["--april-model", "tiny-moe"])
+    start_all([plain, capture])
+    try:
+        with (
+            httpx.Client(base_url=plain.url, timeout=1800) as p,
+            httpx.Client(base_url=capture.url, timeout=1800) as c,
+        ):
+            one_call(p, "warm", args, False)  # first-call costs out of the figures
+            one_call(c, "warm", args, True)
+            for k in range(args.repeats):
+                for i in range(len(modes)):
+                    mode = modes[(i + k) % len(modes)]
+                    client = p if mode == "no capture" else c
+                    runs[mode].append(one_call(client, f"r{k}-{i}", args, mode == modes[2]))
+            snap = snapshot_cost(c)
+    finally:
+        plain.stop()
+        capture.stop()
 
-    def med(routing: bool, key: str) -> float:
-        return float(statistics.median(r[key] for r in runs[routing]))
+    def med(mode: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in runs[mode]))
 
+    base = med(modes[0], "tokens_per_s")
     result: dict[str, Any] = {
         "config": vars(args),
-        "tokens_per_s_off": med(False, "tokens_per_s"),
-        "tokens_per_s_on": med(True, "tokens_per_s"),
-        "resp_bytes_per_token_off": med(False, "resp_bytes_per_token"),
-        "resp_bytes_per_token_on": med(True, "resp_bytes_per_token"),
-        "routing_wire_bytes_per_position": med(True, "routing_wire_bytes_per_position"),
+        **{f"tokens_per_s[{m}]": med(m, "tokens_per_s") for m in modes},
+        **{f"resp_bytes_per_token[{m}]": med(m, "resp_bytes_per_token") for m in modes},
+        "routing_wire_bytes_per_position": med(modes[2], "routing_wire_bytes_per_position"),
         **snap,
     }
-    on, off = result["tokens_per_s_on"], result["tokens_per_s_off"]
     print(f"tiny MoE (2 layers, 8 experts, top-2), CPU; {args.groups}x{args.n} samples of "
-          f"{args.max_tokens} tokens, greedy; median of {args.repeats}, alternated")  # fmt: skip
-    print("| routing | output tok/s | response bytes / output token |")
-    print("|---|---|---|")
-    print(f"| off | {off:.1f} | {result['resp_bytes_per_token_off']:.1f} |")
-    print(f"| on | {on:.1f} (x{on / off:.2f}) | {result['resp_bytes_per_token_on']:.1f} |")
+          f"{args.max_tokens} tokens, greedy; median of {args.repeats}, rotated")  # fmt: skip
+    print("| server / call | output tok/s | vs no capture | response bytes / output token |")
+    print("|---|---|---|---|")
+    for m in modes:
+        tps = med(m, "tokens_per_s")
+        resp = med(m, "resp_bytes_per_token")
+        print(f"| {m} | {tps:.1f} | x{tps / base:.2f} | {resp:.1f} |")
     print(f"routing on the wire: {result['routing_wire_bytes_per_position']:.2f} bytes/position "
           f"(JSON, base64); snapshot of {snap['snapshot_tokens']} tokens: "
           f"{snap['snapshot_bytes_per_token']:.1f} bytes/token, of which routing "
