@@ -134,6 +134,7 @@ def main() -> None:
         **{f"resp_bytes_per_token[{m}]": med(m, "resp_bytes_per_token") for m in modes},
         "routing_wire_bytes_per_position": med(modes[2], "routing_wire_bytes_per_position"),
         **snap,
+        "runs": runs,  # every call's figures, in run order per mode
     }
     print(f"tiny MoE (2 layers, 8 experts, top-2), CPU; {args.groups}x{args.n} samples of "
           f"{args.max_tokens} tokens, greedy; median of {args.repeats}, rotated")  # fmt: skip
