@@ -347,7 +347,9 @@ class HostKvStore:
             "snapshots": len(self._snaps),
             "snapshot_bytes_used": self.bytes_used,
             "snapshot_bytes_budget": self.budget_bytes,
-            # Of the bytes used, the routed experts kept beside the KV (MoE capture only).
+            # Tokens held, and of the bytes used the routed experts kept beside their KV (MoE
+            # capture only): routing bytes per snapshot token = the one over the other.
+            "snapshot_tokens": sum(len(s.tokens) for s in self._snaps.values()),
             "snapshot_routing_bytes": sum(s.routing_bytes for s in self._snaps.values()),
             "snapshots_evicted": self.evicted,
             "snapshots_rejected": self.rejected,

@@ -202,6 +202,7 @@ def test_a_snapshot_keeps_its_routing_in_its_budget(http: httpx.Client) -> None:
     # one int32 row of [layers, top_k] per snapshot token: the KV's tokens, no fewer
     assert grown == (len(s.prompt_ids) + len(s.output_ids) - 1) * LAYERS * TOP_K * 4
     assert after["snapshot_bytes_used"] - before["snapshot_bytes_used"] == s.snapshot_bytes
+    assert after["snapshot_tokens"] - before["snapshot_tokens"] == grown // (LAYERS * TOP_K * 4)
     http.delete(R + "/partials/b")
     assert ok(http.get(R + "/stats"))["snapshot_routing_bytes"] == before["snapshot_routing_bytes"]
 
