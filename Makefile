@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: simulate demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-aot check bench-kv bench-resume bench-buffer bench-weights bench-fleet bench-placement gpu-check gpu-check-dry soak chaos
+.PHONY: simulate demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-aot check bench-kv bench-resume bench-routing bench-buffer bench-weights bench-fleet bench-placement gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -50,6 +50,9 @@ bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
 
 bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (tiny, SmolLM2)
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.resume
+
+bench-routing:  ## routing replay on the tiny MoE: throughput with routing on vs off, routing bytes per position on the wire and in a snapshot (~1 min)
+	@V=$(VENV) && $$V/bin/python -m april_client.bench.routing --repeats 5 --json-out out/bench-routing.json
 
 bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
 	@V=$(VENV) && $$V/bin/python -m april_client.bench.buffer --json-out out/bench-buffer.json

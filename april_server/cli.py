@@ -65,9 +65,10 @@ def april_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--april-model",
-        choices=["tiny", "smollm2"],
+        choices=["tiny", "tiny-moe", "smollm2"],
         default="tiny",
-        help="model to prepare and serve when --model-path is absent",
+        help="model to prepare and serve when --model-path is absent (tiny-moe: a mixture of "
+        "experts, served with --enable-return-routed-experts)",
     )
     p.add_argument(
         "--april-engines",
@@ -216,18 +217,28 @@ def install_cpu_shim() -> None:
 
 
 # What the embedded models are called on the OpenAI routes (`/v1/models`, `model` fields).
-EMBEDDED_NAMES = {"tiny": "april-tiny", "smollm2": "SmolLM2-135M-Instruct"}
+EMBEDDED_NAMES = {
+    "tiny": "april-tiny",
+    "tiny-moe": "april-tiny-moe",
+    "smollm2": "SmolLM2-135M-Instruct",
+}
+
+
+def embedded_model_path(name: str) -> str:
+    from april_server.models import ensure_smollm2, ensure_tiny_model, ensure_tiny_moe
+
+    builders = {"tiny": ensure_tiny_model, "tiny-moe": ensure_tiny_moe, "smollm2": ensure_smollm2}
+    return str(builders[name]())
 
 
 def build_argv(argv: list[str], april: argparse.Namespace, cpu: bool) -> list[str]:
     out = list(argv)
     if not has_flag(out, "--model-path") and not has_flag(out, "--model"):
-        from april_server.models import ensure_smollm2, ensure_tiny_model
-
-        path = ensure_smollm2() if april.april_model == "smollm2" else ensure_tiny_model()
-        out += ["--model-path", str(path)]
+        out += ["--model-path", embedded_model_path(april.april_model)]
         if not has_flag(out, "--served-model-name"):  # not the cache path, in /v1/models
             out += ["--served-model-name", EMBEDDED_NAMES[april.april_model]]
+        if april.april_model == "tiny-moe" and not has_flag(out, "--enable-return-routed-experts"):
+            out += ["--enable-return-routed-experts"]  # the model is there for its routing
     if cpu:
         for flag, value in CPU_DEFAULTS:
             if not has_flag(out, flag):

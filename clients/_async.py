@@ -116,8 +116,10 @@ class AsyncAprilClient(_ClientBase):
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
+        return_routed_experts: bool = False,
     ) -> RolloutResp:
-        """POST /rollouts: run until `target_groups` groups finish; the rest is buffered."""
+        """POST /rollouts: run until `target_groups` groups finish; the rest is buffered.
+        `return_routed_experts`: every new group's samples carry their routing (MoE)."""
         return await self._send(
             routes.rollout(
                 groups,
@@ -129,6 +131,7 @@ class AsyncAprilClient(_ClientBase):
                 request_id=request_id,
                 stream=False,
                 turns=turns,
+                return_routed_experts=return_routed_experts,
             )
         )
 

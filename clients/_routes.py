@@ -237,6 +237,7 @@ def rollout(
     request_id: str | None,
     stream: bool,
     turns: TurnsArg = None,
+    return_routed_experts: bool = False,
 ) -> Call[RolloutResp]:
     req = RolloutReq(
         groups=group_specs(groups),
@@ -248,6 +249,7 @@ def rollout(
         stream=stream,
         request_id=request_id,
         turns=turns_spec(turns),
+        return_routed_experts=return_routed_experts,
     )
     # A request_id makes the call idempotent on the server, so only then may it be retried.
     return Call(

@@ -22,6 +22,7 @@ Keep = Literal["snapshot", "tokens", "drop"]
 # in the background after it answered (`continue`).
 OnQuota = Literal["snapshot", "tokens", "drop", "continue"]
 KvMode = Literal["auto", "restore", "recompute"]
+RoutingDtype = Literal["uint8", "int16"]  # of routed expert ids (docs/api.md, Routing)
 
 
 class _Req(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -47,6 +48,50 @@ class Segment(_Resp):
     cached_tokens: int = 0
     engine: str = "local"
     dp_rank: int = 0
+
+
+class RoutingSpan(_Resp):
+    """Rows `[start, end)` of a sample's `routing` (context positions) and where they came
+    from: the engine request of `segments[segment]` (-1: a request that generated no token,
+    e.g. one stopped in its prefill) under `weight_version`. `missing`: the engine returned
+    no routing for them (their rows hold the dtype's fill value, -1 / 255)."""
+
+    start: int
+    end: int
+    weight_version: str
+    segment: int
+    missing: bool = False
+
+
+class RecomputedRouting(_Resp):
+    """Routing of positions `[start, end)` as a re-prefill computed them again (under
+    `weight_version`, for `segments[segment]`), beside the rows recorded when they were first
+    computed. Encoded as `Routing.experts`; the newest recomputation of a position is kept."""
+
+    start: int
+    end: int
+    weight_version: str
+    segment: int
+    experts: bytes
+
+
+class Routing(_Resp):
+    """The experts a mixture-of-experts model routed each context position to (docs/api.md,
+    Routing): `experts` is `[positions, num_layers, top_k]` of `dtype` (little-endian,
+    row-major; base64 in JSON), row p for context token p as the model's input. The last
+    context token has no row until a later segment feeds it. `april_client.routing` decodes."""
+
+    num_layers: int
+    top_k: int
+    dtype: RoutingDtype
+    experts: bytes
+    spans: list[RoutingSpan]
+    recomputed: list[RecomputedRouting] = []
+
+    @property
+    def num_positions(self) -> int:
+        row = self.num_layers * self.top_k * (1 if self.dtype == "uint8" else 2)
+        return len(self.experts) // row if row else 0
 
 
 class Appended(_Resp):
@@ -111,6 +156,10 @@ class Sample(_Resp):
     predicted_tokens: int | None = None
     predicted_remaining: int | None = None
     prediction_confidence: float | None = None
+    # Mixture-of-experts routing replay (docs/api.md, Routing): asked for by the call or the
+    # group, kept across segments; null when not asked for.
+    return_routed_experts: bool = False
+    routing: Routing | None = None
 
     @property
     def turn(self) -> int:
@@ -180,6 +229,8 @@ class GroupSpec(_Req):
     metadata: Any = None
     # What ends a turn of its members (agent rollouts); overrides the call's `turns`.
     turns: TurnsSpec | None = None
+    # Return the routed experts of every position (MoE; docs/api.md, Routing); null: the call's.
+    return_routed_experts: bool | None = None
 
 
 class RolloutReq(_Req):
@@ -198,6 +249,8 @@ class RolloutReq(_Req):
     # The order the call starts its new groups in (docs/api.md, Length prediction): as sent,
     # or by predicted length; null takes the server's --april-length-order.
     length_order: Literal["arrival", "longest_first", "shortest_first"] | None = None
+    # Every new group's samples carry their routed experts (MoE; docs/api.md, Routing).
+    return_routed_experts: bool = False
 
 
 class GroupsReq(_Req):
@@ -208,6 +261,7 @@ class GroupsReq(_Req):
     max_staleness: int | None = None
     request_id: str | None = None
     turns: TurnsSpec | None = None
+    return_routed_experts: bool = False
 
 
 class RejectReq(_Req):
@@ -230,6 +284,8 @@ class ResumeReq(_Req):
     stream: bool = False
     # Stale KV reuse bound (versions), when the server allows it (--april-allow-stale-kv).
     max_staleness: int | None = None
+    # Turn routing replay on (or off) for these samples from now on; null keeps their setting.
+    return_routed_experts: bool | None = None
 
 
 class InputReq(_Req):

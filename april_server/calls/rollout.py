@@ -44,6 +44,7 @@ from april_server.calls.wind_down import WindDown
 from april_server.engine.segment_state import BACKGROUND
 from april_server.rules import samples as S
 from april_server.rules.idempotency import handed_in_by, is_attempt
+from april_server.rules.routing import check_wanted as check_routing
 from april_server.rules.turns import check_spec
 from april_server.runtime.manager import run_to_end
 from april_server.wire.errors import bad_request, conflict
@@ -66,12 +67,13 @@ async def new_groups(
     specs: list[GroupSpec],
     handed_in: frozenset[str] = frozenset(),
     turns: TurnsSpec | None = None,
+    routing: bool = False,
 ) -> list[Group]:
     """Validate the request's groups and build them; raises ApiError, changes nothing. A big
     call yields to the event loop as it goes, so other requests are not held up. Groups in
     `handed_in` (an earlier attempt of the same `request_id` already handed them in) are
     checked for their id only, and not built again. `turns`: the call's turn rule, for
-    groups that carry none."""
+    groups that carry none; `routing`: the call's `return_routed_experts`."""
     check_spec(turns, "turns", mgr.engine.vocab_size)
     seen: set[str] = set()
     built = []
@@ -98,7 +100,11 @@ async def new_groups(
         for params in [spec.sampling_params, *(spec.member_params or [])]:
             mgr.engine.check_sampling_params({k: v for k, v in params.items()})
         check_spec(spec.turns, f"group {spec.group_id!r}: turns", mgr.engine.vocab_size)
-        group = S.build_group(spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size, turns)
+        wants = routing if spec.return_routed_experts is None else spec.return_routed_experts
+        check_routing(wants, mgr.engine.routing_format, f"group {spec.group_id!r}")
+        group = S.build_group(
+            spec, prompt, mgr.engine.context_len, mgr.engine.vocab_size, turns, routing
+        )
         _check_as_sent(mgr, group)
         built.append(group)
     return built
@@ -152,7 +158,9 @@ class RolloutCall(Refill, WindDown):
             raise bad_request(
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
-        fresh = await new_groups(mgr, req.groups, self.handed_in, req.turns)
+        fresh = await new_groups(
+            mgr, req.groups, self.handed_in, req.turns, req.return_routed_experts
+        )
         await self._settle_own_groups()
         # From here to the claims below nothing awaits: what is decided is what is taken.
         for g in fresh:  # the validation yielded: another call may have sent the same id

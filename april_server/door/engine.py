@@ -18,12 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from april_client.protocol import WeightGroupInfo
+from april_client.protocol import RoutingDtype, WeightGroupInfo
 from april_server.door.weight_hooks import JoinedGroup
 from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.ranks import merge_rank_stats
+from april_server.rules.routing import RoutingRows, dtype_for
 from april_server.rules.samples import SegmentResult
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
@@ -121,6 +122,7 @@ class SGLangEngine(SnapshotEngine):
             getattr(tokenizer_manager.server_args, "enable_deterministic_inference", False)
         )
         self.eos_token_ids = _eos_ids(tokenizer_manager)
+        self.routing_format = routing_format(tokenizer_manager)
         self._ids = itertools.count()
         self._waiting: dict[int, _Gather] = {}
         self.tm._result_dispatcher += TypeBasedDispatcher([(AprilKvResp, self._on_kv_resp)])
@@ -259,7 +261,7 @@ class SGLangEngine(SnapshotEngine):
     async def generate_on(self, slot: Slot, call: SegmentCall) -> SegmentResult:
         rank = slot.dp_rank if self.dp_size > 1 else None
         return await self._generate(
-            call.rid, call.input_ids, call.sampling_params, rank, call.cache_ns
+            call.rid, call.input_ids, call.sampling_params, rank, call.cache_ns, call.routing_start
         )
 
     async def _generate(
@@ -269,9 +271,14 @@ class SGLangEngine(SnapshotEngine):
         sampling_params: dict[str, Any],
         rank: int | None,
         extra_key: str | None = None,
+        routing_start: int | None = None,
     ) -> SegmentResult:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
+        asked = routing_start if self.routing_format is not None else None
+        routing_args: dict[str, Any] = {}
+        if asked is not None:
+            routing_args = {"return_routed_experts": True, "routed_experts_start_len": asked}
         obj = GenerateReqInput(
             rid=rid,
             input_ids=list(input_ids),
@@ -281,6 +288,7 @@ class SGLangEngine(SnapshotEngine):
             stream=False,
             routed_dp_rank=rank,  # SGLang's DP controller sends it to that rank, unbalanced
             extra_key=extra_key,  # a stale restore's own prefix-cache namespace
+            **routing_args,
         )
         final: dict[str, Any] | None = None
         async for out in self.tm.generate_request(obj, None):
@@ -303,7 +311,16 @@ class SGLangEngine(SnapshotEngine):
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             dp_rank=None if meta.get("dp_rank") is None else int(meta["dp_rank"]),
             matched=matched if isinstance(matched, (str, int)) else None,
+            routing_asked=asked,
+            routing=None if asked is None else self._rows(asked, meta.get("routed_experts")),
         )
+
+    def _rows(self, start: int, encoded: Any) -> RoutingRows | None:
+        """SGLang's base64 int32 `[rows, layers, top_k]` as our compact rows (None: absent)."""
+        if not isinstance(encoded, str) or self.routing_format is None:
+            return None
+        layers, top_k, dtype = self.routing_format
+        return RoutingRows(start, compact_rows(encoded, dtype), layers, top_k, dtype)
 
     def abort(self, rid: str) -> None:
         self.tm.abort_request(rid=rid)
@@ -315,6 +332,33 @@ class SGLangEngine(SnapshotEngine):
             "model_path": str(self.tm.server_args.model_path),
             "has_tokenizer": self.tm.tokenizer is not None,
         }
+
+
+def routing_format(tm: Any) -> tuple[int, int, RoutingDtype] | None:
+    """(layers, top_k, dtype) of the routed experts SGLang captures (`--enable-return-routed-
+    experts` on a MoE model: one row per token per layer, as its capturer sizes them); None
+    when it captures none."""
+    if not getattr(tm.server_args, "enable_return_routed_experts", False):
+        return None
+    text = tm.model_config.hf_text_config
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not top_k:
+        return None
+    experts = next(
+        (int(v) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+         if (v := getattr(text, k, None))),
+        0x7FFF,
+    )  # fmt: skip
+    return int(text.num_hidden_layers), int(top_k), dtype_for(experts)
+
+
+def compact_rows(encoded: str, dtype: RoutingDtype) -> bytes:
+    """SGLang's routed experts (base64 of int32) in `dtype`, little-endian."""
+    import numpy as np
+    import pybase64
+
+    ids = np.frombuffer(pybase64.b64decode(encoded), dtype=np.int32)
+    return ids.astype("<u1" if dtype == "uint8" else "<i2").tobytes()
 
 
 def _eos_ids(tm: Any) -> frozenset[int]:

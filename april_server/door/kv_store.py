@@ -41,10 +41,18 @@ class Snapshot:
     created_at: float = field(default_factory=time.time)
     slab: torch.Tensor | None = None  # pooled pinned buffer `kv` views (None: kv owns memory)
     ready: ReadyEvent | None = None  # CUDA copies only: completes when `kv` has been filled
+    # MoE with routed-experts capture: the experts each token was routed to when its KV was
+    # computed, [num_tokens, num_moe_layers, top_k] int32 on the host (None: not captured).
+    routing: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.kv.numel() * self.kv.element_size())
+        return int(self.kv.numel() * self.kv.element_size()) + self.routing_bytes
+
+    @property
+    def routing_bytes(self) -> int:
+        r = self.routing
+        return 0 if r is None else int(r.numel() * r.element_size())
 
     def wait(self) -> None:
         """Block until the copy that filled ``kv`` has finished (no-op on CPU)."""
@@ -275,16 +283,21 @@ class HostKvStore:
         dtype: torch.dtype,
         device: torch.device,
         uses: Sequence[torch.Tensor] = (),
+        routing: torch.Tensor | None = None,
     ) -> bool:
         """Snapshot a request's KV under ``key``. ``copy(out)`` writes the KV of ``device`` into
         the host slab ``out`` of ``shape``/``dtype`` and returns it; with ``out=None`` it
         allocates the slab itself. ``uses``: device tensors ``copy`` reads (kept alive for the
-        side stream). False when the snapshot was not kept (too big for the budget)."""
+        side stream). ``routing``: the tokens' routed experts (host memory, kept beside the KV
+        and counted in the budget). False when the snapshot was not kept (too big for the
+        budget)."""
         if device.type != "cuda":  # CPU: as before: the copy allocates, then the store keeps it
             t0 = time.perf_counter()
             slab = copy(None)
-            return self._keep(key, Snapshot(tokens=tokens, kv=slab), time.perf_counter() - t0)
-        nbytes = math.prod(shape) * dtype.itemsize
+            snap = Snapshot(tokens=tokens, kv=slab, routing=routing)
+            return self._keep(key, snap, time.perf_counter() - t0)
+        extra = 0 if routing is None else int(routing.numel() * routing.element_size())
+        nbytes = math.prod(shape) * dtype.itemsize + extra
         self.drop(key)  # its slab may serve the new snapshot
         if not self.make_room(nbytes):
             self.rejected += 1
@@ -305,7 +318,7 @@ class HostKvStore:
             if buf is not None:  # reusable once whatever was queued before the error is done
                 self.pool.release(buf, side.fence())
             raise
-        snap = Snapshot(tokens=tokens, kv=result[0], slab=buf, ready=done)
+        snap = Snapshot(tokens=tokens, kv=result[0], slab=buf, ready=done, routing=routing)
         kept = self._keep(key, snap, seconds())
         if not kept and buf is not None:
             self.pool.release(buf, done)
@@ -319,7 +332,8 @@ class HostKvStore:
         snap = self._snaps.get(key)
         if snap is None:
             return None
-        return {"tokens": len(snap.tokens), "bytes": snap.nbytes}
+        info = {"tokens": len(snap.tokens), "bytes": snap.nbytes}
+        return info if snap.routing is None else {**info, "routing_bytes": snap.routing_bytes}
 
     def ages(self) -> dict[str, float]:
         """Every key held, with its snapshot's age in seconds (for the owner's sweep)."""
@@ -333,6 +347,10 @@ class HostKvStore:
             "snapshots": len(self._snaps),
             "snapshot_bytes_used": self.bytes_used,
             "snapshot_bytes_budget": self.budget_bytes,
+            # Tokens held, and of the bytes used the routed experts kept beside their KV (MoE
+            # capture only): routing bytes per snapshot token = the one over the other.
+            "snapshot_tokens": sum(len(s.tokens) for s in self._snaps.values()),
+            "snapshot_routing_bytes": sum(s.routing_bytes for s in self._snaps.values()),
             "snapshots_evicted": self.evicted,
             "snapshots_rejected": self.rejected,
             "save_gbps_last": round(self.save.last_gbps, 4),

@@ -28,6 +28,7 @@ from april_server.door.dp_hooks import register_dp_hooks
 from april_server.door.fault_hooks import register_fault_hooks
 from april_server.door.ipc import AprilKvReq, AprilKvResp
 from april_server.door.kv_store import HostKvStore
+from april_server.door.moe_hooks import register_moe_hooks, restore_routing, saved_routing
 from april_server.engine.clock import EngineClock, StepTimer
 from april_server.settings import env
 from kernels.kv_copy import mha_kv_buffers, restore_kv, save_kv
@@ -44,6 +45,7 @@ def register() -> None:
     register_deterministic_hooks()  # no-op off SGLang's CPU engine; see door/deterministic.py
     register_dp_hooks()  # the DP controller's idle loop, on SGLang's CPU engine: dp_hooks.py
     register_fault_hooks()  # tests only: off unless APRIL_FAULT_INJECTION=1 (fault_hooks.py)
+    register_moe_hooks()  # routed-experts capture without CUDA; no-op on GPU (moe_hooks.py)
 
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
@@ -263,6 +265,7 @@ class SchedulerKv:
         if slots.is_cuda:
             torch.cuda.current_stream().synchronize()
         self.store.restore.add(int(kv.numel() * kv.element_size()), time.perf_counter() - t0)
+        restore_routing(slots, snap.routing, n)
 
     # ---- snapshot on release -----------------------------------------------------------------
 
@@ -291,4 +294,5 @@ class SchedulerKv:
             dtype=k_bufs[0].dtype,
             device=slots.device,
             uses=(slots,),
+            routing=saved_routing(slots),
         )

@@ -8,10 +8,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from april_client.protocol import WeightGroupInfo
+from april_client.protocol import RoutingDtype, WeightGroupInfo
 from april_server.rules.inflight import EngineCapacity, StepStat
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
@@ -32,6 +32,9 @@ class SegmentCall:
     drop: Slot | None = None  # free `key`'s snapshot held there first
     # Restore into, and generate within, this prefix-cache namespace (`snapshots.py`).
     cache_ns: str | None = None
+    # Return the routed experts from this context position on (None: don't); a restore moves
+    # it to the restore point, which recomputes nothing before it (rules/routing.py).
+    routing_start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,8 @@ class BaseEngine(ABC):
     # Token ids that end generation unless `ignore_eos` (the model's EOS): how a segment that
     # ended by abort in the step that produced one is known to have finished (`stops.py`).
     eos_token_ids: frozenset[int] = frozenset()
+    # (MoE layers, top_k, dtype) of the routed experts it returns; None: it returns none.
+    routing_format: tuple[int, int, RoutingDtype] | None = None
 
     @abstractmethod
     def weight_version(self) -> str:
@@ -178,6 +183,8 @@ class SnapshotEngine(BaseEngine):
         restored = 0
         if call.restore:
             restored = await self.restore_snapshot(call.key, call.slot, call.cache_ns)
+        if restored and call.routing_start is not None:
+            call = replace(call, routing_start=restored)
         try:
             result = await self.generate_on(call.slot, call)
         finally:

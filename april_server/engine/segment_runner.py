@@ -224,6 +224,7 @@ class SegmentRunner:
             plan.restore,
             plan.drop,
             cont.cache_ns if plan.restore else None,
+            0 if sample.return_routed_experts else None,  # a restore moves it (base.py)
         )
 
     async def _replan(

@@ -51,6 +51,7 @@ def engine_info(engine: BaseEngine) -> EngineInfo:
         eos_token_ids=sorted(engine.eos_token_ids),
         tp_size=group.ranks,
         weight_group=group.group,
+        routing_format=engine.routing_format,
     )
 
 

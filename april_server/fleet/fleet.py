@@ -218,6 +218,9 @@ class FleetEngine(SnapshotEngine):
         self.context_len = min(i.context_len for i in infos)
         vocab = {i.vocab_size for i in infos}
         self.vocab_size = vocab.pop() if len(vocab) == 1 else None
+        # Routing only when every engine returns it alike: a sample may run on any of them.
+        formats = {i.routing_format for i in infos}
+        self.routing_format = formats.pop() if len(formats) == 1 else None
 
     def member(self, slot: Slot) -> RemoteEngine | None:
         return self.members.get(slot.engine)

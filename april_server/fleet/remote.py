@@ -158,6 +158,7 @@ class RemoteEngine(SnapshotEngine):
         self.context_len, self.vocab_size = info.context_len, info.vocab_size
         self.assigns_seeds = info.assigns_seeds
         self.snapshots_enabled = info.snapshots_enabled
+        self.routing_format = info.routing_format
         self.failures = 0
 
     async def probe(self) -> EngineInfo:

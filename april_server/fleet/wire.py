@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from april_client.protocol import RoutingDtype
 from april_server.engine.base import SegmentCall, SegmentOutcome
 
 ENGINE_PREFIX = "/april/v1/engine"
@@ -27,6 +28,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     eos_token_ids: list[int] = []  # what ends generation unless ignore_eos (stops.py)
     tp_size: int = 1  # its ranks in a trainer's weight-update group
     weight_group: str | None = None  # the weight-update group it is in (a restart: none)
+    # (layers, top_k, dtype) of the routed experts it returns (MoE capture); null: none.
+    routing_format: tuple[int, int, RoutingDtype] | None = None
 
 
 class ControlOp(msgspec.Struct, frozen=True):

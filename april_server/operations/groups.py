@@ -42,7 +42,7 @@ async def add_groups(mgr: RolloutManager, req: GroupsReq) -> GroupsResp:
         raise bad_request("invalid_request", "max_staleness must be >= 0 or null")
     if not req.groups:
         raise bad_request("invalid_request", "groups is empty")
-    built = await new_groups(mgr, req.groups, turns=req.turns)
+    built = await new_groups(mgr, req.groups, turns=req.turns, routing=req.return_routed_experts)
     for g in built:  # the validation yielded: a call may have sent the same id meanwhile
         if mgr.buffer.known(g.group_id):
             raise conflict("group_exists", f"group {g.group_id!r} is already known")

@@ -16,6 +16,7 @@ from april_client.protocol import ResumeReq, Sample
 from april_server.engine.segment_state import CallTally
 from april_server.rules import samples as S
 from april_server.rules import turns as turn_rules
+from april_server.rules.routing import check_wanted as check_routing
 from april_server.runtime.manager import RolloutManager, run_to_end
 from april_server.wire.errors import bad_request, conflict, not_found
 from april_server.wire.ids import split_sample_id
@@ -62,6 +63,9 @@ async def _resume_claimed(
         await mgr.buffer.claim(gids, owner, busy_code="sample_busy")
         chosen = [mgr.sample(sid) for sid in req.sample_ids]
         _check_resumable(mgr, req, chosen, appends)
+        if req.return_routed_experts is not None:
+            for s in chosen:  # from this segment on (rules/routing.py: earlier rows unknown)
+                s.return_routed_experts = req.return_routed_experts
         for sid, ids in appends.items():
             sample = mgr.sample(sid)
             if turn_rules.awaiting(sample):  # the tool's answer: recorded like POST .../input
@@ -89,6 +93,7 @@ def _check_resumable(
     mgr: RolloutManager, req: ResumeReq, chosen: list[Sample], appends: dict[str, list[int]]
 ) -> None:
     """Raise before anything changes: finished samples, missing snapshots, bad appends."""
+    check_routing(bool(req.return_routed_experts), mgr.engine.routing_format, "resume")
     for s in chosen:
         params = {**s.sampling_params, **(req.sampling_params or {})}
         turn_rules.check_params(s.turn_rule, params, f"sample {s.sample_id!r}")

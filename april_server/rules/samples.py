@@ -24,6 +24,7 @@ from april_client.protocol import (
     Segment,
     TurnsSpec,
 )
+from april_server.rules import routing as R
 from april_server.rules.turns import check_params as check_turn_params
 from april_server.rules.turns import rule_of, with_turn_stops
 from april_server.wire.errors import bad_request
@@ -44,6 +45,10 @@ class SegmentResult:
     error: str | None = None
     dp_rank: int | None = None  # the data-parallel rank that ran it, when the engine says
     matched: str | int | None = None  # the stop string or token id that ended it, if any
+    # MoE routing replay: where the engine was asked for routed experts from (None: not
+    # asked) and what it returned (None: nothing); rules/routing.py records them.
+    routing_asked: int | None = None
+    routing: R.RoutingRows | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +115,10 @@ def build_group(
     context_len: int,
     vocab_size: int | None,
     turns: TurnsSpec | None = None,
+    routing: bool = False,
 ) -> Group:
     """A new group from a request spec; raises 400 on bad input. `turns`: the call's turn
-    rule, for a group that carries none."""
+    rule, for a group that carries none; `routing`: the call's `return_routed_experts`."""
     gid = spec.group_id
     if not gid:
         raise bad_request("invalid_group", "group_id must be a non-empty string")
@@ -157,6 +163,9 @@ def build_group(
                 seed=None if spec.seed is None else spec.seed + i,
                 metadata=spec.metadata,
                 turn_rule=rule,
+                return_routed_experts=(
+                    routing if spec.return_routed_experts is None else spec.return_routed_experts
+                ),
             )
         )
     return Group(group_id=gid, samples=samples, metadata=spec.metadata, created_at=now)
@@ -220,6 +229,7 @@ def reset_output(sample: Sample) -> None:
     sample.turns = []
     sample.status = "partial"
     sample.finish_reason = None
+    R.reset(sample)
     clear_snapshot(sample)
 
 
@@ -249,7 +259,8 @@ def apply_segment(
     start = len(sample.output_ids)
     sample.output_ids += new_ids
     sample.output_logprobs += new_lps
-    if new_ids or result.finish_reason in ("stop", "length"):
+    recorded = bool(new_ids) or result.finish_reason in ("stop", "length")
+    if recorded:
         sample.segments.append(
             Segment(
                 start=start,
@@ -262,6 +273,18 @@ def apply_segment(
                 dp_rank=dp_rank,
             )
         )
+    # The rows this request computed belong to the segment it recorded (-1: it recorded none).
+    segment = len(sample.segments) - 1 if recorded else -1
+    fed = len(sample.prompt_ids) + num_appended(sample) + len(sample.output_ids) - 1
+    R.record(
+        sample,
+        result.routing,
+        result.routing_asked,
+        fed,
+        result.cached_tokens,
+        result.weight_version,
+        segment,
+    )
     sample.finish_reason = result.finish_reason
     if result.finish_reason == "stop":
         sample.status = "completed"

@@ -12,7 +12,8 @@ budget, each part with its own timeout cut to what is left:
    get_cpu_copy/load_cpu_copy (``bench_kv_copy --device cuda``);
 3. server: april-server on the 8B-shaped model, shared by 4 and 5;
 4. resume: restore vs re-prefill for 1k/4k/16k-token partials after flush_cache;
-5. april_bench: sync vs static (april@all) vs adaptive (april@auto) APRIL.
+5. april_bench: sync vs static (april@all) vs adaptive (april@auto) APRIL;
+6. moe_routing: routing replay on the tiny MoE, the e2e routing tests on the device (#49).
 
 ``--dry-run`` (also what runs without CUDA) does everything a CPU can: the config loads in
 transformers and SGLang, the server and bench command lines parse, the ahead-of-time kernel
@@ -49,6 +50,7 @@ def plan(ctx: Context, with_aot: bool) -> list[tuple[str, Part]]:
         ("server", parts.start_server),
         ("resume", parts.resume),
         ("april_bench", parts.april_bench),
+        ("moe_routing", parts.moe_routing),
     ]
 
 

@@ -281,3 +281,22 @@ def stop_server(ctx: Context) -> None:
         ctx.server.keep_dir = False
         ctx.server.stop()
         ctx.server = None
+
+
+MOE_TESTS = "tests/e2e/test_moe_routing_e2e.py"
+
+
+def moe_routing(ctx: Context) -> dict[str, Any]:
+    """Routing replay on the tiny MoE on the device (issue #49): SGLang's CUDA MoE path and
+    capturer, the same e2e checks as on CPU (every position's routing equals an uninterrupted
+    run's after interrupt + resume on both KV paths, across a push and kill -9). Last: the 8B
+    server is stopped first, so the MoE server gets the device's memory."""
+    cmd = ctx.python("-m", "pytest", "-q", "-p", "no:cacheprovider", MOE_TESTS, "-k", "not dense")
+    if not ctx.cuda:
+        return {"status": NO_CUDA, "command": shown(cmd)}
+    timeout = ctx.allow(200)
+    if timeout < 60:
+        return {"status": "skipped: out of time budget", "command": shown(cmd)}
+    stop_server(ctx)
+    res = run_cmd(cmd, timeout, env=child_env())
+    return {"status": "ok" if res.ok else "failed", **res.summary()}

@@ -307,3 +307,24 @@ def test_pool_and_store_agree_on_every_slab(ops: list[tuple[str, int, int]]) -> 
         assert stats["pinned_bytes"] == lent + stats["pinned_free_bytes"]  # nothing pending
         assert stats["pinned_bytes"] <= store.pool.capacity_bytes
         assert stats["slab_pool_exhausted"] == 0  # the 25 % headroom always suffices
+
+
+def test_routing_beside_the_kv_counts_in_the_budget_and_goes_with_it() -> None:
+    # 128 bytes of KV + [tokens, layers=2, top_k=2] int32 = 16 bytes of routing per token
+    def moe_snap(n: int) -> Snapshot:
+        s = snap(n)
+        s.routing = torch.zeros(n, 2, 2, dtype=torch.int32)
+        return s
+
+    store = HostKvStore(budget_bytes=144 * 10)
+    assert store.put("a", moe_snap(4)) and store.put("b", moe_snap(4))
+    stats = store.stats()
+    assert stats["snapshot_bytes_used"] == 144 * 8 and stats["snapshot_routing_bytes"] == 16 * 8
+    assert stats["snapshot_tokens"] == 8 and store.info("a") == {
+        "tokens": 4, "bytes": 576, "routing_bytes": 64,
+    }  # fmt: skip
+    assert store.put("c", moe_snap(4))  # 12 x 144 bytes > the budget: the oldest goes
+    assert "a" not in store and store.stats()["snapshot_routing_bytes"] == 16 * 8
+    store.drop("b")
+    store.drop("c")
+    assert store.stats()["snapshot_routing_bytes"] == 0 == store.bytes_used

@@ -125,3 +125,33 @@ def test_embedded_models_get_readable_names_unless_the_user_names_them() -> None
     assert argv[argv.index("--served-model-name") + 1] == "april-tiny"
     april, rest = april_parser().parse_known_args(["--served-model-name", "mine"])
     assert build_argv(rest, april, cpu=False).count("--served-model-name") == 1
+
+
+def test_tiny_moe_is_a_deterministic_mixture_of_experts(tmp_path: Path) -> None:
+    from april_server.models import ensure_tiny_moe
+
+    a, b = ensure_tiny_moe(tmp_path / "a"), ensure_tiny_moe(tmp_path / "b")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    config = json.loads((a / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (8, 2)
+    model = AutoModelForCausalLM.from_pretrained(a).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    # the router spreads tokens: the 8 positions x 2 layers pick more than 2 distinct experts
+    picked = {
+        int(e) for logits in out.router_logits for e in logits.topk(2, dim=-1).indices.flatten()
+    }
+    assert len(picked) > 2
+
+
+def test_tiny_moe_is_served_with_routed_experts_capture() -> None:
+    from april_server.cli import april_parser, build_argv
+
+    april, rest = april_parser().parse_known_args(["--april-model", "tiny-moe"])
+    argv = build_argv(rest, april, cpu=False)
+    assert "--enable-return-routed-experts" in argv
+    assert argv[argv.index("--served-model-name") + 1] == "april-tiny-moe"
+    april, rest = april_parser().parse_known_args([])
+    assert "--enable-return-routed-experts" not in build_argv(rest, april, cpu=False)
