@@ -342,6 +342,71 @@ class World:
             self.answer(sid, turn, delay=True),
         )
 
+    async def op_agent_under_push(self) -> None:
+        """An agent episode across a push: a `continue` call with `max_staleness` hands its
+        agent group to the background and its client goes away; once a member awaits an
+        answer the weights move, and the client retries (its own group only) while its tool's
+        answer arrives, so the answer may wait for the retry's claim to land."""
+        rng = self.rng
+        gid = self.fresh("a")
+        base = self.spec(gid, True)
+        spec = GroupSpec(
+            gid,
+            input_ids=base.input_ids,
+            n=rng.randint(2, 3),
+            sampling_params=base.sampling_params,
+            turns=base.turns,
+        )
+        req = RolloutReq(
+            groups=[spec],
+            target_groups=1,
+            on_quota="continue",
+            max_staleness=rng.choice([0, 1]),
+            stream=True,
+            request_id=self.fresh("r"),
+            max_inflight_groups=1,
+        )
+        self.abandoned.append((req, [gid], self.version()))
+        self.ledger.loosen(req.max_staleness)
+        first = asyncio.ensure_future(self.call(req, [gid], abandoned=True))
+        await asyncio.sleep(rng.uniform(0.001, 0.01))
+        first.cancel()
+        (outcome,) = await asyncio.gather(first, return_exceptions=True)
+        if isinstance(outcome, Exception):
+            raise outcome
+        if self.mgr.background.bounds.get(gid) != req.max_staleness:
+            return  # gone before it handed the group in
+        self.ledger.acked.add(gid)
+        self.ledger.background.add(gid)
+        self.ledger.bound(gid, req.max_staleness)
+        awaiting = None
+        for _ in range(40):  # what GET /partials/{gid} would show
+            await asyncio.sleep(0.005)
+            if not self.mgr.buffer.known(gid):
+                return
+            g = await self.mgr.read_group(gid)
+            awaiting = next((s for s in g.samples if T.awaiting(s)), None)
+            if awaiting is not None:
+                break
+        if awaiting is None:
+            return
+        self.note(f"agent {gid}: {awaiting.sample_id} awaits turn {awaiting.turn}")
+        for _ in range(rng.randint(1, 2)):
+            await self.op_push()
+        retry = RolloutReq(
+            groups=[spec],
+            target_groups=1,
+            on_quota="tokens",
+            stream=True,
+            request_id=req.request_id,
+            resume_first=False,
+            max_inflight_groups=1,
+        )
+        await asyncio.gather(
+            self.call(retry, [gid], retry=True),
+            self.answer(awaiting.sample_id, awaiting.turn, delay=True),
+        )
+
     async def op_groups(self) -> None:
         rng = self.rng
         agent = rng.random() < 0.35
@@ -564,6 +629,8 @@ class World:
         ("op_same_id", 0.3),
         ("op_engine_errors", 0.3),
         ("op_retry_grows", 0.5),
+        ("op_answer_beside_call", 1),
+        ("op_agent_under_push", 1),
     ]
 
     async def client(self, name: str, at: float) -> None:
