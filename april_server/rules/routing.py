@@ -4,7 +4,8 @@ A sample's `routing` holds one row per context position p (prompt, appended and 
 context order) that has been fed to the model: the experts it was routed to in every MoE layer,
 `[num_layers, top_k]`. Row p is recorded when p is first computed and never replaced:
 - a segment restored from a KV snapshot recomputes none of its prefix, so the engine is asked
-  only from the restore point (`routing_start`), and the rows before it are the recorded ones;
+  only from the restore point (`SegmentCall.routing_start`, engine/base.py), and the rows
+  before it are the recorded ones;
 - a re-prefilled segment recomputes every position past its prefix-cache hit; the engine is
   asked from 0, the rows it recomputed (`cached_tokens` <= p < known) go to `recomputed`
   (the newest recomputation of each position, with its weight version), flagged per span;
@@ -59,16 +60,6 @@ def check_wanted(wanted: bool, available: object, where: str) -> None:
 
 def known_positions(sample: Sample) -> int:
     return 0 if sample.routing is None else sample.routing.num_positions
-
-
-def routing_start(sample: Sample, restored: int) -> int | None:
-    """Where the engine is asked for rows from (SGLang's `routed_experts_start_len`); None:
-    the sample does not want routing. A restored prefix recomputes nothing, so its rows are the
-    ones recorded (or unknown, if routing was off when they were computed); a re-prefill is
-    asked from 0, to flag what it recomputed."""
-    if not sample.return_routed_experts:
-        return None
-    return restored
 
 
 def record(

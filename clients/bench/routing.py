@@ -4,8 +4,10 @@ Not a test. Two servers on the tiny MoE, up side by side and used one at a time:
 routed-experts capture, one with it (`--april-model tiny-moe` turns it on). The same greedy call
 (groups x n samples, every sample to its budget) runs on the first, and on the second with
 `return_routed_experts` off and on, in rotated order, the radix cache flushed before each;
-printed side by side: output tokens per wall second and response bytes per output token; then
-the routing's own bytes per position, on the wire (base64 in JSON) and in a KV snapshot (int32
+printed side by side: output tokens per wall second, the server's CPU seconds per 1k output
+tokens (its whole process tree: robust to other load on the machine, which stretches wall time
+but not the work done) and response bytes per output token; then the routing's own bytes per
+position, on the wire (base64 in JSON) and in a KV snapshot (int32
 rows beside the KV, `/stats` `snapshot_routing_bytes`):
 
     python -m april_client.bench.routing [--groups 8] [--n 4] [--max-tokens 128] [--repeats 3]
@@ -41,7 +43,25 @@ def _groups(tag: str, groups: int, n: int, max_tokens: int) -> list[dict[str, An
     ]  # fmt: skip
 
 
-def one_call(c: httpx.Client, tag: str, args: argparse.Namespace, routing: bool) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (SGLang's scheduler and
+    detokenizer are children of the HTTP process)."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += t.user + t.system
+    return total
+
+
+def one_call(
+    c: httpx.Client, tag: str, args: argparse.Namespace, routing: bool, pid: int
+) -> dict[str, Any]:
     _ok(c.post("/flush_cache"))
     body = {
         "groups": _groups(tag, args.groups, args.n, args.max_tokens),
@@ -49,9 +69,9 @@ def one_call(c: httpx.Client, tag: str, args: argparse.Namespace, routing: bool)
         "max_inflight_groups": args.groups,
         "return_routed_experts": routing,
     }
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     r = c.post(R + "/rollouts", json=body)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     out = _ok(r)
     samples = [s for g in out["groups"] for s in g["samples"]]
     tokens = sum(len(s["output_ids"]) for s in samples)
@@ -59,6 +79,7 @@ def one_call(c: httpx.Client, tag: str, args: argparse.Namespace, routing: bool)
     routing_wire = sum(len(json.dumps(s["routing"])) for s in samples if s["routing"])
     return {
         "tokens_per_s": tokens / wall,
+        "cpu_s_per_1k_tokens": 1000 * cpu / tokens,
         "resp_bytes_per_token": len(r.content) / tokens,
         "routing_wire_bytes_per_position": routing_wire / positions if routing else 0.0,
     }
@@ -106,19 +127,22 @@ def main() -> None:
     # --model-path given: the launcher adds no capture flag (cli.build_argv)
     plain = LaunchedServer(["--model-path", str(ensure_tiny_moe())])
     capture = LaunchedServer(["--april-model", "tiny-moe"])
-    start_all([plain, capture])
     try:
+        start_all([plain, capture])  # inside: a start that times out still stops both
         with (
             httpx.Client(base_url=plain.url, timeout=1800) as p,
             httpx.Client(base_url=capture.url, timeout=1800) as c,
         ):
-            one_call(p, "warm", args, False)  # first-call costs out of the figures
-            one_call(c, "warm", args, True)
+            pids = {"p": _pid(plain), "c": _pid(capture)}
+            one_call(p, "warm", args, False, pids["p"])  # first-call costs out of the figures
+            one_call(c, "warm", args, True, pids["c"])
             for k in range(args.repeats):
                 for i in range(len(modes)):
                     mode = modes[(i + k) % len(modes)]
-                    client = p if mode == "no capture" else c
-                    runs[mode].append(one_call(client, f"r{k}-{i}", args, mode == modes[2]))
+                    which = "p" if mode == "no capture" else "c"
+                    client = p if which == "p" else c
+                    asked = mode == modes[2]
+                    runs[mode].append(one_call(client, f"r{k}-{i}", args, asked, pids[which]))
             snap = snapshot_cost(c)
     finally:
         plain.stop()
@@ -131,6 +155,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "config": vars(args),
         **{f"tokens_per_s[{m}]": med(m, "tokens_per_s") for m in modes},
+        **{f"cpu_s_per_1k_tokens[{m}]": med(m, "cpu_s_per_1k_tokens") for m in modes},
         **{f"resp_bytes_per_token[{m}]": med(m, "resp_bytes_per_token") for m in modes},
         "routing_wire_bytes_per_position": med(modes[2], "routing_wire_bytes_per_position"),
         **snap,
@@ -138,12 +163,15 @@ def main() -> None:
     }
     print(f"tiny MoE (2 layers, 8 experts, top-2), CPU; {args.groups}x{args.n} samples of "
           f"{args.max_tokens} tokens, greedy; median of {args.repeats}, rotated")  # fmt: skip
-    print("| server / call | output tok/s | vs no capture | response bytes / output token |")
-    print("|---|---|---|---|")
+    cpu_base = med(modes[0], "cpu_s_per_1k_tokens")
+    print("| server / call | output tok/s | vs no capture | server CPU s / 1k tokens | vs no "
+          "capture | response bytes / output token |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for m in modes:
-        tps = med(m, "tokens_per_s")
+        tps, cpu = med(m, "tokens_per_s"), med(m, "cpu_s_per_1k_tokens")
         resp = med(m, "resp_bytes_per_token")
-        print(f"| {m} | {tps:.1f} | x{tps / base:.2f} | {resp:.1f} |")
+        print(f"| {m} | {tps:.1f} | x{tps / base:.2f} | {cpu:.3f} | x{cpu / cpu_base:.2f} | "
+              f"{resp:.1f} |")  # fmt: skip
     print(f"routing on the wire: {result['routing_wire_bytes_per_position']:.2f} bytes/position "
           f"(JSON, base64); snapshot of {snap['snapshot_tokens']} tokens: "
           f"{snap['snapshot_bytes_per_token']:.1f} bytes/token, of which routing "
@@ -151,6 +179,11 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def _pid(server: LaunchedServer) -> int:
+    assert server.proc is not None, "started"
+    return int(server.proc.pid)
 
 
 if __name__ == "__main__":

@@ -195,16 +195,18 @@ def test_interrupt_and_resume_keep_the_uninterrupted_routing(
 
 
 def test_a_snapshot_keeps_its_routing_in_its_budget(http: httpx.Client) -> None:
-    before = ok(http.get(R + "/stats"))
     s = interrupt(http, "b", [9, 8, 7, 6], 200, 5)
-    after = ok(http.get(R + "/stats"))
-    grown = after["snapshot_routing_bytes"] - before["snapshot_routing_bytes"]
-    # one int32 row of [layers, top_k] per snapshot token: the KV's tokens, no fewer
-    assert grown == (len(s.prompt_ids) + len(s.output_ids) - 1) * LAYERS * TOP_K * 4
-    assert after["snapshot_bytes_used"] - before["snapshot_bytes_used"] == s.snapshot_bytes
-    assert after["snapshot_tokens"] - before["snapshot_tokens"] == grown // (LAYERS * TOP_K * 4)
-    http.delete(R + "/partials/b")
-    assert ok(http.get(R + "/stats"))["snapshot_routing_bytes"] == before["snapshot_routing_bytes"]
+    tokens = len(s.prompt_ids) + len(s.output_ids) - 1  # what its KV covers
+    # fp32 K and V of 2 layers x 2 KV heads x 16 dims, and one int32 [layers, top_k] row
+    kv_row, routing_row = 2 * 2 * 2 * 16 * 4, LAYERS * TOP_K * 4
+    assert s.snapshot_bytes == tokens * (kv_row + routing_row)
+    # Totals over whatever snapshots the store holds (others may come and go meanwhile):
+    # each holds one routing row per token beside its KV rows.
+    st = ok(http.get(R + "/stats"))
+    assert (
+        st["snapshot_routing_bytes"] == st["snapshot_tokens"] * routing_row >= tokens * routing_row
+    )
+    assert st["snapshot_bytes_used"] == st["snapshot_tokens"] * (kv_row + routing_row)
 
 
 @pytest.mark.parametrize("kv", ["restore", "recompute"])

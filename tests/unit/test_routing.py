@@ -177,3 +177,22 @@ def test_routing_crosses_the_owner_engine_wire() -> None:
     assert segment_outcome.decode(encoder.encode(out)) == out
     info = EngineInfo(8, 448, 1, "v", False, True, routing_format=(LAYERS, TOP_K, "uint8"))
     assert engine_info.decode(encoder.encode(info)).routing_format == (LAYERS, TOP_K, "uint8")
+
+
+def test_turned_on_mid_way_a_restore_marks_the_unrecorded_prefix_missing() -> None:
+    s = sample()
+    s.return_routed_experts = False
+    run_segment(s, new=4, start=0, cached=0, version=0)  # 8 positions fed, none recorded
+    s.return_routed_experts = True  # /resume return_routed_experts: true
+    run_segment(s, new=3, start=8, cached=8, version=0)  # restored: asked from the restore
+    r = s.routing
+    assert r is not None and r.num_positions == 5 + 7 - 1
+    assert [(x.start, x.end, x.missing) for x in r.spans] == [(0, 8, True), (8, 11, False)]
+    got = decode.experts(r)
+    assert (got[:8] == decode.MISSING).all()
+    assert (
+        got[8:].tobytes()
+        == np.frombuffer(b"".join(truth(p, 0) for p in range(8, 11)), np.uint8)
+        .astype(np.int16)
+        .tobytes()
+    )
