@@ -68,19 +68,27 @@ class CallClients(WorldBase):
             await self.call(req, gids, retry=True)
 
     async def call(
-        self, req: RolloutReq, gids: list[str], abandoned: bool = False, retry: bool = False
+        self,
+        req: RolloutReq,
+        gids: list[str],
+        abandoned: bool = False,
+        retry: bool = False,
+        answers: str | None = None,
     ) -> None:
         label = f"call {req.request_id or ''} {gids} target {req.target_groups} {req.on_quota}"
         self.note(f"{label} {'(retry)' if retry else ''} starts")
         events: asyncio.Queue[StreamEvent | None] | None = asyncio.Queue() if req.stream else None
-        # The version the delivering attempt started under (a retry may be answered with the
-        # response of the first attempt of its request_id).
-        start_version = self.first_start.setdefault(req.request_id or "", self.version())
-        if req.request_id is None:
-            start_version = self.version()
+        # The version the delivering attempt started under: a retry is answered with the
+        # response its first attempt stored, if that one delivered (it has ended by now).
+        start_version = self.version()
+        if req.request_id is not None:
+            first = self.first_start.setdefault(req.request_id, start_version)
+            stored = await self.mgr.store.load_call(req.request_id) if retry else None
+            if stored is not None and not is_attempt(stored):
+                start_version = first
         reader = None
         if events is not None:
-            reader = asyncio.ensure_future(self.read_events(events))
+            reader = asyncio.ensure_future(self.read_events(events, answers))
         try:
             resp = await rollout(self.mgr, req, events)
         except ApiError as exc:
@@ -149,11 +157,14 @@ class CallClients(WorldBase):
             f"retry: invalid_target though its groups {usable} are all available",
         )
 
-    async def read_events(self, events: asyncio.Queue[StreamEvent | None]) -> None:
+    async def read_events(
+        self, events: asyncio.Queue[StreamEvent | None], answers: str | None = None
+    ) -> None:
+        """Answer each member that awaits input as `answers` says (None: at random)."""
         while (ev := await events.get()) is not None:
             if isinstance(ev, SampleAwaitingEvent):
                 sid, turn = ev.sample.sample_id, ev.turn
-                how = self.rng.choice(["now", "twice", "late", "never"])
+                how = answers or self.rng.choice(["now", "twice", "late", "never"])
                 if how in ("now", "twice"):
                     await self.answer(sid, turn, twice=how == "twice")
                 elif how == "late":
@@ -247,7 +258,7 @@ class CallClients(WorldBase):
             max_inflight_groups=1,
         )
         await asyncio.gather(
-            self.call(retry, [gid], retry=True),
+            self.call(retry, [gid], retry=True, answers="now"),
             self.answer(awaiting.sample_id, awaiting.turn, delay=True),
         )
 
