@@ -119,5 +119,5 @@ def test_a_failing_part_is_reported_and_the_others_still_run(tmp_path, monkeypat
 def test_device_plan_has_every_part_and_aot_only_on_request(tmp_path, flag):
     ctx = Context(dry_run=False, cuda=True, out_dir=tmp_path, budget_s=570)
     names = [name for name, _ in gpu_check.plan(ctx, with_aot=bool(flag))]
-    expected = ["parity", "kv_bandwidth", "server", "resume", "april_bench"]
+    expected = ["parity", "kv_bandwidth", "server", "resume", "april_bench", "moe_routing"]
     assert names == ["environment", "configs", *(["aot"] if flag else []), *expected]
