@@ -397,30 +397,11 @@ class SegmentRunner:
         its owner's `max_staleness` judges it now (it would otherwise extend a prefix the
         rule no longer allows). A snapshot the old plan was to restore (under the old
         weights) or to free is freed by the new plan's engine call."""
-        sample = run.sample
         held = old.slot if old.restore else old.drop
         if old.restore:
             run.restore_planned = False
-            K.clear(sample)
-        version = self.versions.now()
-        cont = S.plan_continuation(
-            sample,
-            version,
-            run.max_staleness,
-            self.versions.history,
-            run.override_params,
-            run.owner == BACKGROUND,
-        )
-        if cont.restarted:
-            self.count_restart(sample, run.tally)
-        call = self._plan(sample, run.owner, cont, False, held)
-        run.planned_version = version
-        if call is not None:
-            run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
-            self._add_load(call.slot, 1, need)
-        else:
-            run.unplanned_drop = held
-        return cont, call, False
+            K.clear(run.sample)
+        return self._continue_after_cut(run, need, held)
 
     async def _drop_unexecuted(self, call: SegmentCall) -> None:
         """The plan gave up the sample's old snapshot (`_plan` cleared its figures) and left
@@ -546,9 +527,10 @@ class SegmentRunner:
                 w.cancel()
 
     def _continue_after_cut(
-        self, run: Running, need: float
+        self, run: Running, need: float, held: Slot | None = None
     ) -> tuple[S.Continuation, SegmentCall | None, bool]:
-        """The next segment of a sample cut by a weight update, under the version now."""
+        """The next segment of a sample cut by a weight update, under the version now.
+        `held`: where a snapshot lives that the new plan must free (None: none)."""
         sample = run.sample
         version = self.versions.now()
         cont = S.plan_continuation(
@@ -561,11 +543,13 @@ class SegmentRunner:
         )
         if cont.restarted:
             self.count_restart(sample, run.tally)
-        call = self._plan(sample, run.owner, cont, False, None)
+        call = self._plan(sample, run.owner, cont, False, held)
         run.planned_version = version
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
             self._add_load(call.slot, 1, need)
+        elif held is not None:
+            run.unplanned_drop = held
         return cont, call, False
 
     # ---- stop, forget --------------------------------------------------------------------
