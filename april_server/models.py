@@ -208,15 +208,16 @@ def _tiny_tokenizer() -> Any:
     )
 
 
-def _build_tiny(out: Path) -> None:
+def _build_random(out: Path, what: str, arch: str, **shape: Any) -> None:
+    """A random fp32 `<arch>ForCausalLM` of the tiny family (hidden 64, 2 layers, 4 heads, 2 KV
+    heads) with the tiny tokenizer; `shape`: what its architecture adds or changes."""
     tf = _untyped("transformers")
     t0 = time.perf_counter()
     tok = _tiny_tokenizer()
     pad_id, _, eos_id = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
-    config = tf.LlamaConfig(
+    config = getattr(tf, f"{arch}Config")(
         vocab_size=len(tok),
         hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -227,15 +228,20 @@ def _build_tiny(out: Path) -> None:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
+        **shape,
     )
-    model = tf.LlamaForCausalLM(config).float()
+    model = getattr(tf, f"{arch}ForCausalLM")(config).float()
     _fill_weights(model, _unprintable_ids(tok))
     model.generation_config = tf.GenerationConfig(
         bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
     )
     model.save_pretrained(out)
     _save_tokenizer(tok, out)
-    _log(f"tiny model built in {time.perf_counter() - t0:.1f}s (vocab {len(tok)})")
+    _log(f"{what} built in {time.perf_counter() - t0:.1f}s (vocab {len(tok)})")
+
+
+def _build_tiny(out: Path) -> None:
+    _build_random(out, "tiny model", "Llama", intermediate_size=128)
 
 
 def ensure_tiny_model(cache_root: Path | None = None) -> Path:
@@ -244,38 +250,17 @@ def ensure_tiny_model(cache_root: Path | None = None) -> Path:
 
 
 def _build_tiny_moe(out: Path) -> None:
-    tf = _untyped("transformers")
-    t0 = time.perf_counter()
-    tok = _tiny_tokenizer()
-    pad_id, _, eos_id = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
     # NOTE: Mixtral, not Qwen3-MoE: the same router (softmax top-k, renormalized) without the
     # q/k norms, so the smallest model whose layers are all sparse. SGLang runs it on CPU
     # through its torch-native MoE (`UnquantizedFusedMoEMethod.forward_cpu`).
-    config = tf.MixtralConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
+    _build_random(
+        out,
+        "tiny MoE",
+        "Mixtral",
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_local_experts=8,
         num_experts_per_tok=2,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
     )
-    model = tf.MixtralForCausalLM(config).float()
-    _fill_weights(model, _unprintable_ids(tok))
-    model.generation_config = tf.GenerationConfig(
-        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
-    )
-    model.save_pretrained(out)
-    _save_tokenizer(tok, out)
-    _log(f"tiny MoE built in {time.perf_counter() - t0:.1f}s (vocab {len(tok)})")
 
 
 def ensure_tiny_moe(cache_root: Path | None = None) -> Path:
