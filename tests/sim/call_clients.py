@@ -129,9 +129,13 @@ class CallClients(WorldBase):
             led.leave(gid)
         bg = self.mgr.background
         for gid in resp.buffered_group_ids:  # handed to the background: the server says so
-            if req.on_quota == "continue" and bg.handed_by.get(gid) == resp.batch_id:
+            if req.on_quota != "continue":
+                continue
+            if bg.handed_by.get(gid) == resp.batch_id:
                 led.background.add(gid)
                 led.handed_by[gid] = resp.batch_id
+            # Its bound is this call's even if it already finished there (no longer wanted).
+            if gid in bg.bounds and bg.bounds[gid] == req.max_staleness:
                 led.bound(gid, req.max_staleness)
 
     async def settle_abandoned(self) -> None:
