@@ -236,7 +236,8 @@ class CallClients(WorldBase):
         if self.mgr.background.bounds.get(gid) != req.max_staleness:
             return  # gone before it handed the group in
         self.ledger.acked.add(gid)
-        self.ledger.background.add(gid)
+        if gid in self.mgr.background.wanted:  # unless an abort since made it forget it
+            self.ledger.background.add(gid)
         self.ledger.bound(gid, req.max_staleness)
         awaiting = None
         for _ in range(40):  # what GET /partials/{gid} would show
