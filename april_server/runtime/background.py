@@ -126,7 +126,6 @@ class Background:
         here again."""
         if not self.bounds:
             return
-        current, history = self.segments.versions.now(), self.segments.versions.history
         useless = []
         for g in groups:
             bound = self.bounds.get(g.group_id)
@@ -135,10 +134,7 @@ class Background:
             for s in g.samples:
                 if s.sample_id in self.segments.running:  # taken over: judged at every cut
                     continue
-                if (
-                    s.segments
-                    and S.version_lag(s.segments[0].weight_version, current, history) > bound
-                ):
+                if self._past_bound(s, bound):
                     useless.append((s.sample_id, K.held_at(s)))
                     S.restart_for_staleness(s)
                     self.segments.count_restart(s, tally)
@@ -198,6 +194,7 @@ class Background:
         return refused
 
     def _past_bound(self, sample: Sample, bound: int | None) -> bool:
+        """Whether the sample's oldest kept token is more than `bound` versions behind now."""
         if bound is None or not sample.segments:
             return False
         versions = self.segments.versions
