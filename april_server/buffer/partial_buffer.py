@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from april_client.protocol import Group
+from april_client.protocol import Group, Sample
 from april_server.buffer.buffer_index import BufferEntry, BufferIndex, summarize
 from april_server.buffer.store import BufferStore
 from april_server.wire.errors import conflict, not_found
+from april_server.wire.ids import split_sample_id
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,20 @@ class PartialBuffer:
         if cold:
             out.update(await self.store.read_groups(cold))
         return out
+
+    async def read_group(self, group_id: str) -> Group:
+        return (await self.read([group_id]))[group_id]
+
+    async def read_samples(self, sample_ids: list[str]) -> dict[str, Sample]:
+        """Samples to show, claimed or idle; 404 for an unknown one."""
+        parsed = {sid: split_sample_id(sid) for sid in sample_ids}
+        gids = sorted({p[0] for p in parsed.values() if p is not None})
+        groups = await self.read([g for g in gids if self.known(g)])
+        return {sid: _member(groups, sid, parts) for sid, parts in parsed.items()}
+
+    def claimed_sample(self, sample_id: str) -> Sample:
+        """A member of a claimed group (idle ones: `read_samples`); 404 if none."""
+        return _member(self.claimed, sample_id, split_sample_id(sample_id))
 
     # ---- claiming: `take*` decide and record at once, `arrive` reads the bodies ---------------
 
@@ -298,3 +313,11 @@ class PartialBuffer:
     def load_idle(self) -> list[Group]:
         """Every idle group's body, oldest first: O(buffer), for tests only."""
         return [g for g in self.store.load_all() if g.group_id in self.idle]
+
+
+def _member(groups: Mapping[str, Group], sample_id: str, parts: tuple[str, int] | None) -> Sample:
+    """The member `sample_id` (parsed as `parts`) names in `groups`; 404 if none."""
+    g = groups.get(parts[0]) if parts else None
+    if parts is None or g is None or parts[1] >= len(g.samples):
+        raise not_found(f"unknown sample_id {sample_id!r}")
+    return g.samples[parts[1]]

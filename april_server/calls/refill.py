@@ -1,105 +1,130 @@
-"""Step 2 of a call: start groups whole, in order, under the running target and the engine's
-admission bound; claim buffered groups only as they start; count groups as they finish."""
+"""Steps 2-3 of a call: start groups whole, in order, under the running target and the
+engine's admission bound; claim buffered groups only as they start; count groups as they
+finish."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from april_client.protocol import Group, GroupFinishedEvent
 from april_server.buffer.buffer_index import BufferEntry, open_footprint
+from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.calls.state import CallState
 from april_server.calls.turns_in_call import TurnsInCall
-from april_server.rules import samples as S
-from april_server.rules.inflight import kv_need
+from april_server.engine.segment_runner import SegmentRunner
+from april_server.rules import samples as sample_rules
+from april_server.rules.inflight import Admission, kv_need
+from april_server.runtime.background import Background
+from april_server.runtime.inflight_policy import InflightPolicy
 
 
-class Refill(TurnsInCall):
-    async def _refill(
+class Refill:
+    def __init__(
         self,
-        tasks: dict[asyncio.Task[None], str],
-        active: dict[str, int],
-        limit: int,
-        sample_target: int,
+        state: CallState,
+        turns: TurnsInCall,
+        buffer: PartialBuffer,
+        segments: SegmentRunner,
+        background: Background,
+        admission: Admission,
+        policy: InflightPolicy,
     ) -> None:
+        self.state = state
+        self.turns = turns
+        self.buffer = buffer
+        self.segments = segments
+        self.background = background
+        self.admission = admission
+        self.policy = policy
+
+    async def arrive(self, entries: list[BufferEntry]) -> list[Group]:
+        """Groups just taken for this call (`PartialBuffer.take*`): counted as its own at once,
+        before their bodies are read, and those whose body never came left out again."""
+        state = self.state
+        state.group_ids.extend(e.group_id for e in entries)
+        groups: list[Group] = []
+        try:
+            groups = await self.buffer.arrive(entries)
+        finally:  # a failed read handed them all back (`arrive`); a missing body, that one
+            got = {g.group_id for g in groups}
+            lost = {e.group_id for e in entries} - got
+            if lost:
+                state.group_ids = [gid for gid in state.group_ids if gid not in lost]
+        return groups
+
+    async def refill(self, limit: int, sample_target: int) -> None:
         """Step 2: start groups whole, in order, while under the running target, the groups
         limit and the engine's admission bound."""
-        mgr = self.mgr
-        while len(active) < limit and not self.quota.met:
-            gid = await self._next_group(len(tasks), len(active), limit, sample_target)
+        state = self.state
+        while len(state.active) < limit and not state.quota.met:
+            gid = await self._next_group(limit, sample_target)
             if gid is None:
                 return
-            started = self._start_group(gid, tasks)
+            started = self._start_group(gid)
             if started:
-                active[gid] = active.get(gid, 0) + started  # an answered member may run
-                self.peak_running = max(self.peak_running, len(tasks))
-            elif S.group_finished(mgr.groups[gid]):
+                state.active[gid] = state.active.get(gid, 0) + started  # an answered member may run
+                state.note_running()
+            elif sample_rules.group_finished(self.buffer.claimed[gid]):
                 self._emit_finished(gid)
             else:  # nothing runnable: its members await input
-                self._announce_awaiting(gid)
+                self.turns.announce_awaiting(gid)
 
-    async def _take_over_background(
-        self,
-        tasks: dict[asyncio.Task[None], str],
-        active: dict[str, int],
-        limit: int,
-        sample_target: int,
-    ) -> None:
+    async def take_over_background(self, limit: int, sample_target: int) -> None:
         """Before step 2: the background groups still generating pass to this call, oldest
         first, as many as its running target takes; they keep generating and count toward its
         quota. The rest of the background stops (`background.py`, 1)."""
-        mgr = self.mgr
-        if self.req.resume_first:
+        state = self.state
+        if state.req.resume_first:
             room = [0, 0]  # groups, unfinished samples taken
 
             def take(group: Group, running: int) -> bool:
-                unfinished = sum(1 for s in group.samples if not S.is_finished(s))
+                unfinished = sum(1 for s in group.samples if not sample_rules.is_finished(s))
                 if room[0] and (room[0] >= limit or room[1] + unfinished > sample_target):
                     return False
                 room[0] += 1
                 room[1] += unfinished
                 return True
 
-            groups = mgr.background.hand_over(self.batch_id, take)
-            self.group_ids.extend(g.group_id for g in groups)
-            await mgr.background.restart_stale(groups, self.tally)
+            groups = self.background.hand_over(state.batch_id, take)
+            state.group_ids.extend(g.group_id for g in groups)
+            await self.background.restart_stale(groups, state.tally)
             for g in groups:
                 gid = g.group_id
-                self.started.add(gid)
-                runs = [r for r in mgr.running.values() if r.sample.group_id == gid]
+                state.started.add(gid)
+                runs = [r for r in self.segments.running.values() if r.sample.group_id == gid]
                 for r in runs:  # from now on planned, and counted, as this call's
-                    r.max_staleness, r.tally = self.req.max_staleness, self.tally
-                    tasks[r.task] = gid
-                n = len(runs) + self._start_group(gid, tasks)
+                    r.max_staleness, r.tally = state.req.max_staleness, state.tally
+                    state.tasks[r.task] = gid
+                n = len(runs) + self._start_group(gid)
                 if n:
-                    active[gid] = active.get(gid, 0) + n
-                    self.peak_running = max(self.peak_running, len(tasks))
-                elif S.group_finished(g):
+                    state.active[gid] = state.active.get(gid, 0) + n
+                    state.note_running()
+                elif sample_rules.group_finished(g):
                     self._emit_finished(gid)
-        await mgr.background.give_way()
+        await self.background.give_way()
 
-    async def _next_group(
-        self, running: int, active: int, limit: int, sample_target: int
-    ) -> str | None:
+    async def _next_group(self, limit: int, sample_target: int) -> str | None:
         """The next group to start, if it fits: buffered ones first (oldest first, claimed now,
         as many as fit at once), then the sent ones. None: wait for a running group to end."""
-        mgr = self.mgr
-        if not self.ready and self.req.resume_first and mgr.buffer.idle.claimable:
-            await self._claim_buffered(running, active, limit, sample_target)
-            if not self.ready and mgr.buffer.idle.claimable:
+        state, idle = self.state, self.buffer.idle
+        running = len(state.tasks)
+        if not state.ready and state.req.resume_first and idle.claimable:
+            await self._claim_buffered(running, len(state.active), limit, sample_target)
+            if not state.ready and idle.claimable:
                 return None  # the oldest buffered group does not fit yet
-        for queue in (self.ready, self.fresh):  # an abort named these meanwhile: not started
-            while queue and queue[0] in self.given_up:
+        for queue in (state.ready, state.fresh):  # an abort named these meanwhile: not started
+            while queue and queue[0] in state.given_up:
                 queue.popleft()
-        queue = self.ready or self.fresh
+        queue = state.ready or state.fresh
         if not queue:
             return None
-        group = mgr.groups[queue[0]]
+        group = self.buffer.claimed[queue[0]]
         unfinished, context, left = open_footprint(group)
         need = kv_need(context, left)
         # Groups start whole; the running target is a ceiling, not a hint (a group larger
         # than the target may still run alone).
         if running and (
-            running + unfinished > sample_target or not mgr.admission.fits(unfinished, need)
+            running + unfinished > sample_target or not self.admission.fits(unfinished, need)
         ):
             return None
         return queue.popleft()
@@ -109,10 +134,10 @@ class Refill(TurnsInCall):
     ) -> None:
         """Claim the oldest idle groups that fit now (finished ones while the quota can use
         them); they leave the index at once, their bodies are read off the event loop."""
-        mgr = self.mgr
+        state, admission = self.state, self.admission
         room_samples = room_groups = 0
         room_tokens = 0.0
-        finished_wanted = self.quota.target - len(self.quota.accepted)
+        finished_wanted = state.quota.target - len(state.quota.accepted)
 
         def fits(e: BufferEntry) -> bool:
             nonlocal finished_wanted, room_samples, room_groups, room_tokens
@@ -124,7 +149,7 @@ class Refill(TurnsInCall):
             if not first and (
                 active + room_groups >= limit
                 or running + room_samples + e.unfinished > sample_target
-                or not mgr.admission.fits(room_samples + e.unfinished, room_tokens + need)
+                or not admission.fits(room_samples + e.unfinished, room_tokens + need)
             ):
                 return False
             room_samples += e.unfinished
@@ -132,64 +157,65 @@ class Refill(TurnsInCall):
             room_groups += 1
             return True
 
-        picked = mgr.buffer.take_oldest(fits, self.batch_id)
+        picked = self.buffer.take_oldest(fits, state.batch_id)
         if picked:
             # Recorded as this call's before the bodies are read: an abort naming one of them
             # meanwhile finds it here and the call gives it up.
-            groups = await self._arrive(picked)
-            self.ready.extend(g.group_id for g in groups)
-            await mgr.background.restart_stale(groups, self.tally)
+            groups = await self.arrive(picked)
+            state.ready.extend(g.group_id for g in groups)
+            await self.background.restart_stale(groups, state.tally)
 
-    async def _inflight_limits(self) -> tuple[int, int]:
+    async def inflight_limits(self) -> tuple[int, int]:
         """(max groups, max running samples) for this call. An integer pins the groups;
         "auto" sizes the running batch from the engine's measured step-time curve."""
-        req, mgr = self.req, self.mgr
+        state, claimed, idle = self.state, self.buffer.claimed, self.buffer.idle
+        req = state.req
         if req.max_inflight_groups != "auto":
-            self.inflight_target = None
+            state.inflight_target = None
             return req.max_inflight_groups, 1 << 30
         # O(target + sent), not O(buffer): the index keeps the buffered counts.
-        sizes = [len(mgr.groups[gid].samples) for gid in self.ready][: req.target_groups]
+        sizes = [len(claimed[gid].samples) for gid in state.ready][: req.target_groups]
         if req.resume_first:
-            for e in mgr.buffer.idle.claimable_oldest():
+            for e in idle.claimable_oldest():
                 if len(sizes) >= req.target_groups:
                     break
                 sizes.append(e.num_samples)
-        for gid in self.fresh:
+        for gid in state.fresh:
             if len(sizes) >= req.target_groups:
                 break
-            sizes.append(len(mgr.groups[gid].samples))
+            sizes.append(len(claimed[gid].samples))
         demand = sum(sizes)  # what a synchronous step would run
-        can_run = sum(len(mgr.groups[g].samples) for g in [*self.ready, *self.fresh])
+        can_run = sum(len(claimed[g].samples) for g in [*state.ready, *state.fresh])
         if req.resume_first:
-            can_run += mgr.buffer.idle.unfinished_samples
-        decision = await mgr.inflight_decision(demand, max(can_run, 1))
-        self.inflight_target = decision.running_target
+            can_run += idle.unfinished_samples
+        decision = await self.policy.decide(demand, max(can_run, 1))
+        state.inflight_target = decision.running_target
         return 1 << 30, decision.running_target
 
-    def _collect(
-        self, done: set[Any], tasks: dict[asyncio.Task[None], str], active: dict[str, int]
-    ) -> None:
+    def collect(self, done: set[Any]) -> None:
         """Account for finished segment tasks; a group counts once all its members ended."""
+        state, claimed = self.state, self.buffer.claimed
         for t in done:
-            gid = tasks.pop(t)
-            active[gid] -= 1
-            if active[gid] == 0:
-                del active[gid]
-                if S.group_finished(self.mgr.groups[gid]):
+            gid = state.tasks.pop(t)
+            state.active[gid] -= 1
+            if state.active[gid] == 0:
+                del state.active[gid]
+                if sample_rules.group_finished(claimed[gid]):
                     self._emit_finished(gid)
-            if gid in self.mgr.groups:
-                self._announce_awaiting(gid)
+            if gid in claimed:
+                self.turns.announce_awaiting(gid)
 
-    def _start_group(self, gid: str, tasks: dict[asyncio.Task[None], str]) -> int:
-        group, limit = self.mgr.groups[gid], self.req.max_staleness
-        n = self.mgr.segments.start_group(group, self.batch_id, self.tally, limit, tasks)
+    def _start_group(self, gid: str) -> int:
+        state = self.state
+        group, limit = self.buffer.claimed[gid], state.req.max_staleness
+        n = self.segments.start_group(group, state.batch_id, state.tally, limit, state.tasks)
         if n:
-            self.started.add(gid)
+            state.started.add(gid)
         return n
 
     def _emit_finished(self, gid: str) -> None:
-        if not self.quota.finish(gid):
+        state = self.state
+        if not state.quota.finish(gid):
             return  # counted and announced already
-        if self.events is not None and len(self.quota.accepted) <= self.quota.target:
-            event = GroupFinishedEvent(group=self.mgr.groups[gid], batch_id=self.batch_id)
-            self.events.put_nowait(event)
+        if state.events is not None and len(state.quota.accepted) <= state.quota.target:
+            state.emit(GroupFinishedEvent(group=self.buffer.claimed[gid], batch_id=state.batch_id))

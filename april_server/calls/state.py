@@ -1,27 +1,19 @@
-"""What one `/rollouts` call holds while it runs (`rollout.py` drives it; `refill.py`
-starts its groups, `wind_down.py` winds it down)."""
+"""What one `/rollouts` call holds while it runs: plain data, changed by the call's steps
+(`refill.py`, `turns_in_call.py`, `wind_down.py`) and read by `rollout.py`'s loop."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING
 
 from april_client.protocol import Group, RolloutReq, StreamEvent
-from april_server.buffer.buffer_index import BufferEntry
 from april_server.engine.segment_state import CallTally
 from april_server.rules.quota import QuotaTracker
 
-if TYPE_CHECKING:
-    from april_server.runtime.manager import RolloutManager
-
 
 class CallState:
-    def __init__(
-        self, mgr: RolloutManager, req: RolloutReq, handed_in: frozenset[str] = frozenset()
-    ) -> None:
-        self.mgr = mgr
+    def __init__(self, req: RolloutReq, handed_in: frozenset[str] = frozenset()) -> None:
         self.req = req
         self.handed_in = handed_in  # sent groups an earlier attempt of this request_id buffered
         self.batch_id = f"b-{uuid.uuid4().hex[:12]}"
@@ -45,16 +37,10 @@ class CallState:
         self.given_up: set[str] = set()
         self.closed = asyncio.Event()  # set once the call has handed its groups back
 
-    async def _arrive(self, entries: list[BufferEntry]) -> list[Group]:
-        """Groups just taken for this call (`PartialBuffer.take*`): counted as its own at once,
-        before their bodies are read, and those whose body never came left out again."""
-        self.group_ids.extend(e.group_id for e in entries)
-        groups: list[Group] = []
-        try:
-            groups = await self.mgr.buffer.arrive(entries)
-        finally:  # a failed read handed them all back (`arrive`); a missing body, that one
-            got = {g.group_id for g in groups}
-            lost = {e.group_id for e in entries} - got
-            if lost:
-                self.group_ids = [gid for gid in self.group_ids if gid not in lost]
-        return groups
+    def note_running(self) -> None:
+        self.peak_running = max(self.peak_running, len(self.tasks))
+
+    def emit(self, event: StreamEvent) -> None:
+        """To the caller's stream, if it has one."""
+        if self.events is not None:
+            self.events.put_nowait(event)

@@ -14,41 +14,70 @@ import time
 import msgspec
 
 from april_client.protocol import Keep, RolloutResp, RolloutStats
+from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.calls.state import CallState
 from april_server.calls.turns_in_call import TurnsInCall
-from april_server.engine.segment_state import Running
-from april_server.rules import samples as S
+from april_server.engine.segment_runner import SegmentRunner
+from april_server.engine.segment_state import Counters, Running
+from april_server.engine.versions import WeightVersions
+from april_server.rules import samples as sample_rules
 from april_server.rules.idempotency import attempt_record
-from april_server.rules.inflight import choose_running_target
+from april_server.rules.inflight import Admission, choose_running_target
+from april_server.runtime.background import Background
+from april_server.runtime.inflight_policy import InflightPolicy
+from april_server.runtime.persister import Persister
 
 _enc = msgspec.json.Encoder()
 logger = logging.getLogger(__name__)
 
 
-class WindDown(TurnsInCall):
-    async def _wind_down(
-        self, t0: float, time_to_quota: float | None, deliver: bool
-    ) -> RolloutResp:
-        mgr = self.mgr
-        self.stopped = True
+class WindDown:
+    def __init__(
+        self,
+        state: CallState,
+        turns: TurnsInCall,
+        buffer: PartialBuffer,
+        segments: SegmentRunner,
+        background: Background,
+        persister: Persister,
+        versions: WeightVersions,
+        policy: InflightPolicy,
+        admission: Admission,
+        counters: Counters,
+    ) -> None:
+        self.state = state
+        self.turns = turns
+        self.buffer = buffer
+        self.segments = segments
+        self.background = background
+        self.persister = persister
+        self.versions = versions
+        self.policy = policy
+        self.admission = admission  # its size caps the pool advice's running target
+        self.counters = counters
+
+    async def wind_down(self, t0: float, time_to_quota: float | None, deliver: bool) -> RolloutResp:
+        state = self.state
+        state.stopped = True
         # Step 4: nothing of this call may keep generating.
-        runs = [r for r in list(mgr.running.values()) if r.owner == self.batch_id]
+        runs = [r for r in list(self.segments.running.values()) if r.owner == state.batch_id]
         # `continue`: the stragglers the background can take as they are keep generating
         # (handed over in `_finish`); the rest stop with a snapshot, which it restores.
         going = self._going_on_in_place(runs)
         runs = [r for r in runs if r.sample.group_id not in going]
-        keep: Keep | None = "snapshot" if self.req.on_quota in ("snapshot", "continue") else None
-        await mgr.stop_running(runs, keep)
+        keep: Keep | None = "snapshot" if state.req.on_quota in ("snapshot", "continue") else None
+        await self.segments.stop(runs, keep)
         # A segment leaves `running` when its request returned but still records its end
         # (tokens, the snapshot taken) a few awaits later: persisting before that would store
         # the group without it and lose track of the snapshot.
         kept = {r.task for rs in going.values() for r in rs}
-        await _recorded([t for t in self.tasks if t not in kept])
+        await _recorded([t for t in state.tasks if t not in kept])
         # Agent rollouts: which members it interrupted (mid-turn or at a turn's start), and
         # which reached a turn stop as they were stopped.
-        self._say_interrupted(runs)
+        self.turns.say_interrupted(runs)
         for gid in dict.fromkeys(r.sample.group_id for r in runs):
-            if gid in mgr.groups:
-                self._announce_awaiting(gid)
+            if gid in self.buffer.claimed:
+                self.turns.announce_awaiting(gid)
         resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
         if going:
             try:
@@ -57,19 +86,19 @@ class WindDown(TurnsInCall):
                 logger.exception(
                     "april: rollout %s: persisting the stragglers it stopped failed; they go "
                     "back to the buffer as persisted with its answer",
-                    self.batch_id,
+                    state.batch_id,
                 )
-        for g in self.discarded:  # their KV snapshots go with them
+        for g in state.discarded:  # their KV snapshots go with them
             for sample in g.samples:
-                await mgr.segments.forget(sample)
+                await self.segments.forget(sample)
         return resp
 
     def _going_on_in_place(self, runs: list[Running]) -> dict[str, list[Running]]:
         """The groups (and their runs) to hand to the background generating: a `continue`
         call's, where nothing but this call holds the background. Not a group being aborted,
         rejected, or of an agent episode (its turns are announced by the call that runs them)."""
-        mgr = self.mgr
-        if self.req.on_quota != "continue" or not mgr.background.may_adopt(self.batch_id):
+        state = self.state
+        if state.req.on_quota != "continue" or not self.background.may_adopt(state.batch_id):
             return {}
         by_group: dict[str, list[Running]] = {}
         for r in runs:
@@ -77,8 +106,8 @@ class WindDown(TurnsInCall):
         return {
             gid: rs
             for gid, rs in by_group.items()
-            if gid not in self.quota.rejected
-            and gid not in self.given_up
+            if gid not in state.quota.rejected
+            and gid not in state.given_up
             and not any(r.stopping or r.sample.turn_rule is not None for r in rs)
         }
 
@@ -87,15 +116,14 @@ class WindDown(TurnsInCall):
         Those it cannot take now (another call or operation came meanwhile, or a weight
         update) stop with a snapshot, as they would have at step 4, and are persisted again
         with what they generated since."""
-        mgr = self.mgr
-        refused = mgr.background.adopt(self.batch_id, going)
+        refused = self.background.adopt(self.state.batch_id, going)
         if not refused:
             return
         runs = [r for gid in refused for r in going[gid]]
         # Not one an abort is stopping meanwhile: that keeps what the abort asked for.
-        await mgr.stop_running([r for r in runs if not r.stopping], "snapshot")
+        await self.segments.stop([r for r in runs if not r.stopping], "snapshot")
         await _recorded([r.task for r in runs])
-        await mgr.persist([mgr.groups[g] for g in refused], [])
+        await self.persister.persist([self.buffer.claimed[g] for g in refused], [])
 
     async def _finish(
         self, wall_s: float, time_to_quota: float | None, deliver: bool
@@ -104,25 +132,25 @@ class WindDown(TurnsInCall):
         caller is gone) nothing is returned and nothing dropped, so every group goes back to
         the buffer: `drop` and a rejection are the caller's decisions about a delivery, and a
         retry of the same `request_id` runs again on all the groups this attempt handed in."""
-        mgr, req = self.mgr, self.req
-        version = mgr.current_version()
-        accepted = self.quota.accepted
+        state, req, claimed = self.state, self.state.req, self.buffer.claimed
+        version = self.versions.now()
+        accepted = state.quota.accepted
         returned = accepted[: req.target_groups] if deliver else []
-        rejected = sorted(self.quota.rejected) if deliver else []
+        rejected = sorted(state.quota.rejected) if deliver else []
         dropped = list(rejected)
         buffered = []
-        for gid in self.group_ids:
+        for gid in state.group_ids:
             if gid in returned or gid in rejected:
                 continue
-            unfinished = not S.group_finished(mgr.groups[gid])
-            if deliver and req.on_quota == "drop" and unfinished and gid in self.started:
+            unfinished = not sample_rules.group_finished(claimed[gid])
+            if deliver and req.on_quota == "drop" and unfinished and gid in state.started:
                 dropped.append(gid)
             else:
                 buffered.append(gid)
-        groups = [mgr.groups[g] for g in returned]
-        notes = list(self.tally.notes)
+        groups = [claimed[g] for g in returned]
+        notes = list(state.tally.notes)
         on_quota = req.on_quota
-        if on_quota == "snapshot" and not mgr.segments.snapshots_enabled:
+        if on_quota == "snapshot" and not self.segments.snapshots_enabled:
             on_quota = "tokens"
             notes.append("on_quota=snapshot ran as tokens: this engine keeps no KV snapshots")
         stats = RolloutStats(
@@ -130,29 +158,29 @@ class WindDown(TurnsInCall):
             weight_version=version,
             num_finished_groups=len(returned),
             num_buffered_groups=len(buffered),
-            output_tokens=self.tally.output_tokens,
-            offpolicy_tokens=sum(S.offpolicy_tokens(g, version) for g in groups),
-            resumed_samples=self.tally.resumed_samples,
-            restored_kv_tokens=self.tally.restored_kv_tokens,
-            recomputed_tokens=self.tally.recomputed_tokens,
+            output_tokens=state.tally.output_tokens,
+            offpolicy_tokens=sum(sample_rules.offpolicy_tokens(g, version) for g in groups),
+            resumed_samples=state.tally.resumed_samples,
+            restored_kv_tokens=state.tally.restored_kv_tokens,
+            recomputed_tokens=state.tally.recomputed_tokens,
             quota_met=len(returned) == req.target_groups,
             num_rejected_groups=len(rejected),
             num_dropped_groups=len(dropped) - len(rejected),
             time_to_quota_s=None if time_to_quota is None else round(time_to_quota, 4),
             on_quota_effective=on_quota,
-            inflight_target=self.inflight_target,
-            num_started_groups=len(self.started),
-            peak_running_samples=self.peak_running,
+            inflight_target=state.inflight_target,
+            num_started_groups=len(state.started),
+            peak_running_samples=state.peak_running,
             groups_wanted=self._groups_wanted(buffered, version) if deliver else None,
             offpolicy_fraction=round(
-                sum(S.offpolicy_tokens(g, version) for g in groups)
+                sum(sample_rules.offpolicy_tokens(g, version) for g in groups)
                 / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),
                 4,
             ),
             notes=notes,
         )
         resp = RolloutResp(
-            batch_id=self.batch_id,
+            batch_id=state.batch_id,
             groups=groups,
             buffered_group_ids=buffered,
             stats=stats,
@@ -165,20 +193,20 @@ class WindDown(TurnsInCall):
             body = _enc.encode(resp) if deliver else attempt_record(req)
             call = (req.request_id, body)
         # Dropped groups and returned ones leave the server: so do their KV snapshots.
-        self.discarded = [mgr.groups[g] for g in dropped + returned]
-        await mgr.persist([mgr.groups[g] for g in buffered], returned + dropped, call)
-        mgr.background.forget(returned + dropped, gone=True)  # they left the server
+        state.discarded = [claimed[g] for g in dropped + returned]
+        await self.persister.persist([claimed[g] for g in buffered], returned + dropped, call)
+        self.background.forget(returned + dropped, gone=True)  # they left the server
         if req.on_quota == "continue":  # they go on generating once this call has ended
             # Not those an abort named meanwhile (it landed during the persist): it ended
             # their background life before it answered.
-            going_on = [g for g in buffered if g in self.started and g not in self.given_up]
-            mgr.background.add(
-                [g for g in going_on if not S.group_finished(mgr.groups[g])],
+            going_on = [g for g in buffered if g in state.started and g not in state.given_up]
+            self.background.add(
+                [g for g in going_on if not sample_rules.group_finished(claimed[g])],
                 req.max_staleness,
-                self.batch_id,
+                state.batch_id,
             )
-        mgr.counters.returned_groups += len(returned)
-        mgr.counters.dropped_groups += len(dropped)
+        self.counters.returned_groups += len(returned)
+        self.counters.dropped_groups += len(dropped)
         return resp
 
     def _groups_wanted(self, buffered: list[str], version: str) -> int | None:
@@ -186,15 +214,15 @@ class WindDown(TurnsInCall):
         engine's step curve picks for this call's quota (with no cap from what was sent),
         how many groups to hold so that the batch stays filled until the quota is met. Only
         for `max_inflight_groups: "auto"` (a pinned number sets its own batch)."""
-        mgr, req = self.mgr, self.req
-        if req.max_inflight_groups != "auto" or mgr.last_inflight is None or not self.group_ids:
+        state, req, claimed = self.state, self.state.req, self.buffer.claimed
+        curve = self.policy.last_curve()  # the newest decision's (this call's, or a later one's)
+        if req.max_inflight_groups != "auto" or curve is None or not state.group_ids:
             return None
-        size = round(sum(len(mgr.groups[g].samples) for g in self.group_ids) / len(self.group_ids))
-        curve = mgr.last_inflight[1]  # the newest decision's curve (this call's, or later)
-        target = choose_running_target(curve, req.target_groups * size, mgr.admission.max_samples)
-        lengths = mgr.segments.lengths
-        carried = [lengths.remaining(mgr.groups[g]) for g in buffered]
-        return mgr.pool_advisor.advise(
+        size = round(sum(len(claimed[g].samples) for g in state.group_ids) / len(state.group_ids))
+        target = choose_running_target(curve, req.target_groups * size, self.admission.max_samples)
+        lengths = self.segments.lengths
+        carried = [lengths.remaining(claimed[g]) for g in buffered]
+        return self.policy.pool_advisor.advise(
             req.target_groups,
             target.running_target,
             version,

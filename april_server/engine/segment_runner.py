@@ -67,6 +67,7 @@ class SegmentRunner:
         admission: Admission,
         allow_stale: bool,
         versions: WeightVersions | None = None,
+        lengths: LengthModel | None = None,
     ) -> None:
         self.engine = engine
         self.snap: SnapshotEngine | None = None
@@ -84,7 +85,7 @@ class SegmentRunner:
         self.updated.set()
         self._resend_cuts: asyncio.Future[None] | None = None
         # Predicted lengths: written on each member as its group starts, scored as it ends.
-        self.lengths = LengthModel()
+        self.lengths = lengths if lengths is not None else LengthModel()
 
     @property
     def snapshots_enabled(self) -> bool:

@@ -42,8 +42,8 @@ from april_server.http.app import (
     read_bounded,
 )
 from april_server.http.server import ManagerHolder
+from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
-from april_server.runtime.manager import RolloutManager
 from april_server.runtime.snapshot_sweep import SWEEP_INTERVAL_S
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy

@@ -1,4 +1,5 @@
-"""The `/april/v1` routes. Each handler decodes, calls the manager, encodes.
+"""The `/april/v1` routes. Each handler decodes, calls its operation (built by the composition
+root, `root/manager.py`), encodes.
 
 Bodies are decoded by msgspec (not FastAPI), so every rejection uses the contract's body:
 malformed JSON -> 400 `malformed_json`; wrong types or unknown fields -> 422 `invalid_schema`.
@@ -10,7 +11,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -45,17 +45,12 @@ from april_client.protocol import (
     WeightGroupInfo,
 )
 from april_server.buffer.buffer_index import PartialsFilter
-from april_server.calls.rollout import rollout
+from april_server.calls.rollout import Rollout
 from april_server.http.metrics import CONTENT_TYPE, prometheus_text
-from april_server.operations.abort import abort as abort_samples
-from april_server.operations.delete import delete as delete_group
-from april_server.operations.groups import add_groups
-from april_server.operations.inputs import post_input
-from april_server.operations.resume import resume as resume_samples
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
-from april_server.wire.errors import ApiError, bad_request, not_found
+from april_server.wire.errors import ApiError, bad_request
 
 logger = logging.getLogger(__name__)
 PREFIX = "/april/v1"
@@ -186,8 +181,8 @@ def create_router(
         mgr = get_manager()
         engine_ready()
         if not req.stream:
-            return json_response(await rollout(mgr, req))
-        return await stream_rollout(mgr, req)
+            return json_response(await mgr.rollout(req))
+        return await stream_rollout(mgr.rollout, req)
 
     @router.post(PREFIX + "/groups")
     @guarded
@@ -196,17 +191,14 @@ def create_router(
         between calls."""
         req = await decode(request, GroupsReq)
         check_limits(req, config)
-        return json_response(await add_groups(get_manager(), req))
+        return json_response(await get_manager().add_groups(req))
 
     @router.post(PREFIX + "/rollouts/{batch_id}/reject")
     @guarded
     async def reject(batch_id: str, request: Request) -> Response:
         """Un-count finished groups of a running streamed rollout."""
         body = await decode(request, RejectReq)
-        call = get_manager().calls.get(batch_id)
-        if call is None:
-            raise not_found(f"no running rollout {batch_id!r}")
-        call.reject(body)
+        get_manager().reject(batch_id, body)
         return json_response({"batch_id": batch_id, "rejected": body.group_ids})
 
     @router.post(PREFIX + "/abort")
@@ -216,7 +208,7 @@ def create_router(
         req = await decode(request, AbortReq)
         if req.all:
             auth.require_admin(request.headers.get("authorization"), "abort with all=true")
-        return json_response(await abort_samples(get_manager(), req))
+        return json_response(await get_manager().abort(req))
 
     @router.post(PREFIX + "/resume")
     @guarded
@@ -225,7 +217,7 @@ def create_router(
         req = await decode(request, ResumeReq)
         mgr = get_manager()
         engine_ready()
-        return json_response(ResumeResp(samples=await resume_samples(mgr, req)))
+        return json_response(ResumeResp(samples=await mgr.resume(req)))
 
     # `:path`: a sample id is "{group_id}/{index}".
     @router.post(PREFIX + "/samples/{sample_id:path}/input")
@@ -233,36 +225,27 @@ def create_router(
     async def sample_input(sample_id: str, request: Request) -> Response:
         """The tool's answer for a member awaiting input (agent rollouts)."""
         req = await decode(request, InputReq)
-        return json_response(await post_input(get_manager(), sample_id, req))
+        return json_response(await get_manager().post_input(sample_id, req))
 
     @router.get(PREFIX + "/partials")
     @guarded
     async def partials(request: Request) -> Response:
         """The idle buffer, a page at a time, oldest first (`?limit`, `?cursor`, filters)."""
-        mgr = get_manager()
         start, limit, where = partials_query(request)
-        entries, next_seq = mgr.buffer.idle.page(start, limit, where, time.time())
-        bodies = await mgr.buffer.read_bodies([e.group_id for e in entries])
-        groups = [bodies[e.group_id] for e in entries if e.group_id in bodies]
-        await mgr.segments.refresh([s for g in groups for s in g.samples])
-        cursor = None if next_seq is None else str(next_seq)
-        return json_response(
-            PartialsResp(groups=[mgr.listed(g) for g in groups], next_cursor=cursor)
-        )
+        return json_response(await get_manager().partials.page(start, limit, where))
 
     # `:path`, so a group id from before the contract's identifier rule (one with a "/") is
     # still reachable, URL-encoded; new ids cannot contain "/".
     @router.get(PREFIX + "/partials/{group_id:path}")
     @guarded
     async def partial(group_id: str, request: Request) -> Response:
-        mgr = get_manager()
-        return json_response(mgr.listed(await mgr.read_group(group_id)))
+        return json_response(await get_manager().partials.one(group_id))
 
     @router.delete(PREFIX + "/partials/{group_id:path}")
     @guarded
     async def delete_partial(group_id: str, request: Request) -> Response:
         auth.require_admin(request.headers.get("authorization"), "deleting buffered groups")
-        return json_response(await delete_group(get_manager(), group_id))
+        return json_response(await get_manager().delete(group_id))
 
     @router.get(PREFIX + "/weights/group")
     @guarded
@@ -306,13 +289,13 @@ def create_router(
     return router
 
 
-async def stream_rollout(mgr: RolloutManager, req: RolloutReq) -> Response:
+async def stream_rollout(rollout: Rollout, req: RolloutReq) -> Response:
     """NDJSON: `group_finished` events as groups finish, then `done`. Validation errors come
     back as a normal error response, before the stream starts."""
     events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
-    task = loop.create_task(rollout(mgr, req, events, ready))
+    task = loop.create_task(rollout(req, events, ready))
     waiters: list[asyncio.Future[Any]] = [ready, task]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():

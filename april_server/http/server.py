@@ -9,10 +9,9 @@ from collections.abc import Callable
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import BaseEngine
+from april_server.root.manager import RolloutManager
 from april_server.rules.lengths import LengthHistory
 from april_server.runtime.loop_lag import LoopLagMonitor
-from april_server.runtime.manager import RolloutManager
-from april_server.runtime.snapshot_sweep import SnapshotSweep
 from april_server.settings.config import AprilConfig
 
 logger = logging.getLogger(__name__)
@@ -60,20 +59,18 @@ class ManagerHolder:
 
     def get(self) -> RolloutManager:
         if self._manager is None:
+            engine = self.make_engine()
+            loop_lag = LoopLagMonitor()
+            loop_lag.start()  # first use is a request: on the server's loop
             self._manager = RolloutManager(
-                self.make_engine(),
+                engine,
                 self.store,
                 allow_stale_kv=self.config.allow_stale_kv,
                 buffer=self.buffer,
+                lengths=self.lengths,
+                length_order=self.config.length_order,
+                placement=self.config.placement,
+                loop_lag=loop_lag,
+                sweep_s=self.sweep_s,
             )
-            lengths = self._manager.segments.lengths
-            lengths.default_order = self.config.length_order
-            lengths.placement = self.config.placement
-            lengths.history = self.lengths
-            self._manager.loop_lag = LoopLagMonitor()
-            self._manager.loop_lag.start()  # first use is a request: on the server's loop
-            m, snap = self._manager, self._manager.segments.snap
-            if self.sweep_s > 0 and snap is not None:
-                m.sweep = sweep = SnapshotSweep(snap, m.running, m.buffer, self.sweep_s)
-                sweep.start()
         return self._manager

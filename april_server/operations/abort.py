@@ -16,55 +16,96 @@ background counts on a named group.
 from __future__ import annotations
 
 from april_client.protocol import AbortReq, AbortResp, Group, Sample
-from april_server.engine.segment_state import BACKGROUND, Running
-from april_server.runtime.manager import RolloutManager
+from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.engine.segment_runner import SegmentRunner
+from april_server.engine.segment_state import BACKGROUND, Counters, Running
+from april_server.runtime.background import Background
+from april_server.runtime.live_calls import LiveCalls
 from april_server.wire.errors import not_found
 from april_server.wire.ids import split_sample_id
 
 
-async def abort(mgr: RolloutManager, req: AbortReq) -> AbortResp:
-    mgr.counters.abort_calls += 1
-    if req.batch_id is not None:
-        if req.batch_id not in mgr.calls and req.batch_id not in mgr.finished_batches:
-            raise not_found(f"unknown batch_id {req.batch_id!r}")
-    # What it names must exist (404), checked before anything changes.
-    for gid in req.group_ids or []:
-        if not mgr.buffer.known(gid):
-            raise not_found(f"unknown group_id {gid!r}")
-    await mgr.read_samples(req.sample_ids or [])
-    named = _groups_of(mgr, req)
-    # Background samples stop like any (with a snapshot when they are paused, the keep asked
-    # for when they are aborted) and are no longer wanted there.
-    scope: set[str] = set(mgr.background.sample_ids(None if req.all else named))
-    _give_up(mgr, req, named)
-    runs = _in_scope(mgr, req, named, scope)
-    scope.update(r.sample.sample_id for r in runs)
-    await mgr.stop_running(runs, req.keep)
-    async with mgr.background.paused():
-        groups = await mgr.buffer.read_bodies(list(dict.fromkeys(req.group_ids or [])))
-        for g in groups.values():
-            scope.update(s.sample_id for s in g.samples)
-        scope.update(req.sample_ids or [])
-        while True:
-            _give_up(mgr, req, named)
-            runs = _in_scope(mgr, req, named, scope)
-            if runs:
-                scope.update(r.sample.sample_id for r in runs)
-                await mgr.stop_running(runs, req.keep)
+class Abort:
+    def __init__(
+        self,
+        calls: LiveCalls,
+        buffer: PartialBuffer,
+        background: Background,
+        segments: SegmentRunner,
+        counters: Counters,
+    ) -> None:
+        self.calls = calls
+        self.buffer = buffer
+        self.background = background
+        self.segments = segments
+        self.counters = counters
+
+    async def __call__(self, req: AbortReq) -> AbortResp:
+        calls, buffer, background = self.calls, self.buffer, self.background
+        self.counters.abort_calls += 1
+        if req.batch_id is not None:
+            if req.batch_id not in calls and not calls.ended_recently(req.batch_id):
+                raise not_found(f"unknown batch_id {req.batch_id!r}")
+        # What it names must exist (404), checked before anything changes.
+        for gid in req.group_ids or []:
+            if not buffer.known(gid):
+                raise not_found(f"unknown group_id {gid!r}")
+        await buffer.read_samples(req.sample_ids or [])
+        named = self._groups_of(req)
+        # Background samples stop like any (with a snapshot when they are paused, the keep
+        # asked for when they are aborted) and are no longer wanted there.
+        scope: set[str] = set(background.sample_ids(None if req.all else named))
+        self._give_up(req, named)
+        runs = self._in_scope(req, named, scope)
+        scope.update(r.sample.sample_id for r in runs)
+        await self.segments.stop(runs, req.keep)
+        async with background.paused():
+            groups = await buffer.read_bodies(list(dict.fromkeys(req.group_ids or [])))
+            for g in groups.values():
+                scope.update(s.sample_id for s in g.samples)
+            scope.update(req.sample_ids or [])
+            while True:
+                self._give_up(req, named)
+                runs = self._in_scope(req, named, scope)
+                if runs:
+                    scope.update(r.sample.sample_id for r in runs)
+                    await self.segments.stop(runs, req.keep)
+                    continue
+                bodies = await buffer.read_bodies(sorted({_group(sid) for sid in scope}))
+                self._give_up(req, named)
+                if not self._in_scope(req, named, scope):  # nothing started during the read
+                    # Groups that left meanwhile (delivered, deleted) are not reported.
+                    return AbortResp(samples=_members(bodies, sorted(scope)))
+
+    def _groups_of(self, req: AbortReq) -> set[str]:
+        """The groups an abort names (a finished call's: those it left in the background)."""
+        named = set(req.group_ids or []) | {_group(s) for s in req.sample_ids or []}
+        if req.batch_id is not None:
+            named |= self.background.handed_in_by(req.batch_id)
+        return named
+
+    def _give_up(self, req: AbortReq, named: set[str]) -> None:
+        """Step 1 as the holder map says now: every call holding a named group gives it up
+        (all of its groups, for `all` and its own batch), and the background forgets them."""
+        for call in list(self.calls.values()):
+            if req.all or req.batch_id == call.batch_id:
+                call.give_up(None)
                 continue
-            bodies = await mgr.buffer.read_bodies(sorted({_group(sid) for sid in scope}))
-            _give_up(mgr, req, named)
-            if not _in_scope(mgr, req, named, scope):  # nothing started during the read
-                # Groups that left meanwhile (delivered, deleted) are not reported.
-                return AbortResp(samples=_members(bodies, sorted(scope)))
+            mine = named & self.buffer.held_by(call.batch_id)
+            if mine - call.given_up:
+                call.give_up(mine)
+        self.background.forget(None if req.all else named)
 
-
-def _groups_of(mgr: RolloutManager, req: AbortReq) -> set[str]:
-    """The groups an abort names (a finished call's: those it left in the background)."""
-    named = set(req.group_ids or []) | {_group(s) for s in req.sample_ids or []}
-    if req.batch_id is not None:
-        named |= mgr.background.handed_in_by(req.batch_id)
-    return named
+    def _in_scope(self, req: AbortReq, named: set[str], scope: set[str]) -> list[Running]:
+        """Step 2: what of its scope generates now."""
+        return [
+            r
+            for sid, r in self.segments.running.items()
+            if req.all
+            or sid in scope
+            or (req.batch_id is not None and r.owner == req.batch_id)
+            or (r.owner == BACKGROUND and r.sample.group_id in named)
+        ]
 
 
 def _members(bodies: dict[str, Group], sample_ids: list[str]) -> list[Sample]:
@@ -80,30 +121,3 @@ def _members(bodies: dict[str, Group], sample_ids: list[str]) -> list[Sample]:
 def _group(sample_id: str) -> str:
     parts = split_sample_id(sample_id)
     return sample_id if parts is None else parts[0]
-
-
-def _give_up(mgr: RolloutManager, req: AbortReq, named: set[str]) -> None:
-    """Step 1 as the holder map says now: every call holding a named group gives it up (all
-    of its groups, for `all` and its own batch), and the background forgets them."""
-    for call in list(mgr.calls.values()):
-        if req.all or req.batch_id == call.batch_id:
-            call.give_up(None)
-            continue
-        mine = named & mgr.buffer.held_by(call.batch_id)
-        if mine - call.given_up:
-            call.give_up(mine)
-    mgr.background.forget(None if req.all else named)
-
-
-def _in_scope(
-    mgr: RolloutManager, req: AbortReq, named: set[str], scope: set[str]
-) -> list[Running]:
-    """Step 2: what of its scope generates now."""
-    return [
-        r
-        for sid, r in mgr.running.items()
-        if req.all
-        or sid in scope
-        or (req.batch_id is not None and r.owner == req.batch_id)
-        or (r.owner == BACKGROUND and r.sample.group_id in named)
-    ]

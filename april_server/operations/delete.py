@@ -6,24 +6,41 @@ from __future__ import annotations
 import uuid
 
 from april_client.protocol import DeleteResp
-from april_server.runtime.manager import RolloutManager, run_to_end
+from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.engine.segment_runner import SegmentRunner
+from april_server.runtime.background import Background
+from april_server.runtime.persister import Persister
+from april_server.runtime.run_to_end import run_to_end
 
 
-async def delete(mgr: RolloutManager, group_id: str) -> DeleteResp:
-    async with mgr.background.paused():
-        return await run_to_end(_delete(mgr, group_id))
+class Delete:
+    def __init__(
+        self,
+        buffer: PartialBuffer,
+        background: Background,
+        segments: SegmentRunner,
+        persister: Persister,
+    ) -> None:
+        self.buffer = buffer
+        self.background = background
+        self.segments = segments  # frees the group's KV snapshots
+        self.persister = persister
 
+    async def __call__(self, group_id: str) -> DeleteResp:
+        async with self.background.paused():
+            return await run_to_end(self._delete(group_id))
 
-async def _delete(mgr: RolloutManager, group_id: str) -> DeleteResp:
-    owner = f"delete-{uuid.uuid4().hex[:12]}"
-    try:
-        await mgr.buffer.resolve(group_id)  # a claim in flight: wait it out, then 409
-        (group,) = await mgr.buffer.claim([group_id], owner, busy_code="group_busy")
-        await mgr.persist([], [group_id])
-        # Only now is it gone: a delete refused (409, 404) leaves the background's view alone.
-        mgr.background.forget([group_id], gone=True)
-    finally:
-        mgr.release(owner)
-    for s in group.samples:
-        await mgr.segments.forget(s)
-    return DeleteResp(group_id=group_id, deleted=True)
+    async def _delete(self, group_id: str) -> DeleteResp:
+        buffer = self.buffer
+        owner = f"delete-{uuid.uuid4().hex[:12]}"
+        try:
+            await buffer.resolve(group_id)  # a claim in flight: wait it out, then 409
+            (group,) = await buffer.claim([group_id], owner, busy_code="group_busy")
+            await self.persister.persist([], [group_id])
+            # Only now is it gone: a delete refused (409, 404) leaves the background alone.
+            self.background.forget([group_id], gone=True)
+        finally:
+            buffer.release(owner)
+        for s in group.samples:
+            await self.segments.forget(s)
+        return DeleteResp(group_id=group_id, deleted=True)

@@ -21,119 +21,129 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
 
 from april_client.protocol import InputReq, InputResp, Sample
 from april_server.buffer.buffer_index import BufferEntry
-from april_server.buffer.partial_buffer import Holder
-from april_server.rules import samples as S
-from april_server.rules import turns as T
+from april_server.buffer.partial_buffer import Holder, PartialBuffer
+from april_server.engine.base import BaseEngine
+from april_server.rules import samples as sample_rules
+from april_server.rules import turns as turn_rules
 from april_server.runtime.background import OWNER as BACKGROUND
-from april_server.runtime.manager import run_to_end
+from april_server.runtime.background import Background
+from april_server.runtime.live_calls import LiveCalls
+from april_server.runtime.persister import Persister
+from april_server.runtime.run_to_end import run_to_end
 from april_server.wire.errors import ApiError, bad_request, not_found
 from april_server.wire.ids import split_sample_id
 
-if TYPE_CHECKING:
-    from april_server.runtime.manager import RolloutManager
 
+class PostInput:
+    def __init__(
+        self,
+        engine: BaseEngine,
+        calls: LiveCalls,
+        buffer: PartialBuffer,
+        background: Background,
+        persister: Persister,
+    ) -> None:
+        self.engine = engine  # tokenizes a text answer; the context and vocabulary bounds
+        self.calls = calls
+        self.buffer = buffer
+        self.background = background
+        self.persister = persister
+        # One answer per group at a time: group id -> [its lock, answers using it].
+        self.locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
 
-async def post_input(mgr: RolloutManager, sample_id: str, req: InputReq) -> InputResp:
-    if (req.append_ids is None) == (req.text is None):
-        raise bad_request("invalid_request", "give exactly one of append_ids, text")
-    parts = split_sample_id(sample_id)
-    if parts is None or not mgr.buffer.known(parts[0]):
-        raise not_found(f"unknown sample_id {sample_id!r}")
-    gid = parts[0]
-    if req.append_ids is not None:
-        ids = list(req.append_ids)
-    else:  # a tokenizer may take a while on a long answer: off the event loop
-        # Appended mid-context: no special tokens (a BOS before every answer, with Llama,
-        # Mistral or Gemma tokenizers, is not what the trainer's own encoding has there).
-        ids = await asyncio.to_thread(mgr.engine.tokenize, req.text or "", False)
-    locks = mgr.input_locks  # group id -> [its lock, answers using it]
-    held = locks.setdefault(gid, [asyncio.Lock(), 0])
-    held[1] += 1
-    try:
-        async with held[0]:
-            return await _take(mgr, sample_id, gid, ids, req.turn)
-    finally:
-        held[1] -= 1
-        if not held[1]:
-            del locks[gid]
+    async def __call__(self, sample_id: str, req: InputReq) -> InputResp:
+        if (req.append_ids is None) == (req.text is None):
+            raise bad_request("invalid_request", "give exactly one of append_ids, text")
+        parts = split_sample_id(sample_id)
+        if parts is None or not self.buffer.known(parts[0]):
+            raise not_found(f"unknown sample_id {sample_id!r}")
+        gid = parts[0]
+        if req.append_ids is not None:
+            ids = list(req.append_ids)
+        else:  # a tokenizer may take a while on a long answer: off the event loop
+            # Appended mid-context: no special tokens (a BOS before every answer, with Llama,
+            # Mistral or Gemma tokenizers, is not what the trainer's own encoding has there).
+            ids = await asyncio.to_thread(self.engine.tokenize, req.text or "", False)
+        lock, users = self.locks.setdefault(gid, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                return await self._take(sample_id, gid, ids, req.turn)
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self.locks[gid]
 
+    async def _take(self, sample_id: str, gid: str, ids: list[int], turn: int | None) -> InputResp:
+        while True:
+            holder = await self._holder(gid, sample_id)  # waits out a claim reading its body
+            if holder is None:  # idle: taken here, with no await between look and claim
+                return await self._answer_idle(sample_id, gid, ids, turn)
+            call = self.calls.get(holder.owner)
+            if call is not None:
+                if call.stopped:  # winding down: take it once the call handed the group back
+                    await call.closed.wait()
+                    continue
+                sample = self.buffer.claimed_sample(sample_id)
+                self._check(sample, ids, turn)
+                turn_rules.apply_answer(sample, ids)
+                if call.holds_for_input(sample):
+                    call.continue_answered(sample)
+                    return InputResp(sample=sample, batch_id=call.batch_id)
+                return InputResp(sample=sample, batch_id=None)
+            if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
+                return await self._answer_idle(sample_id, gid, ids, turn)
+            async with self.background.paused():  # handed back first, like for a call
+                if await self._holder(gid, sample_id) is None:
+                    return await self._answer_idle(sample_id, gid, ids, turn)
+            # A call took the group while the background paused: look again, answer there.
 
-async def _take(
-    mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
-) -> InputResp:
-    while True:
-        holder = await _holder(mgr, gid, sample_id)  # waits out a claim still reading its body
-        if holder is None:  # idle: taken here, with no await between the look and the claim
-            return await _answer_idle(mgr, sample_id, gid, ids, turn)
-        call = mgr.calls.get(holder.owner)
-        if call is not None:
-            if call.stopped:  # winding down: take it once the call has handed the group back
-                await call.closed.wait()
-                continue
-            sample = mgr.sample(sample_id)
-            _check(mgr, sample, ids, turn)
-            T.apply_answer(sample, ids)
-            if call.holds_for_input(sample):
-                call.continue_answered(sample)
-                return InputResp(sample=sample, batch_id=call.batch_id)
-            return InputResp(sample=sample, batch_id=None)
-        if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
-            return await _answer_idle(mgr, sample_id, gid, ids, turn)
-        async with mgr.background.paused():  # handed back first, like for a call
-            if await _holder(mgr, gid, sample_id) is None:
-                return await _answer_idle(mgr, sample_id, gid, ids, turn)
-        # A call took the group while the background paused: look again, and answer there.
+    async def _holder(self, gid: str, sample_id: str) -> Holder | None:
+        try:
+            return await self.buffer.resolve(gid)
+        except ApiError:
+            raise not_found(f"unknown sample_id {sample_id!r}") from None
 
+    def _answer_idle(
+        self, sample_id: str, gid: str, ids: list[int], turn: int | None
+    ) -> Awaitable[InputResp]:
+        """Take the group now, synchronously, then answer to the end in a task. Taken inside
+        that task instead, a call could claim the group between the caller's look and the
+        task's start, and an answer that the look found idle would get 409 `group_busy` (a
+        second answer then said `group_busy`, not `not_awaiting`: seen in
+        `test_turns_properties`)."""
+        owner = f"input-{uuid.uuid4().hex[:12]}"
+        entries = self.buffer.take([gid], owner, busy_code="group_busy")
+        return run_to_end(self._answer_taken(entries, owner, sample_id, ids, turn))
 
-async def _holder(mgr: RolloutManager, gid: str, sample_id: str) -> Holder | None:
-    try:
-        return await mgr.buffer.resolve(gid)
-    except ApiError:
-        raise not_found(f"unknown sample_id {sample_id!r}") from None
+    async def _answer_taken(
+        self,
+        entries: list[BufferEntry],
+        owner: str,
+        sample_id: str,
+        ids: list[int],
+        turn: int | None,
+    ) -> InputResp:
+        try:
+            (group,) = await self.buffer.arrive(entries)
+            sample = self.buffer.claimed_sample(sample_id)
+            self._check(sample, ids, turn)
+            turn_rules.apply_answer(sample, ids)
+            await self.persister.persist([group], [])  # durable before the route answers
+        finally:
+            self.buffer.release(owner)
+            self.background.kick()  # a group it wants, passed over while held here
+        return InputResp(sample=sample, batch_id=None)
 
-
-def _answer_idle(
-    mgr: RolloutManager, sample_id: str, gid: str, ids: list[int], turn: int | None
-) -> Awaitable[InputResp]:
-    """Take the group now, synchronously, then answer to the end in a task. Taken inside
-    that task instead, a call could claim the group between the caller's look and the task's
-    start, and an answer that the look found idle would get 409 `group_busy` (a second answer
-    then said `group_busy`, not `not_awaiting`: seen in `test_turns_properties`)."""
-    owner = f"input-{uuid.uuid4().hex[:12]}"
-    entries = mgr.buffer.take([gid], owner, busy_code="group_busy")
-    return run_to_end(_answer_taken(mgr, entries, owner, sample_id, ids, turn))
-
-
-async def _answer_taken(
-    mgr: RolloutManager,
-    entries: list[BufferEntry],
-    owner: str,
-    sample_id: str,
-    ids: list[int],
-    turn: int | None,
-) -> InputResp:
-    try:
-        (group,) = await mgr.buffer.arrive(entries)
-        sample = mgr.sample(sample_id)
-        _check(mgr, sample, ids, turn)
-        T.apply_answer(sample, ids)
-        await mgr.persist([group], [])  # durable before the route answers
-    finally:
-        mgr.release(owner)
-        mgr.background.kick()  # a group it wants, passed over while held here
-    return InputResp(sample=sample, batch_id=None)
-
-
-def _check(mgr: RolloutManager, sample: Sample, ids: list[int], turn: int | None) -> None:
-    T.check_answer(sample, ids, mgr.engine.vocab_size, turn)
-    S.check_budget(
-        len(sample.prompt_ids),
-        S.num_appended(sample) + len(ids),
-        sample.max_new_tokens,
-        mgr.engine.context_len,
-        f"sample {sample.sample_id!r}",
-    )
+    def _check(self, sample: Sample, ids: list[int], turn: int | None) -> None:
+        turn_rules.check_answer(sample, ids, self.engine.vocab_size, turn)
+        sample_rules.check_budget(
+            len(sample.prompt_ids),
+            sample_rules.num_appended(sample) + len(ids),
+            sample.max_new_tokens,
+            self.engine.context_len,
+            f"sample {sample.sample_id!r}",
+        )

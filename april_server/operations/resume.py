@@ -13,115 +13,138 @@ import asyncio
 import uuid
 
 from april_client.protocol import ResumeReq, Sample
-from april_server.engine.segment_state import CallTally
-from april_server.rules import samples as S
+from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.engine.base import BaseEngine
+from april_server.engine.segment_runner import SegmentRunner
+from april_server.engine.segment_state import CallTally, Counters
+from april_server.engine.versions import WeightVersions
+from april_server.rules import samples as sample_rules
 from april_server.rules import turns as turn_rules
 from april_server.rules.routing import check_wanted as check_routing
-from april_server.runtime.manager import RolloutManager, run_to_end
+from april_server.runtime.background import Background
+from april_server.runtime.persister import Persister
+from april_server.runtime.run_to_end import run_to_end
 from april_server.wire.errors import bad_request, conflict, not_found
 from april_server.wire.ids import split_sample_id
 
 
-async def resume(mgr: RolloutManager, req: ResumeReq) -> list[Sample]:
-    mgr.counters.resume_calls += 1
-    if not req.sample_ids:
-        raise bad_request("invalid_request", "sample_ids is empty")
-    if len(set(req.sample_ids)) != len(req.sample_ids):
-        raise bad_request("duplicate_sample_id", "sample_ids contains duplicates")
-    appends = req.append_ids or {}
-    stray = set(appends) - set(req.sample_ids)
-    if stray:
-        raise bad_request("invalid_request", f"append_ids for unlisted samples: {stray}")
-    if req.sampling_params:
-        if "max_new_tokens" in req.sampling_params:
-            raise bad_request(
-                "invalid_request", "the budget is the sample's own; omit max_new_tokens"
-            )
-        mgr.engine.check_sampling_params(req.sampling_params)
-    parsed = {sid: split_sample_id(sid) for sid in req.sample_ids}
-    for sid, parts in parsed.items():
-        if parts is None or not mgr.buffer.known(parts[0]):
-            raise not_found(f"unknown sample_id {sid!r}")
-    gids = sorted({parts[0] for parts in parsed.values() if parts is not None})
-    owner = f"resume-{uuid.uuid4().hex[:12]}"
-    # Claimed, run and persisted to the end even if the caller goes away meanwhile: a
-    # release before the segments ended would drop what they record (tokens, snapshots).
-    async with mgr.background.paused():
-        return await run_to_end(_resume_claimed(mgr, req, gids, owner, appends))
+class Resume:
+    def __init__(
+        self,
+        engine: BaseEngine,
+        buffer: PartialBuffer,
+        background: Background,
+        segments: SegmentRunner,
+        versions: WeightVersions,
+        persister: Persister,
+        counters: Counters,
+    ) -> None:
+        self.engine = engine  # checks params, appends and budgets
+        self.buffer = buffer
+        self.background = background
+        self.segments = segments
+        self.versions = versions  # which snapshots a `kv: restore` may use
+        self.persister = persister
+        self.counters = counters
 
+    async def __call__(self, req: ResumeReq) -> list[Sample]:
+        self.counters.resume_calls += 1
+        if not req.sample_ids:
+            raise bad_request("invalid_request", "sample_ids is empty")
+        if len(set(req.sample_ids)) != len(req.sample_ids):
+            raise bad_request("duplicate_sample_id", "sample_ids contains duplicates")
+        appends = req.append_ids or {}
+        stray = set(appends) - set(req.sample_ids)
+        if stray:
+            raise bad_request("invalid_request", f"append_ids for unlisted samples: {stray}")
+        if req.sampling_params:
+            if "max_new_tokens" in req.sampling_params:
+                raise bad_request(
+                    "invalid_request", "the budget is the sample's own; omit max_new_tokens"
+                )
+            self.engine.check_sampling_params(req.sampling_params)
+        parsed = {sid: split_sample_id(sid) for sid in req.sample_ids}
+        for sid, parts in parsed.items():
+            if parts is None or not self.buffer.known(parts[0]):
+                raise not_found(f"unknown sample_id {sid!r}")
+        gids = sorted({parts[0] for parts in parsed.values() if parts is not None})
+        owner = f"resume-{uuid.uuid4().hex[:12]}"
+        # Claimed, run and persisted to the end even if the caller goes away meanwhile: a
+        # release before the segments ended would drop what they record (tokens, snapshots).
+        async with self.background.paused():
+            return await run_to_end(self._resume_claimed(req, gids, owner, appends))
 
-async def _resume_claimed(
-    mgr: RolloutManager,
-    req: ResumeReq,
-    gids: list[str],
-    owner: str,
-    appends: dict[str, list[int]],
-) -> list[Sample]:
-    try:
-        for gid in gids:  # a claim whose body is still being read: wait it out, then 409
-            await mgr.buffer.resolve(gid)
-        await mgr.buffer.claim(gids, owner, busy_code="sample_busy")
-        chosen = [mgr.sample(sid) for sid in req.sample_ids]
-        _check_resumable(mgr, req, chosen, appends)
-        if req.return_routed_experts is not None:
-            for s in chosen:  # from this segment on (rules/routing.py: earlier rows unknown)
-                s.return_routed_experts = req.return_routed_experts
-        for sid, ids in appends.items():
-            sample = mgr.sample(sid)
-            if turn_rules.awaiting(sample):  # the tool's answer: recorded like POST .../input
-                turn_rules.apply_answer(sample, ids)
-            else:
-                S.append_context(sample, ids, mgr.engine.context_len)
-        tally = CallTally()
-        tasks = [
-            mgr.segments.start(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
-            for s in chosen
-            if S.remaining_budget(s) > 0 and not S.is_finished(s)
-        ]
+    async def _resume_claimed(
+        self,
+        req: ResumeReq,
+        gids: list[str],
+        owner: str,
+        appends: dict[str, list[int]],
+    ) -> list[Sample]:
+        try:
+            for gid in gids:  # a claim whose body is still being read: wait it out, then 409
+                await self.buffer.resolve(gid)
+            await self.buffer.claim(gids, owner, busy_code="sample_busy")
+            chosen = [self.buffer.claimed_sample(sid) for sid in req.sample_ids]
+            self._check_resumable(req, chosen, appends)
+            if req.return_routed_experts is not None:
+                for s in chosen:  # from this segment on (rules/routing.py: earlier rows unknown)
+                    s.return_routed_experts = req.return_routed_experts
+            for sid, ids in appends.items():
+                sample = self.buffer.claimed_sample(sid)
+                if turn_rules.awaiting(sample):  # the tool's answer: recorded like POST .../input
+                    turn_rules.apply_answer(sample, ids)
+                else:
+                    sample_rules.append_context(sample, ids, self.engine.context_len)
+            tally = CallTally()
+            tasks = [
+                self.segments.start(s, owner, tally, req.max_staleness, req.sampling_params, req.kv)
+                for s in chosen
+                if sample_rules.remaining_budget(s) > 0 and not sample_rules.is_finished(s)
+            ]
+            for s in chosen:
+                if sample_rules.remaining_budget(s) <= 0:
+                    s.status, s.finish_reason = "truncated", "length"
+            if tasks:
+                await asyncio.gather(*tasks)
+            await self.persister.persist([self.buffer.claimed[g] for g in gids], [])
+        finally:
+            self.buffer.release(owner)
+        return chosen
+
+    def _check_resumable(
+        self, req: ResumeReq, chosen: list[Sample], appends: dict[str, list[int]]
+    ) -> None:
+        """Raise before anything changes: finished samples, missing snapshots, bad appends."""
+        check_routing(bool(req.return_routed_experts), self.engine.routing_format, "resume")
         for s in chosen:
-            if S.remaining_budget(s) <= 0:
-                s.status, s.finish_reason = "truncated", "length"
-        if tasks:
-            await asyncio.gather(*tasks)
-        await mgr.persist([mgr.groups[g] for g in gids], [])
-    finally:
-        mgr.release(owner)
-    return chosen
-
-
-def _check_resumable(
-    mgr: RolloutManager, req: ResumeReq, chosen: list[Sample], appends: dict[str, list[int]]
-) -> None:
-    """Raise before anything changes: finished samples, missing snapshots, bad appends."""
-    check_routing(bool(req.return_routed_experts), mgr.engine.routing_format, "resume")
-    for s in chosen:
-        params = {**s.sampling_params, **(req.sampling_params or {})}
-        turn_rules.check_params(s.turn_rule, params, f"sample {s.sample_id!r}")
-        if S.is_finished(s) and s.sample_id not in appends:
-            raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
-        if turn_rules.awaiting(s) and s.sample_id not in appends:
-            raise conflict(
-                "awaiting_input",
-                f"sample {s.sample_id!r} awaits input: give its answer in append_ids",
+            params = {**s.sampling_params, **(req.sampling_params or {})}
+            turn_rules.check_params(s.turn_rule, params, f"sample {s.sample_id!r}")
+            if sample_rules.is_finished(s) and s.sample_id not in appends:
+                raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
+            if turn_rules.awaiting(s) and s.sample_id not in appends:
+                raise conflict(
+                    "awaiting_input",
+                    f"sample {s.sample_id!r} awaits input: give its answer in append_ids",
+                )
+            if req.kv == "restore" and not self.segments.usable(
+                s, self.versions.now(), self.versions.history, req.max_staleness
+            ):
+                raise conflict(
+                    "no_snapshot",
+                    f"sample {s.sample_id!r} has no KV snapshot usable under weight version "
+                    f"{self.versions.now()!r} (kv: auto re-prefills instead)",
+                )
+        for sid, ids in appends.items():
+            if self.engine.vocab_size is not None and any(
+                t < 0 or t >= self.engine.vocab_size for t in ids
+            ):
+                raise bad_request("invalid_token", f"append_ids[{sid!r}] has bad token ids")
+            s = self.buffer.claimed_sample(sid)
+            sample_rules.check_budget(
+                len(s.prompt_ids),
+                sample_rules.num_appended(s) + len(ids),
+                s.max_new_tokens,
+                self.engine.context_len,
+                f"sample {sid!r}",
             )
-        if req.kv == "restore" and not mgr.segments.usable(
-            s, mgr.current_version(), mgr.version_history, req.max_staleness
-        ):
-            raise conflict(
-                "no_snapshot",
-                f"sample {s.sample_id!r} has no KV snapshot usable under weight version "
-                f"{mgr.current_version()!r} (kv: auto re-prefills instead)",
-            )
-    for sid, ids in appends.items():
-        if mgr.engine.vocab_size is not None and any(
-            t < 0 or t >= mgr.engine.vocab_size for t in ids
-        ):
-            raise bad_request("invalid_token", f"append_ids[{sid!r}] has bad token ids")
-        s = mgr.sample(sid)
-        S.check_budget(
-            len(s.prompt_ids),
-            S.num_appended(s) + len(ids),
-            s.max_new_tokens,
-            mgr.engine.context_len,
-            f"sample {sid!r}",
-        )

@@ -180,10 +180,15 @@ class LengthHistory:
 class LengthModel:
     """The server's length predictions: the history, the score, and the per-sample rule."""
 
-    def __init__(self, history: LengthHistory | None = None) -> None:
+    def __init__(
+        self,
+        history: LengthHistory | None = None,
+        default_order: LengthOrder = "arrival",  # --april-length-order
+        placement: Placement = "least_loaded",  # --april-placement (rules/placement.py)
+    ) -> None:
         self.history = history if history is not None else LengthHistory()
-        self.default_order: LengthOrder = "arrival"  # --april-length-order
-        self.placement: Placement = "least_loaded"  # --april-placement (rules/placement.py)
+        self.default_order = default_order
+        self.placement = placement
         self.score = PredictionScore()
         self.forgotten = 0  # prompts dropped by `forget` (DELETE /lengths)
         # Every finished length seen (count, sum): the prior for a sample without evidence.

@@ -24,7 +24,7 @@ from april_client.protocol import (
     Segment,
     TurnsSpec,
 )
-from april_server.rules import routing as R
+from april_server.rules import routing as routing_rules
 from april_server.rules.turns import check_params as check_turn_params
 from april_server.rules.turns import rule_of, with_turn_stops
 from april_server.wire.errors import bad_request
@@ -48,7 +48,7 @@ class SegmentResult:
     # MoE routing replay: where the engine was asked for routed experts from (None: not
     # asked) and what it returned (None: nothing); rules/routing.py records them.
     routing_asked: int | None = None
-    routing: R.RoutingRows | None = None
+    routing: routing_rules.RoutingRows | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +229,7 @@ def reset_output(sample: Sample) -> None:
     sample.turns = []
     sample.status = "partial"
     sample.finish_reason = None
-    R.reset(sample)
+    routing_rules.reset(sample)
     clear_snapshot(sample)
 
 
@@ -276,7 +276,7 @@ def apply_segment(
     # The rows this request computed belong to the segment it recorded (-1: it recorded none).
     segment = len(sample.segments) - 1 if recorded else -1
     fed = len(sample.prompt_ids) + num_appended(sample) + len(sample.output_ids) - 1
-    R.record(
+    routing_rules.record(
         sample,
         result.routing,
         result.routing_asked,

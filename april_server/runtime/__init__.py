@@ -1,10 +1,10 @@
-"""The runtime: what lives as long as the server.
+"""The runtime: the parts that live as long as the server, below the calls and operations
+that use them (the composition root, `root/manager.py`, builds them).
 
-- `manager`: `RolloutManager`, which owns the buffer, the segment runner, the live calls and
-  the background, answers `/stats` and checks every view against the holder map
-  (`check_integrity`); abort, delete, resume, answers and `/groups` are in
-  `april_server/operations/`;
-- `background`: `Background`, groups generating between calls (given the buffer, the segment
-  runner and the live-calls map, not the manager);
+- `background`: `Background`, groups generating between calls;
+- `live_calls`: `LiveCalls`, the running calls, recently ended batch ids, request ids in flight;
+- `persister`: `Persister`, makes an outcome durable before it is answered;
+- `inflight_policy`: `InflightPolicy`, the running target and pool advice from the step curve;
+- `run_to_end`: work that must not stop halfway when its caller goes away;
 - `snapshot_sweep`: `SnapshotSweep`, frees KV snapshots nobody refers to;
 - `loop_lag`: `LoopLagMonitor`, how late the event loop runs."""

@@ -50,27 +50,24 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from april_client.protocol import Group, Sample
 from april_server.buffer.buffer_index import open_footprint
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import BACKGROUND, CallTally, Running
-from april_server.rules import samples as S
-from april_server.rules import snapshots as K
+from april_server.rules import samples as sample_rules
+from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.inflight import kv_need
+from april_server.runtime.live_calls import LiveCalls
 
 logger = logging.getLogger(__name__)
 OWNER = BACKGROUND
 
 
 class Background:
-    def __init__(
-        self, buffer: PartialBuffer, segments: SegmentRunner, calls: dict[str, Any]
-    ) -> None:
-        """`calls`: the live calls by batch id (the manager's map, read only here: the
-        background runs only while it is empty)."""
+    def __init__(self, buffer: PartialBuffer, segments: SegmentRunner, calls: LiveCalls) -> None:
+        """`calls`: read only here: the background runs only while no call does."""
         self.buffer = buffer
         self.segments = segments
         self.calls = calls
@@ -135,8 +132,8 @@ class Background:
                 if s.sample_id in self.segments.running:  # taken over: judged at every cut
                     continue
                 if self._past_bound(s, bound):
-                    useless.append((s.sample_id, K.held_at(s)))
-                    S.restart_for_staleness(s)
+                    useless.append((s.sample_id, snapshot_rules.held_at(s)))
+                    sample_rules.restart_for_staleness(s)
                     self.segments.count_restart(s, tally)
                     rested = self.resting.pop(g.group_id, None)
                     if rested is not None:
@@ -198,7 +195,9 @@ class Background:
         if bound is None or not sample.segments:
             return False
         versions = self.segments.versions
-        lag = S.version_lag(sample.segments[0].weight_version, versions.now(), versions.history)
+        lag = sample_rules.version_lag(
+            sample.segments[0].weight_version, versions.now(), versions.history
+        )
         return bool(lag > bound)
 
     def hand_over(self, owner: str, take: Callable[[Group, int], bool]) -> list[Group]:
@@ -392,7 +391,7 @@ class Background:
             return
         await self.buffer.persist([self.buffer.claimed[g] for g in held], [])
         for gid in held:
-            if S.group_finished(self.buffer.claimed[gid]) and gid in self.wanted:
+            if sample_rules.group_finished(self.buffer.claimed[gid]) and gid in self.wanted:
                 rest = (self.wanted[gid], self.handed_by.get(gid, ""))
                 self.forget([gid])
                 self.resting[gid] = rest

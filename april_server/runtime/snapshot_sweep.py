@@ -26,7 +26,7 @@ from april_client.protocol import Sample
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.base import SnapshotEngine
 from april_server.engine.segment_state import Running
-from april_server.rules import snapshots as K
+from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.placement import Slot
 from april_server.wire.ids import split_sample_id
 
@@ -111,7 +111,7 @@ class SnapshotSweep:
             gid, idx = _parts(key)
             group = bodies.get(gid)
             sample = _sample(group.samples if group else [], idx)
-            if sample is None or K.held_at(sample) != slot:
+            if sample is None or snapshot_rules.held_at(sample) != slot:
                 out.add((slot, key))
         return out
 
@@ -126,7 +126,7 @@ class SnapshotSweep:
         if group is None:
             return True  # being claimed: its body is in flight
         sample = _sample(group.samples, idx)
-        return sample is not None and K.held_at(sample) == slot
+        return sample is not None and snapshot_rules.held_at(sample) == slot
 
     def stats(self) -> dict[str, int]:
         return {"snapshot_sweeps": self.sweeps, "snapshots_swept": self.freed}

@@ -13,7 +13,7 @@ from april_client.protocol import (
     TurnsSpec,
 )
 from april_server.buffer.store import BufferStore
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.sim.engine import SimEngine
 from tests.sim.ledger import Ledger, require

@@ -16,9 +16,7 @@ from april_client.protocol import (
     SampleAwaitingEvent,
     StreamEvent,
 )
-from april_server.calls.rollout import rollout
-from april_server.operations.groups import add_groups
-from april_server.rules import turns as T
+from april_server.rules import turns as turn_rules
 from april_server.rules.idempotency import is_attempt
 from april_server.wire.errors import ApiError
 from tests.sim.base import WorldBase
@@ -90,7 +88,7 @@ class CallClients(WorldBase):
         if events is not None:
             reader = asyncio.ensure_future(self.read_events(events, answers))
         try:
-            resp = await rollout(self.mgr, req, events)
+            resp = await self.mgr.rollout(req, events)
         except ApiError as exc:
             self.note(f"{label}: {exc.code}")
             self.allowed("call", exc, gids)
@@ -244,8 +242,8 @@ class CallClients(WorldBase):
             await asyncio.sleep(0.005)
             if not self.mgr.buffer.known(gid):
                 return
-            g = await self.mgr.read_group(gid)
-            awaiting = next((s for s in g.samples if T.awaiting(s)), None)
+            g = await self.mgr.buffer.read_group(gid)
+            awaiting = next((s for s in g.samples if turn_rules.awaiting(s)), None)
             if awaiting is not None:
                 break
         if awaiting is None:
@@ -274,7 +272,7 @@ class CallClients(WorldBase):
 
         async def by_groups() -> None:
             try:
-                await add_groups(self.mgr, GroupsReq(groups=[self.spec(gid, False)], start="idle"))
+                await self.mgr.add_groups(GroupsReq(groups=[self.spec(gid, False)], start="idle"))
                 ok.append("groups")
             except ApiError as exc:
                 self.allowed("groups", exc, [gid])
@@ -288,7 +286,7 @@ class CallClients(WorldBase):
             )
             start_version = self.version()
             try:
-                resp = await rollout(self.mgr, req)
+                resp = await self.mgr.rollout(req)
             except ApiError as exc:
                 self.allowed("call", exc, [gid])
                 return
@@ -337,9 +335,7 @@ class CallClients(WorldBase):
         async def rival() -> None:
             await asyncio.sleep(rng.uniform(0, 0.006))
             try:
-                await add_groups(
-                    self.mgr, GroupsReq(groups=[self.spec(extra, False)], start="idle")
-                )
+                await self.mgr.add_groups(GroupsReq(groups=[self.spec(extra, False)], start="idle"))
             except ApiError as exc:
                 self.allowed("groups", exc, [extra])
                 return

@@ -11,11 +11,6 @@ from april_client.protocol import (
     InputReq,
     ResumeReq,
 )
-from april_server.operations.abort import abort
-from april_server.operations.delete import delete
-from april_server.operations.groups import add_groups
-from april_server.operations.inputs import post_input
-from april_server.operations.resume import resume
 from april_server.wire.errors import ApiError
 from tests.sim.base import KEEPS, WorldBase
 from tests.sim.ledger import require
@@ -32,7 +27,7 @@ class OperationClients(WorldBase):
         ids = [(len(sid) + turn) % 60 + 1, turn]
         gid = sid.rpartition("/")[0]
         try:
-            await post_input(self.mgr, sid, InputReq(append_ids=ids, turn=turn))
+            await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
         except ApiError as exc:
             self.note(f"answer {sid} turn {turn}: {exc.code}")
             self.allowed("answer", exc, [gid])
@@ -45,7 +40,7 @@ class OperationClients(WorldBase):
         self.ledger.answers.setdefault(sid, []).append((ids, True))
         if twice:
             try:
-                await post_input(self.mgr, sid, InputReq(append_ids=ids, turn=turn))
+                await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
             except ApiError as exc:
                 # Taken already (or the group left, or another operation holds it now).
                 require(exc.code in ("not_awaiting", "not_found", "group_busy"), f"second: {exc}")
@@ -74,7 +69,7 @@ class OperationClients(WorldBase):
         for attempt in range(2 if req.request_id and rng.random() < 0.5 else 1):
             label = f"groups {req.request_id or ''} {gids} {req.start} try {attempt}"
             try:
-                resp = await add_groups(self.mgr, req)
+                resp = await self.mgr.add_groups(req)
             except ApiError as exc:
                 self.note(f"{label}: {exc.code}")
                 self.allowed("groups", exc, gids)
@@ -113,7 +108,7 @@ class OperationClients(WorldBase):
         if req.batch_id is not None:  # what the server says that batch left in the background
             named |= self.mgr.background.handed_in_by(req.batch_id)
         try:
-            await abort(self.mgr, req)
+            await self.mgr.abort(req)
         except ApiError as exc:
             self.note(f"{label}: {exc.code}")
             self.allowed("abort", exc, sorted(named))
@@ -140,7 +135,7 @@ class OperationClients(WorldBase):
             return
         gid = self.rng.choice(known)
         try:
-            await delete(self.mgr, gid)
+            await self.mgr.delete(gid)
         except ApiError as exc:
             self.note(f"delete {gid}: {exc.code}")
             self.allowed("delete", exc, [gid])
@@ -158,7 +153,7 @@ class OperationClients(WorldBase):
         gid = self.rng.choice(known)
         sid = f"{gid}/0"
         try:
-            out = await resume(self.mgr, ResumeReq(sample_ids=[sid]))
+            out = await self.mgr.resume(ResumeReq(sample_ids=[sid]))
         except ApiError as exc:
             self.note(f"resume {sid}: {exc.code}")
             if exc.status == 404 and "sample" in str(exc) and self.mgr.buffer.known(gid):

@@ -17,9 +17,8 @@ from collections.abc import Awaitable, Callable
 from april_client.protocol import (
     AbortReq,
 )
-from april_server.operations.abort import abort
-from april_server.rules import samples as S
-from april_server.rules import turns as T
+from april_server.rules import samples as sample_rules
+from april_server.rules import turns as turn_rules
 from tests.sim.call_clients import CallClients
 from tests.sim.ledger import require
 from tests.sim.operation_clients import OperationClients
@@ -76,7 +75,7 @@ class World(CallClients, OperationClients):
             e = idle.get(gid)
             finished = e is not None and e.unfinished == 0
             g = self.mgr.buffer.claimed.get(gid)
-            finished = finished or (g is not None and S.group_finished(g))
+            finished = finished or (g is not None and sample_rules.group_finished(g))
             require(finished, f"the background forgot {gid} (nobody aborted or took it)")
 
     async def drain(self) -> None:
@@ -86,17 +85,20 @@ class World(CallClients, OperationClients):
             await self.answer(sid, turn)
         self.pending.clear()
         await self.settle_abandoned()
-        await abort(self.mgr, AbortReq(all=True, keep="tokens"))
+        await self.mgr.abort(AbortReq(all=True, keep="tokens"))
         self.ledger.background.clear()
         for _ in range(100):
-            if self.mgr.background._task is None and not self.mgr.running:
+            if self.mgr.background._task is None and not self.mgr.segments.running:
                 break
             await asyncio.sleep(0.05)
         mgr, led = self.mgr, self.ledger
-        require(not mgr.running, f"still running after the drain: {sorted(mgr.running)}")
+        require(
+            not mgr.segments.running,
+            f"still running after the drain: {sorted(mgr.segments.running)}",
+        )
         require(not mgr.calls, f"calls left: {sorted(mgr.calls)}")
         require(not mgr.buffer.holders, f"still held: {dict(mgr.buffer.holders)}")
-        require(not mgr.input_locks, f"answers left waiting: {sorted(mgr.input_locks)}")
+        require(not mgr.post_input.locks, f"answers left waiting: {sorted(mgr.post_input.locks)}")
         self.check()
         buffered = {e.group_id for e in mgr.buffer.idle.oldest()}
         gone = set(led.delivered) | led.dropped | led.deleted
@@ -104,8 +106,8 @@ class World(CallClients, OperationClients):
         require(not lost, f"lost: {sorted(lost)}")
         twice = gone & buffered
         require(not (set(led.delivered) & buffered), f"delivered and still buffered: {twice}")
-        for g in [*mgr.idle_groups(), *led.bodies]:
+        for g in [*mgr.buffer.load_idle(), *led.bodies]:
             for s in g.samples:
                 led.check_sample(s)
-                if T.awaiting(s):
+                if turn_rules.awaiting(s):
                     require(g.group_id in buffered, f"{s.sample_id} awaits outside the buffer")

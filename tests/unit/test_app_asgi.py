@@ -13,10 +13,9 @@ from fastapi import FastAPI
 
 from april_client.protocol import RejectReq, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
 from april_server.http import app as app_module
 from april_server.http.app import create_router
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
 from april_server.wire.errors import ApiError
@@ -75,7 +74,7 @@ def test_stream_events_then_done() -> None:
         assert lines[0]["group"]["group_id"] == "a"
         assert lines[0]["batch_id"] == lines[1]["batch_id"] != ""
         assert lines[1]["buffered_group_ids"] == ["b"]
-        assert [g.group_id for g in mgr.idle_groups()] == ["b"]
+        assert [g.group_id for g in mgr.buffer.load_idle()] == ["b"]
 
     asyncio.run(go())
 
@@ -104,7 +103,7 @@ def test_reject_uncounts_a_finished_group() -> None:
             RolloutReq,
         )
         events: asyncio.Queue[Any] = asyncio.Queue()
-        task = asyncio.ensure_future(rollout(mgr, req, events))
+        task = asyncio.ensure_future(mgr.rollout(req, events))
         first = await events.get()
         assert first.group.group_id == "a"
         (call,) = mgr.calls.values()
@@ -113,7 +112,7 @@ def test_reject_uncounts_a_finished_group() -> None:
         assert [g.group_id for g in resp.groups] == ["b"]
         assert resp.stats.num_rejected_groups == 1
         assert resp.buffered_group_ids == ["c"]
-        assert "a" not in mgr.groups  # rejected groups are discarded, not buffered
+        assert "a" not in mgr.buffer.claimed  # rejected groups are discarded, not buffered
         with pytest.raises(ApiError):
             call.reject(RejectReq(group_ids=["b"]))  # too late: the call is over
 
@@ -224,7 +223,7 @@ def test_limits_are_clear_4xx() -> None:
                 r = await c.post(R + path, json=heavy)
                 assert r.status_code == 413, r.text
                 assert r.json()["error"]["code"] == "too_many_samples"
-            assert mgr.groups == {}
+            assert mgr.buffer.claimed == {}
 
     asyncio.run(go())
 
@@ -249,7 +248,7 @@ def test_an_oversize_body_is_refused_before_it_is_read_whole(
 
             r = await c.post(R + "/rollouts", content=chunked())
             assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
-            assert mgr.groups == {}
+            assert mgr.buffer.claimed == {}
 
         # The reader stops at the first chunk past the bound: the rest is never pulled.
         pulled = 0

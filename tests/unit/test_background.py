@@ -13,11 +13,7 @@ import pytest
 
 from april_client.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.delete import delete
-from april_server.operations.groups import add_groups
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token
 
@@ -49,14 +45,14 @@ def make(path: Path, delay_s: float = 0.002) -> RolloutManager:
 
 
 async def listed_state(mgr: RolloutManager, gid: str) -> str | None:
-    return mgr.listed(await mgr.read_group(gid)).state
+    return mgr.partials.listed(await mgr.buffer.read_group(gid)).state
 
 
 def test_continue_keeps_generating_after_the_answer(tmp_path: Path) -> None:
     async def go() -> None:
         mgr = make(tmp_path)
         req = RolloutReq(groups=[spec("quick", 3), spec("long", 300)], on_quota="continue")
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         assert [g.group_id for g in r.groups] == ["quick"]
         assert r.buffered_group_ids == ["long"]
         # The call has answered; the straggler goes on, listed as buffered and running.
@@ -65,14 +61,14 @@ def test_continue_keeps_generating_after_the_answer(tmp_path: Path) -> None:
         assert len(mgr.buffer.idle) == 1  # still counted as buffered
         await until(lambda: not mgr.background.running_groups())
         assert await listed_state(mgr, "long") == "finished"
-        (s,) = (await mgr.read_group("long")).samples
+        (s,) = (await mgr.buffer.read_group("long")).samples
         assert s.status == "truncated" and s.output_ids == reference(300)
         # Handed over in place: the segment the call started never stopped (no snapshot, no
         # restore, no second segment).
         assert len(s.segments) == 1 and mgr.background.pauses == 0
         # The next call gets it at once, without generating anything.
         calls = len(mgr.engine.calls)  # type: ignore[attr-defined]
-        r2 = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+        r2 = await mgr.rollout(RolloutReq(groups=[], target_groups=1))
         assert [g.group_id for g in r2.groups] == ["long"]
         assert len(mgr.engine.calls) == calls  # type: ignore[attr-defined]
         mgr.check_integrity()
@@ -84,12 +80,12 @@ def test_a_call_takes_over_a_group_still_generating(tmp_path: Path) -> None:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.004)
         req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
-        await rollout(mgr, req)
+        await mgr.rollout(req)
         await until(lambda: "long" in mgr.background.running_groups())
         await asyncio.sleep(0.2)
         # A call claims it mid-generation: its segment keeps generating, now the call's, and
         # counts toward its quota (nothing stops, nothing restores).
-        r = await rollout(mgr, RolloutReq(groups=[spec("new", 500)], target_groups=1))
+        r = await mgr.rollout(RolloutReq(groups=[spec("new", 500)], target_groups=1))
         assert [g.group_id for g in r.groups] == ["long"]
         (s,) = r.groups[0].samples
         assert s.output_ids == reference(400)  # nothing lost or generated twice
@@ -100,7 +96,7 @@ def test_a_call_takes_over_a_group_still_generating(tmp_path: Path) -> None:
         # ... and "new", which that call started, went back to the buffer idle (snapshot).
         assert not mgr.background.wanted
         # The taken-over segment counts in the call's figures, whole, and not the background's.
-        (new,) = (await mgr.read_group("new")).samples
+        (new,) = (await mgr.buffer.read_group("new")).samples
         assert r.stats.output_tokens == 400 + len(new.output_ids)
         assert mgr.background.tally.output_tokens == 0
         mgr.check_integrity()
@@ -113,11 +109,11 @@ def test_a_call_takes_over_what_its_running_target_holds_and_the_rest_gives_way(
 ) -> None:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.003)
-        await add_groups(mgr, GroupsReq(groups=[spec(f"g{i}", 300) for i in range(3)]))
+        await mgr.add_groups(GroupsReq(groups=[spec(f"g{i}", 300) for i in range(3)]))
         await until(lambda: len(mgr.background.running_groups()) == 3)
         await asyncio.sleep(0.05)
         req = RolloutReq(groups=[], target_groups=1, max_inflight_groups=1)
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         # The oldest passed to the call generating: one segment, never stopped.
         assert [g.group_id for g in r.groups] == ["g0"]
         (s,) = r.groups[0].samples
@@ -126,7 +122,7 @@ def test_a_call_takes_over_what_its_running_target_holds_and_the_rest_gives_way(
         assert mgr.background.pauses == 1
         await until(lambda: not mgr.background.wanted and not mgr.buffer.holders)
         for gid in ("g1", "g2"):
-            (x,) = (await mgr.read_group(gid)).samples
+            (x,) = (await mgr.buffer.read_group(gid)).samples
             assert x.output_ids == reference(300) and len(x.segments) == 2
         mgr.check_integrity()
 
@@ -141,26 +137,26 @@ def test_a_continue_call_ending_beside_another_call_stops_its_stragglers(tmp_pat
 
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.003)
-        persist = mgr.persist
+        persist = mgr.persister.persist
         second: list[asyncio.Task[Any]] = []
 
         async def persist_while_a_call_arrives(*args: Any, **kw: Any) -> None:
             if not second:
                 req = RolloutReq(groups=[spec("other", 30)], target_groups=1, resume_first=False)
-                second.append(asyncio.create_task(rollout(mgr, req)))
+                second.append(asyncio.create_task(mgr.rollout(req)))
                 await until(lambda: len(mgr.calls) == 2)
             await persist(*args, **kw)
 
-        mgr.persist = persist_while_a_call_arrives  # type: ignore[method-assign]
+        mgr.persister.persist = persist_while_a_call_arrives  # type: ignore[method-assign]
         req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         assert r.buffered_group_ids == ["long"]
-        (x,) = (await mgr.read_group("long")).samples
+        (x,) = (await mgr.buffer.read_group("long")).samples
         assert 0 < len(x.output_ids) < 400  # stopped, and what it made is durable
         assert len(x.segments) == 1
         await second[0]
         await until(lambda: not mgr.background.wanted and not mgr.buffer.holders)
-        (x,) = (await mgr.read_group("long")).samples
+        (x,) = (await mgr.buffer.read_group("long")).samples
         assert x.output_ids == reference(400) and len(x.segments) == 2
         mgr.check_integrity()
 
@@ -174,28 +170,28 @@ def test_an_abort_while_a_continue_call_persists_keeps_what_it_asked_for(tmp_pat
     async def go() -> None:
         eng = SnapshotFakeEngine(delay_s=0.003)
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
-        persist = mgr.persist
+        persist = mgr.persister.persist
         aborts: list[asyncio.Task[Any]] = []
 
         async def persist_while_aborted(*args: Any, **kw: Any) -> None:
             if not aborts:
-                aborts.append(asyncio.create_task(abort(mgr, AbortReq(all=True, keep="tokens"))))
-                stopping = lambda: any(r.stopping for r in mgr.running.values())  # noqa: E731
+                aborts.append(asyncio.create_task(mgr.abort(AbortReq(all=True, keep="tokens"))))
+                stopping = lambda: any(r.stopping for r in mgr.segments.running.values())  # noqa: E731
                 await until(lambda: aborts[0].done() or stopping())
             await persist(*args, **kw)
 
-        mgr.persist = persist_while_aborted  # type: ignore[method-assign]
+        mgr.persister.persist = persist_while_aborted  # type: ignore[method-assign]
         req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         assert r.buffered_group_ids == ["long"]
         await aborts[0]
-        (x,) = (await mgr.read_group("long")).samples
+        (x,) = (await mgr.buffer.read_group("long")).samples
         assert 0 < len(x.output_ids) < 400 and x.status == "partial"
         assert x.output_ids == reference(400)[: len(x.output_ids)]
         # The abort's keep (tokens), not the snapshot the call's stop would have taken.
         assert x.snapshot_bytes == 0 and not eng.snaps
         await asyncio.sleep(0.1)
-        assert not mgr.running and not mgr.background.wanted
+        assert not mgr.segments.running and not mgr.background.wanted
         assert await listed_state(mgr, "long") == "idle"
         mgr.check_integrity()
 
@@ -205,24 +201,24 @@ def test_an_abort_while_a_continue_call_persists_keeps_what_it_asked_for(tmp_pat
 def test_prefetched_groups_generate_before_any_call(tmp_path: Path) -> None:
     async def go() -> None:
         mgr = make(tmp_path)
-        resp = await add_groups(mgr, GroupsReq(groups=[spec("p1", 50, n=2), spec("p2", 60)]))
+        resp = await mgr.add_groups(GroupsReq(groups=[spec("p1", 50, n=2), spec("p2", 60)]))
         assert resp.group_ids == ["p1", "p2"] and resp.started_samples == 3
         await until(lambda: all(mgr.buffer.idle.get(g).unfinished == 0 for g in ("p1", "p2")))
-        await until(lambda: not mgr.running and not mgr.background.running_groups())
+        await until(lambda: not mgr.segments.running and not mgr.background.running_groups())
         for gid, budget in (("p1", 50), ("p2", 60)):
-            g = await mgr.read_group(gid)
-            assert mgr.listed(g).state == "finished"
+            g = await mgr.buffer.read_group(gid)
+            assert mgr.partials.listed(g).state == "finished"
             assert all(s.output_ids == reference(budget) for s in g.samples)
-        r = await rollout(mgr, RolloutReq(groups=[], target_groups=2))
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=2))
         assert sorted(g.group_id for g in r.groups) == ["p1", "p2"]
         # start: idle only buffers; bad input adds nothing; a retry returns the same answer.
         idle = GroupsReq(groups=[spec("i1", 5)], start="idle", request_id="pre-1")
-        assert (await add_groups(mgr, idle)).started_samples == 0
-        assert await add_groups(mgr, idle) == (await add_groups(mgr, idle))
+        assert (await mgr.add_groups(idle)).started_samples == 0
+        assert await mgr.add_groups(idle) == (await mgr.add_groups(idle))
         await asyncio.sleep(0.1)
-        assert await listed_state(mgr, "i1") == "idle" and not mgr.running
+        assert await listed_state(mgr, "i1") == "idle" and not mgr.segments.running
         with pytest.raises(ApiError):
-            await add_groups(mgr, GroupsReq(groups=[spec("i2", 5), spec("i1", 5)]))
+            await mgr.add_groups(GroupsReq(groups=[spec("i2", 5), spec("i1", 5)]))
         assert not mgr.buffer.known("i2")
         mgr.check_integrity()
 
@@ -232,19 +228,19 @@ def test_prefetched_groups_generate_before_any_call(tmp_path: Path) -> None:
 def test_abort_and_delete_stop_background_samples_for_good(tmp_path: Path) -> None:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.005)
-        await add_groups(mgr, GroupsReq(groups=[spec("a", 450), spec("d", 450)]))
+        await mgr.add_groups(GroupsReq(groups=[spec("a", 450), spec("d", 450)]))
         await until(lambda: len(mgr.background.running_groups()) == 2)
         await asyncio.sleep(0.1)
-        await delete(mgr, "d")
+        await mgr.delete("d")
         assert not mgr.buffer.known("d")
-        out = await abort(mgr, AbortReq(all=True, keep="tokens"))
+        out = await mgr.abort(AbortReq(all=True, keep="tokens"))
         assert [s.sample_id for s in out.samples] == ["a/0"]
         assert 0 < len(out.samples[0].output_ids) < 450
         await asyncio.sleep(0.2)
-        assert not mgr.running and not mgr.background.wanted  # not restarted later
-        r = await rollout(mgr, RolloutReq(groups=[spec("x", 2)], target_groups=1))
+        assert not mgr.segments.running and not mgr.background.wanted  # not restarted later
+        r = await mgr.rollout(RolloutReq(groups=[spec("x", 2)], target_groups=1))
         await asyncio.sleep(0.1)
-        assert [g.group_id for g in r.groups] == ["x"] and not mgr.running
+        assert [g.group_id for g in r.groups] == ["x"] and not mgr.segments.running
         mgr.check_integrity()
 
     asyncio.run(go())
@@ -254,7 +250,7 @@ def test_a_restart_keeps_what_was_persisted(tmp_path: Path) -> None:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.005)
         req = RolloutReq(groups=[spec("quick", 3), spec("long", 480)], on_quota="continue")
-        await rollout(mgr, req)
+        await mgr.rollout(req)
         (stored,) = mgr.store.load_all()  # what the answer acknowledged
         acknowledged = len(stored.samples[0].output_ids)
         await until(lambda: "long" in mgr.background.running_groups())
@@ -263,7 +259,7 @@ def test_a_restart_keeps_what_was_persisted(tmp_path: Path) -> None:
         # without handing anything back).
         mgr.store.close()
         again = make(tmp_path)
-        (s,) = (await again.read_group("long")).samples
+        (s,) = (await again.buffer.read_group("long")).samples
         assert s.status == "partial" and len(s.output_ids) >= acknowledged
         assert s.output_ids == reference(480)[: len(s.output_ids)]
         assert not again.background.wanted  # a restart treats them like any buffered group
@@ -276,12 +272,12 @@ def test_aborting_a_finished_call_stops_what_it_left_in_the_background(tmp_path:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.005)
         req = RolloutReq(groups=[spec("q", 3), spec("left", 450)], on_quota="continue")
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         await until(lambda: "left" in mgr.background.running_groups())
-        out = await abort(mgr, AbortReq(batch_id=r.batch_id, keep="tokens"))
+        out = await mgr.abort(AbortReq(batch_id=r.batch_id, keep="tokens"))
         assert [s.sample_id for s in out.samples] == ["left/0"]
         await asyncio.sleep(0.1)
-        assert not mgr.running and not mgr.background.wanted
+        assert not mgr.segments.running and not mgr.background.wanted
         mgr.check_integrity()
 
     asyncio.run(go())
@@ -299,7 +295,7 @@ def test_a_round_does_not_rewrite_the_groups_that_found_no_room(tmp_path: Path) 
     async def go() -> None:
         eng = CapacityEngine(max_running=2, total_tokens=100_000)  # admits 2 + a queue of 8
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
-        await mgr.admission_ready()
+        await mgr.segments.admission_ready()
         real, written = mgr.buffer.persist, []
 
         async def counting(put: Any, delete: Any, call: Any = None) -> None:
@@ -307,13 +303,13 @@ def test_a_round_does_not_rewrite_the_groups_that_found_no_room(tmp_path: Path) 
             await real(put, delete, call)
 
         groups = [spec(f"g{i}", 40) for i in range(20)]
-        await add_groups(mgr, GroupsReq(groups=groups))  # the new groups' own first write
+        await mgr.add_groups(GroupsReq(groups=groups))  # the new groups' own first write
         mgr.buffer.persist = counting  # type: ignore[method-assign]
         await until(lambda: all(mgr.buffer.idle.get(f"g{i}").unfinished == 0 for i in range(20)))
         await until(lambda: not mgr.background.running_groups())
         assert written == []  # before the fix: every group that waited, once per round
         for i in range(20):
-            assert len((await mgr.read_group(f"g{i}")).samples[0].output_ids) == 40
+            assert len((await mgr.buffer.read_group(f"g{i}")).samples[0].output_ids) == 40
         mgr.check_integrity()
 
     asyncio.run(go())
@@ -326,7 +322,7 @@ def test_a_store_that_fails_leaves_no_group_held_by_the_background(tmp_path: Pat
 
     async def go() -> None:
         mgr = make(tmp_path)
-        await add_groups(mgr, GroupsReq(groups=[spec("a", 200), spec("b", 200)]))
+        await mgr.add_groups(GroupsReq(groups=[spec("a", 200), spec("b", 200)]))
         await until(lambda: mgr.background.running_groups() == {"a", "b"})
         real = mgr.buffer.persist
 
@@ -337,7 +333,7 @@ def test_a_store_that_fails_leaves_no_group_held_by_the_background(tmp_path: Pat
         await until(lambda: not mgr.background.running_groups())
         assert mgr.buffer.owner_of("a") is None and mgr.buffer.owner_of("b") is None
         mgr.buffer.persist = real  # type: ignore[method-assign]
-        r = await rollout(mgr, RolloutReq(groups=[], target_groups=2))  # the disk is back
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=2))  # the disk is back
         assert sorted(g.group_id for g in r.groups) == ["a", "b"]
         assert all(g.samples[0].output_ids == reference(200) for g in r.groups)
         mgr.check_integrity()
@@ -384,11 +380,11 @@ def test_a_group_handed_on_generating_is_stored_whole(
 
         mgr.store.commit = checked  # type: ignore[method-assign]
         req = RolloutReq(groups=[spec("quick", 3), spec("long", 60)], on_quota="continue")
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         assert r.buffered_group_ids == ["long"]
         await until(lambda: not mgr.background.running_groups())
         assert torn == []  # before the fix: ["long"], after the call's own commit
-        (s,) = (await mgr.read_group("long")).samples
+        (s,) = (await mgr.buffer.read_group("long")).samples
         assert s.output_ids == reference(60)
         mgr.check_integrity()
 
@@ -403,12 +399,12 @@ def test_a_request_id_names_a_hand_in_and_a_call_apart(tmp_path: Path) -> None:
     async def go() -> None:
         mgr = make(tmp_path)
         pre = GroupsReq(groups=[spec("p", 5)], start="idle", request_id="step-18")
-        first = await add_groups(mgr, pre)
+        first = await mgr.add_groups(pre)
         call = RolloutReq(groups=[spec("c", 5)], target_groups=2, request_id="step-18")
-        r = await rollout(mgr, call)  # before the fix: msgspec ValidationError (a 500)
+        r = await mgr.rollout(call)  # before the fix: msgspec ValidationError (a 500)
         assert sorted(g.group_id for g in r.groups) == ["c", "p"]
-        assert await add_groups(mgr, pre) == first  # each still idempotent
-        assert await rollout(mgr, call) == r
+        assert await mgr.add_groups(pre) == first  # each still idempotent
+        assert await mgr.rollout(call) == r
         mgr.check_integrity()
 
     asyncio.run(go())

@@ -15,11 +15,7 @@ from hypothesis import strategies as st
 
 from april_client.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.delete import delete
-from april_server.operations.groups import add_groups
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
 
@@ -96,20 +92,20 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
                     on_quota = "continue" if op == "call_continue" else "tokens"
                     created.update(gids)
                     budgets.update(dict.fromkeys(gids, budget))
-                    r = await rollout(
-                        mgr, RolloutReq(groups=groups, target_groups=1, on_quota=on_quota)
+                    r = await mgr.rollout(
+                        RolloutReq(groups=groups, target_groups=1, on_quota=on_quota)
                     )
                     delivered.extend(g.group_id for g in r.groups)
                     bodies.extend(r.groups)
                 elif op == "prefetch":
                     created.update(gids)
                     budgets.update(dict.fromkeys(gids, budget))
-                    await add_groups(mgr, GroupsReq(groups=[spec(g, budget) for g in gids]))
+                    await mgr.add_groups(GroupsReq(groups=[spec(g, budget) for g in gids]))
                 elif op == "abort":
-                    await abort(mgr, AbortReq(all=True, keep="tokens"))
+                    await mgr.abort(AbortReq(all=True, keep="tokens"))
                 elif op == "delete" and len(mgr.buffer.idle):
                     gid = next(iter(mgr.buffer.idle.oldest())).group_id
-                    await delete(mgr, gid)
+                    await mgr.delete(gid)
                     gone.add(gid)
                 elif op == "push":
                     await mgr.segments.before_update()
@@ -123,13 +119,13 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
             mgr.check_integrity()  # after every operation, not only at the end
 
         await asyncio.gather(*(one(k, *op) for k, op in enumerate(ops)))
-        await abort(mgr, AbortReq(all=True, keep="tokens"))  # settle the background
-        assert not mgr.running and not eng.double, eng.double
+        await mgr.abort(AbortReq(all=True, keep="tokens"))  # settle the background
+        assert not mgr.segments.running and not eng.double, eng.double
         assert len(delivered) == len(set(delivered)), "a group was delivered twice"
         buffered = {e.group_id for e in mgr.buffer.idle.oldest()}
         assert not set(delivered) & buffered and not gone & buffered
         assert set(delivered) | buffered | gone == created
-        for g in [*mgr.idle_groups(), *bodies]:
+        for g in [*mgr.buffer.load_idle(), *bodies]:
             for s in g.samples:  # every kept token is the uninterrupted run's
                 assert (
                     s.output_ids

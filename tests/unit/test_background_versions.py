@@ -12,9 +12,7 @@ import pytest
 
 from april_client.protocol import GroupsReq, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.groups import add_groups
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 from tests.unit.test_background import make, reference, spec, until
 
@@ -24,8 +22,8 @@ def test_a_weight_update_cuts_background_segments_at_the_version_boundary(
 ) -> None:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.003)
-        await add_groups(mgr, GroupsReq(groups=[spec("w", 300)]))
-        await until(lambda: bool(mgr.running))
+        await mgr.add_groups(GroupsReq(groups=[spec("w", 300)]))
+        await until(lambda: bool(mgr.segments.running))
         await asyncio.sleep(0.2)
         await mgr.segments.before_update()
         await until(lambda: not mgr.engine.active)  # type: ignore[attr-defined]
@@ -33,8 +31,8 @@ def test_a_weight_update_cuts_background_segments_at_the_version_boundary(
         mgr.segments.after_update()
         # Handed back too (not only done generating): the integrity check compares the store
         # with the index, which differ while the background persists the finished group.
-        await until(lambda: not mgr.running and not mgr.buffer.holders)
-        (s,) = (await mgr.read_group("w")).samples
+        await until(lambda: not mgr.segments.running and not mgr.buffer.holders)
+        (s,) = (await mgr.buffer.read_group("w")).samples
         assert [x.weight_version for x in s.segments] == ["0", "1"]
         assert s.segments[0].end == s.segments[1].start > 0
         assert s.output_ids == reference(300)
@@ -48,16 +46,16 @@ def test_a_background_sample_restarts_when_its_oldest_token_gets_too_stale(
 ) -> None:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.004)
-        await add_groups(mgr, GroupsReq(groups=[spec("o", 400)], max_staleness=1))
+        await mgr.add_groups(GroupsReq(groups=[spec("o", 400)], max_staleness=1))
         for version in ("1", "2"):  # two pushes while it generates
-            await until(lambda: bool(mgr.running))
+            await until(lambda: bool(mgr.segments.running))
             await asyncio.sleep(0.15)
             await mgr.segments.before_update()
             await until(lambda: not mgr.engine.active)  # type: ignore[attr-defined]
             mgr.engine.version = version  # type: ignore[attr-defined]
             mgr.segments.after_update()
-        await until(lambda: not mgr.running and not mgr.buffer.holders)
-        (s,) = (await mgr.read_group("o")).samples
+        await until(lambda: not mgr.segments.running and not mgr.buffer.holders)
+        (s,) = (await mgr.buffer.read_group("o")).samples
         # After the second push its oldest token would be 2 versions old (> 1): it restarted
         # from its prompt instead of extending stale work.
         assert mgr.counters.staleness_restarts == 1
@@ -78,13 +76,13 @@ def test_a_group_put_in_the_background_is_delivered_within_its_max_staleness(
 
     async def go() -> None:
         mgr = make(tmp_path)
-        await add_groups(mgr, GroupsReq(groups=[spec("old", 20)], max_staleness=1))
+        await mgr.add_groups(GroupsReq(groups=[spec("old", 20)], max_staleness=1))
         await until(lambda: "old" not in mgr.background.wanted)  # finished under version 0
         mgr.engine.version = "1"  # type: ignore[attr-defined]
-        await add_groups(mgr, GroupsReq(groups=[spec("new", 20)], max_staleness=1))
+        await mgr.add_groups(GroupsReq(groups=[spec("new", 20)], max_staleness=1))
         await until(lambda: "new" not in mgr.background.wanted)  # finished under version 1
         mgr.engine.version = "2"  # type: ignore[attr-defined]
-        r = await rollout(mgr, RolloutReq(groups=[], target_groups=2))
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=2))
         by_id = {g.group_id: g.samples[0] for g in r.groups}
         # "old" would be 2 versions old (> 1): generated again; "new", 1 version old, kept.
         assert [x.weight_version for x in by_id["old"].segments] == ["2"]
@@ -104,15 +102,15 @@ def test_a_stale_restart_at_a_claim_frees_the_members_snapshot(tmp_path: Path) -
     async def go() -> None:
         eng = SnapshotFakeEngine(delay_s=0.003)
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
-        await add_groups(mgr, GroupsReq(groups=[spec("bg", 300)], max_staleness=1))
-        await until(lambda: bool(mgr.running) and bool(eng.calls))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 300)], max_staleness=1))
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
         await asyncio.sleep(0.05)
         async with mgr.background.paused():  # stops it with a snapshot, as a call does
-            (s,) = (await mgr.read_group("bg")).samples
+            (s,) = (await mgr.buffer.read_group("bg")).samples
             assert s.snapshot_bytes > 0 and eng.snaps == {"bg/0"}
             eng.version = "1"
             eng.version = "2"  # two pushes: its tokens of version 0 are past its bound
-            r = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+            r = await mgr.rollout(RolloutReq(groups=[], target_groups=1))
         (got,) = r.groups[0].samples
         assert [x.weight_version for x in got.segments] == ["2"]
         assert got.output_ids == reference(300)
@@ -160,10 +158,10 @@ def test_a_call_pausing_the_background_resends_aborts_soon(
 
     async def go() -> None:
         mgr = RolloutManager(LateRegistration(register_s=0.03), BufferStore(tmp_path / "b"))
-        await add_groups(mgr, GroupsReq(groups=[spec("bg", 500)]))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 500)]))
         await until(lambda: "bg" in mgr.background.running_groups())
         monkeypatch.setattr(segments.asyncio, "wait", recording_wait)
-        run = mgr.running["bg/0"]
+        run = mgr.segments.running["bg/0"]
         mgr.engine.known.discard(run.rid)  # type: ignore[attr-defined]  # not registered yet
 
         async def register_later() -> None:
@@ -172,7 +170,7 @@ def test_a_call_pausing_the_background_resends_aborts_soon(
 
         late = asyncio.ensure_future(register_later())
         async with mgr.background.paused():  # what a call does first
-            (s,) = (await mgr.read_group("bg")).samples
+            (s,) = (await mgr.buffer.read_group("bg")).samples
         await late
         assert s.status == "partial" and len(s.output_ids) < 500  # stopped, not run out
         assert waits[0] < segments.ABORT_POLL_S / 10  # the first re-send comes soon
@@ -190,9 +188,9 @@ def test_a_weight_update_resends_its_cut_to_a_segment_not_registered_yet(tmp_pat
     async def go() -> None:
         eng = LateRegistration(register_s=0.0)
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
-        await add_groups(mgr, GroupsReq(groups=[spec("w", 500)]))
-        await until(lambda: bool(mgr.running))
-        run = mgr.running["w/0"]
+        await mgr.add_groups(GroupsReq(groups=[spec("w", 500)]))
+        await until(lambda: bool(mgr.segments.running))
+        run = mgr.segments.running["w/0"]
         eng.known.discard(run.rid)  # not registered yet: the first cut is dropped
         await mgr.segments.before_update()
         await asyncio.sleep(0.03)
@@ -200,8 +198,8 @@ def test_a_weight_update_resends_its_cut_to_a_segment_not_registered_yet(tmp_pat
         await until(lambda: not eng.active)  # the segment left: the update may run
         eng.version = "1"
         mgr.segments.after_update()
-        await until(lambda: not mgr.running and not mgr.buffer.holders)
-        (s,) = (await mgr.read_group("w")).samples
+        await until(lambda: not mgr.segments.running and not mgr.buffer.holders)
+        (s,) = (await mgr.buffer.read_group("w")).samples
         assert [x.weight_version for x in s.segments] == ["0", "1"]  # cut, not run to its end
         assert s.output_ids == reference(500)
         mgr.check_integrity()
@@ -219,7 +217,6 @@ def test_a_segment_started_during_a_weight_update_waits_for_its_end(tmp_path: Pa
     waits for the update's end, as the owner's do; and a restore planned under the old
     weights re-prefills instead (their KV under the new ones would break exactness)."""
     from april_client.protocol import ResumeReq
-    from april_server.operations.resume import resume
     from april_server.rules.placement import Slot
     from tests.unit.fake_engine import SnapshotFakeEngine
 
@@ -235,13 +232,13 @@ def test_a_segment_started_during_a_weight_update_waits_for_its_end(tmp_path: Pa
         eng.restored = []
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="snapshot")
-        await rollout(mgr, req)
+        await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
         calls = len(eng.calls)
         await mgr.segments.before_update()  # a push (or a session) begins
         new = RolloutReq(groups=[spec("new", 20)], resume_first=False)
-        fresh = asyncio.ensure_future(rollout(mgr, new))
-        resumed = asyncio.ensure_future(resume(mgr, ResumeReq(sample_ids=["long/0"])))
+        fresh = asyncio.ensure_future(mgr.rollout(new))
+        resumed = asyncio.ensure_future(mgr.resume(ResumeReq(sample_ids=["long/0"])))
         await asyncio.sleep(0.2)
         assert len(eng.calls) == calls and not fresh.done()  # before the fix: generating
         eng.version = "1"
@@ -265,14 +262,14 @@ def test_every_pushed_version_counts_toward_staleness(tmp_path: Path) -> None:
         eng = FakeEngine(delay_s=0.002)
         eng.version = "s1"
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
-        await rollout(
-            mgr, RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="tokens")
+        await mgr.rollout(
+            RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="tokens")
         )
         for v in ("s2", "s3"):  # two pushes, nothing running
             await mgr.segments.before_update()
             eng.version = v
             mgr.segments.after_update()
-        r = await rollout(mgr, RolloutReq(groups=[], target_groups=1, max_staleness=1))
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=1, max_staleness=1))
         (s,) = r.groups[0].samples
         assert [seg.weight_version for seg in s.segments] == ["s3"]  # restarted from its prompt
         assert mgr.counters.staleness_restarts == 1  # before the fix: 0, continued

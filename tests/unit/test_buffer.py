@@ -23,13 +23,9 @@ from april_server.buffer import store as store_mod
 from april_server.buffer.buffer_index import BufferIndex, PartialsFilter, summarize
 from april_server.buffer.store import BufferStore
 from april_server.buffer.synthetic import fill, synthetic_group
-from april_server.calls.rollout import rollout
 from april_server.http.app import create_router
-from april_server.operations.abort import abort
-from april_server.operations.delete import delete
-from april_server.operations.resume import resume
+from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import EngineCapacity
-from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
@@ -185,7 +181,7 @@ def test_version_1_state_dirs_load_and_their_odd_ids_stay_reachable(tmp_path: Pa
             listed = (await c.get(R + "/partials")).json()["groups"]
             assert [g["group_id"] for g in listed] == ["run/7 q", "plain"]
             # Resumable by sample id, and served by a call's resume_first (oldest first).
-            out = await resume(mgr, msgspec.convert({"sample_ids": ["run/7 q/0"]}, _resume_t()))
+            out = await mgr.resume(msgspec.convert({"sample_ids": ["run/7 q/0"]}, _resume_t()))
             assert out[0].status == "truncated"
             r = await c.delete(R + "/partials/run%2F7%20q")
             assert r.json() == {"group_id": "run/7 q", "deleted": True}
@@ -228,7 +224,7 @@ def test_ids_outside_the_contract_get_422_before_anything_starts(body: dict[str,
             assert r.json()["error"]["code"] == "invalid_id"
 
     asyncio.run(go())
-    assert mgr.groups == {} and not mgr.engine.calls  # type: ignore[attr-defined]
+    assert mgr.buffer.claimed == {} and not mgr.engine.calls  # type: ignore[attr-defined]
 
 
 def test_ids_at_the_edge_of_the_contract_are_accepted() -> None:
@@ -239,7 +235,7 @@ def test_ids_at_the_edge_of_the_contract_are_accepted() -> None:
             groups=[GroupSpec(gid, input_ids=[1], sampling_params={"max_new_tokens": 1})],
             request_id="step:0017.a-b_c",
         )
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         assert len(gid) == 128 and r.groups[0].group_id == gid
 
     asyncio.run(go())
@@ -280,13 +276,13 @@ def test_a_call_beside_a_big_buffer_claims_only_what_it_runs(
         async def watch() -> None:
             nonlocal seen_claimed
             while True:
-                seen_claimed = max(seen_claimed, len(mgr.groups))
+                seen_claimed = max(seen_claimed, len(mgr.buffer.claimed))
                 await asyncio.sleep(0.001)
 
         w = asyncio.ensure_future(watch())
         new = [GroupSpec("new", n=4, input_ids=[5, 6])]
         req = RolloutReq(groups=new, max_inflight_groups=inflight)  # type: ignore[arg-type]
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         w.cancel()
         assert len(r.groups) == 1 and r.stats.quota_met
         # Admission: at most 16 running + a queue of 8 at once, never the buffer.
@@ -322,7 +318,7 @@ def test_stats_count_the_buffer_without_listing_it(tmp_path: Path) -> None:
 def test_cancelled_api_error_leaves_nothing_claimed(tmp_path: Path) -> None:
     mgr = RolloutManager(FakeEngine(), BufferStore(None))
     with pytest.raises(ApiError):
-        asyncio.run(resume(mgr, msgspec.convert({"sample_ids": ["nope/0"]}, _resume_t())))
+        asyncio.run(mgr.resume(msgspec.convert({"sample_ids": ["nope/0"]}, _resume_t())))
     assert mgr.buffer.holders == {}
 
 
@@ -339,18 +335,18 @@ def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> N
             GroupSpec("short", input_ids=[3, 4], sampling_params={"max_new_tokens": 40, **NO_EOS}),
         ]
         req = RolloutReq(groups=groups, on_quota="tokens", max_inflight_groups=2)
-        call = asyncio.ensure_future(rollout(mgr, req))
+        call = asyncio.ensure_future(mgr.rollout(req))
         await asyncio.sleep(0.05)
         # "long" is stopped with a snapshot while "short" runs on and meets the quota during
         # the slow snapshot_info: the call winds down before "long" has recorded its end.
-        stop = asyncio.ensure_future(abort(mgr, AbortReq(sample_ids=["long/0"], keep="snapshot")))
+        stop = asyncio.ensure_future(mgr.abort(AbortReq(sample_ids=["long/0"], keep="snapshot")))
         r = await call
         await stop
         assert [g.group_id for g in r.groups] == ["short"]
-        (stored,) = mgr.idle_groups()
+        (stored,) = mgr.buffer.load_idle()
         assert stored.samples[0].snapshot_bytes == 100  # what the scheduler holds is known
         assert eng.snaps == {"long/0"}
-        await delete(mgr, "long")
+        await mgr.delete("long")
         assert eng.snaps == set()  # ... so deleting the group frees it
 
     asyncio.run(go())

@@ -19,16 +19,14 @@ import pytest
 
 from april_client.protocol import GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
 from april_server.engine import segment_runner as segments_mod
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import LANE_SIZE, Lanes
 from april_server.fleet.wire import EngineInfo, encoder
-from april_server.operations.resume import resume
+from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
-from april_server.runtime.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine
 
 NO_EOS = {"ignore_eos": True}
@@ -80,7 +78,7 @@ def test_a_dead_engines_segments_run_again_elsewhere_and_the_quota_holds() -> No
         mgr = RolloutManager(eng, BufferStore(None))
         groups = [spec(f"g{i}", [i + 3, 9], 40) for i in range(3)]
         # Every group is needed: nothing over-provisioned covers for the dead engine.
-        r = await rollout(mgr, RolloutReq(groups=groups, target_groups=3, max_inflight_groups=3))
+        r = await mgr.rollout(RolloutReq(groups=groups, target_groups=3, max_inflight_groups=3))
         assert sorted(g.group_id for g in r.groups) == ["g0", "g1", "g2"]
         assert r.buffered_group_ids == []
         assert {e for _, e in eng.ran} == {"a", "b"}  # both were given work ...
@@ -91,7 +89,9 @@ def test_a_dead_engines_segments_run_again_elsewhere_and_the_quota_holds() -> No
                 assert [seg.engine for seg in s.segments] == ["a"]  # ... only "a" delivered
         failed_over = [n for n in r.stats.notes if "runs again" in n]
         assert failed_over and mgr.counters.engine_failovers == len(failed_over)
-        assert mgr.running == {} and not any(x["running_samples"] for x in mgr.segments.by_slot())
+        assert mgr.segments.running == {} and not any(
+            x["running_samples"] for x in mgr.segments.by_slot()
+        )
         mgr.check_integrity()
 
     asyncio.run(go())
@@ -113,12 +113,12 @@ def test_with_no_engine_left_the_call_ends_and_the_sample_keeps_what_it_had(
             on_quota="tokens",
             max_inflight_groups=2,
         )
-        await rollout(mgr, first)
-        (held,) = [s for g in mgr.idle_groups() for s in g.samples]
+        await mgr.rollout(first)
+        (held,) = [s for g in mgr.buffer.load_idle() for s in g.samples]
         before = list(held.output_ids)
         assert 0 < len(before) < 300
         eng.die |= {"a", "b"}
-        (s,) = await resume(mgr, ResumeReq(sample_ids=["x/0"]))
+        (s,) = await mgr.resume(ResumeReq(sample_ids=["x/0"]))
         assert s.status == "partial" and s.output_ids == before  # nothing lost, nothing made up
         assert eng.down == {"a", "b"}
         assert mgr.counters.engine_failovers >= 1 and mgr.counters.engine_errors == 1

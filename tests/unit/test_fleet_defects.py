@@ -17,9 +17,9 @@ from april_server.engine.base import EngineUnavailable, SegmentCall
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.gateway import create_owner_app
 from april_server.fleet.wire import KvResp, encoder
+from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import EngineCapacity
 from april_server.rules.placement import Slot
-from april_server.runtime.manager import RolloutManager
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
 from tests.unit.test_fleet import FakeServers, fleet_over
@@ -79,11 +79,11 @@ def test_admission_is_sized_again_when_the_pool_changes() -> None:
         await fleet.probe_all()
         mgr = RolloutManager(fleet, BufferStore(None))
         one = EngineCapacity(10, 1000)
-        await mgr.admission_ready()
+        await mgr.segments.admission_ready()
         two = mgr.admission.max_samples
         servers.gone.add("b:1")
         await fleet.probe_all()  # b leaves the pool
-        await mgr.admission_ready()
+        await mgr.segments.admission_ready()
         alone = mgr.admission.max_samples
         assert alone < two  # before the fix: sized once, for two engines, for good
         check = type(mgr.admission)()

@@ -22,12 +22,9 @@ from april_client.protocol import (
     TurnsSpec,
 )
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.inputs import post_input
+from april_server.root.manager import RolloutManager
 from april_server.rules import samples as S
 from april_server.rules import turns as T
-from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
 
@@ -91,8 +88,8 @@ async def buffer_agent_group(mgr: RolloutManager, gid: str = "g") -> None:
     T.end_of_segment(first, STOP)
     assert T.awaiting(first)
     mgr.buffer.adopt([g], "setup")
-    await mgr.persist([g], [])
-    mgr.release("setup")
+    await mgr.persister.persist([g], [])
+    mgr.buffer.release("setup")
 
 
 def call_req(**kw: Any) -> RolloutReq:
@@ -105,12 +102,12 @@ async def start_call(
     mgr: RolloutManager, req: RolloutReq
 ) -> tuple[asyncio.Task[RolloutResp], asyncio.Queue[StreamEvent | None]]:
     events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
-    return asyncio.ensure_future(rollout(mgr, req, events)), events
+    return asyncio.ensure_future(mgr.rollout(req, events)), events
 
 
 async def settle(task: asyncio.Task[Any], mgr: RolloutManager) -> None:
     """End what still runs (the runnable member's long budget) and wait for the call."""
-    await abort(mgr, AbortReq(all=True, keep="tokens"))
+    await mgr.abort(AbortReq(all=True, keep="tokens"))
     await asyncio.wait_for(task, 30)
     mgr.check_integrity()
 
@@ -125,7 +122,7 @@ def test_an_answer_posted_while_a_call_reads_the_group_waits_and_reaches_that_ca
         task, _ = await start_call(mgr, call_req())
         await store.entered.wait()  # the call holds "g"; its body is still being read
         mgr.check_integrity()
-        answer = asyncio.ensure_future(post_input(mgr, "g/0", InputReq(append_ids=ANSWER)))
+        answer = asyncio.ensure_future(mgr.post_input("g/0", InputReq(append_ids=ANSWER)))
         await asyncio.sleep(0.05)
         assert not answer.done(), "the answer must wait out the read, not fail"
         store.release.set()
@@ -133,7 +130,7 @@ def test_an_answer_posted_while_a_call_reads_the_group_waits_and_reaches_that_ca
         call = next(iter(mgr.calls.values()))
         assert resp.batch_id == call.batch_id
         assert resp.sample.appended[-1].ids == ANSWER
-        assert "g/0" in mgr.running  # it continues at once, under the call
+        assert "g/0" in mgr.segments.running  # it continues at once, under the call
         await settle(task, mgr)
 
     asyncio.run(go())
@@ -148,14 +145,14 @@ def test_an_abort_during_the_read_makes_the_claiming_call_give_the_group_up(
         store.hold_next()
         task, _ = await start_call(mgr, call_req(stream=False, turns=None))
         await store.entered.wait()
-        aborted = await abort(mgr, AbortReq(group_ids=["g"], keep="tokens"))
+        aborted = await mgr.abort(AbortReq(group_ids=["g"], keep="tokens"))
         assert {s.sample_id for s in aborted.samples} == {"g/0", "g/1"}
         store.release.set()
         resp = await asyncio.wait_for(task, 30)
         # Given up: nothing of it started after the abort answered; it stays buffered.
         assert not resp.stats.quota_met and resp.buffered_group_ids == ["g"]
         assert not [c for c in mgr.engine.calls if c[0].startswith("g/")]  # type: ignore[attr-defined]
-        (g,) = mgr.idle_groups()
+        (g,) = mgr.buffer.load_idle()
         assert g.samples[1].output_ids == []
         mgr.check_integrity()
 
@@ -170,7 +167,7 @@ def test_an_answer_waiting_for_the_background_to_pause_reaches_the_call_that_too
         await buffer_agent_group(mgr)
         bg = mgr.background
         bg.add(["g"], None)
-        while "g/1" not in mgr.running:  # the background runs member 1
+        while "g/1" not in mgr.segments.running:  # the background runs member 1
             await asyncio.sleep(0.005)
         stop = bg._stop
         gate, waiting = asyncio.Event(), asyncio.Event()
@@ -182,7 +179,7 @@ def test_an_answer_waiting_for_the_background_to_pause_reaches_the_call_that_too
             await stop()
 
         monkeypatch.setattr(bg, "_stop", held_stop)
-        answer = asyncio.ensure_future(post_input(mgr, "g/0", InputReq(append_ids=ANSWER)))
+        answer = asyncio.ensure_future(mgr.post_input("g/0", InputReq(append_ids=ANSWER)))
         await waiting.wait()
         task, _ = await start_call(mgr, call_req())
         while mgr.buffer.owner_of("g") == "background":  # the call takes it over, running
@@ -212,7 +209,7 @@ def test_turn_stop_ids_under_ignore_eos_are_refused(tmp_path: Path) -> None:
                 groups=[spec], target_groups=1, turns=TURNS if where == "call" else None
             )
             with pytest.raises(ApiError) as exc:
-                await rollout(mgr, req)
+                await mgr.rollout(req)
             assert exc.value.code == "invalid_turns" and exc.value.status == 400, where
         # Stop strings still end turns under ignore_eos: allowed.
         ok = GroupSpec(
@@ -221,7 +218,7 @@ def test_turn_stop_ids_under_ignore_eos_are_refused(tmp_path: Path) -> None:
             sampling_params={"max_new_tokens": 8, "ignore_eos": True},
             turns=TurnsSpec(stop=["</call>"]),
         )
-        resp = await rollout(mgr, RolloutReq(groups=[ok], target_groups=1))
+        resp = await mgr.rollout(RolloutReq(groups=[ok], target_groups=1))
         assert resp.stats.quota_met
         mgr.check_integrity()
 

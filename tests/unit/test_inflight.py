@@ -7,7 +7,7 @@ from typing import Any
 
 from april_client.protocol import GroupSpec, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
+from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import (
     MIN_RUNNING,
     NEW_TOKEN_RESERVE,
@@ -19,7 +19,6 @@ from april_server.rules.inflight import (
     choose_running_target,
     kv_need,
 )
-from april_server.runtime.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine
 
 SIZES = [1, 2, 4, 8, 16, 32]
@@ -110,7 +109,7 @@ def test_auto_refills_up_to_the_target_and_never_beyond_what_was_sent() -> None:
         # raised to the floor of MIN_RUNNING samples
         mgr = RolloutManager(eng, BufferStore(None))
         groups = staggered_groups()
-        r = await rollout(mgr, RolloutReq(groups=groups, target_groups=3))
+        r = await mgr.rollout(RolloutReq(groups=groups, target_groups=3))
         assert r.stats.inflight_target == MIN_RUNNING == 8  # demand 3 groups x 2 samples = 6
         assert eng.max_active <= 8
         assert 3 <= r.stats.peak_running_samples <= 8

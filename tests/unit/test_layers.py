@@ -12,7 +12,8 @@ from tests.unit.test_structure import ROOT
 # Lowest first, one subpackage of april_server each (README, "Architecture"). `kernels` imports
 # nothing of ours. Then the bookkeeping, plain Python: settings; the wire contract; pure rules;
 # the buffer and its store; the engine side (what an engine offers, the segment runner); the
-# runtime (manager, background, sweep); the call state machine; the other operations. The door
+# runtime (background, live calls, persister, sweep); the call state machine; the other
+# operations; the composition root that builds and wires all of them (`root`). The door
 # runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one manager and
 # the holder that builds it. The fleet builds on those to drive engines on other machines.
 # `entry` (the command line, the model builder) wires a process from all of them. The client and
@@ -21,10 +22,10 @@ from tests.unit.test_structure import ROOT
 # benchmarks, so it is above everything.
 LAYERS = [
     "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
-    "door", "http", "fleet", "entry", "april_client", "harness",
+    "root", "door", "http", "fleet", "entry", "april_client", "harness",
 ]  # fmt: skip
 NAMED = {
-    **{f"april_server.{pkg}": pkg for pkg in LAYERS[1:12]},
+    **{f"april_server.{pkg}": pkg for pkg in LAYERS[1:13]},
     "april_client.protocol": "wire",  # msgspec only: the contract both sides speak
     "kernels.gpu_check": "harness",
     "april_server.cpu_shim": "kernels",  # SGLang's CPU stand-ins: nothing of ours
@@ -107,8 +108,8 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert at("april_server.cli") > at("april_server.fleet.gateway")
     assert at("kernels.gpu_check.parts") > at("april_server.cli")
     assert at("april_client") > at("april_server.cli")
-    assert at("april_server.runtime.manager") > at("april_server.engine.segment_runner")
-    assert at("april_server.calls.rollout") > at("april_server.runtime.manager")
+    assert at("april_server.root.manager") > at("april_server.engine.segment_runner")
+    assert at("april_server.root.manager") > at("april_server.calls.rollout")
     assert at("april_client.protocol") > at("april_server.settings.config")
     assert at("april_server.buffer.store") > at("april_client.protocol")
     assert at("kernels.gpu_check.parts") > at("april_client.bench.launcher")

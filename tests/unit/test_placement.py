@@ -24,10 +24,8 @@ from hypothesis import strategies as st
 from april_client.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer import store as store_mod
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
 from april_server.engine.base import SegmentCall, SnapshotEngine
-from april_server.operations.abort import abort
-from april_server.operations.resume import resume
+from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import StepCurve, StepStat, aggregate_curve, pool_steps
 from april_server.rules.lengths import prompt_key
 from april_server.rules.placement import (
@@ -42,7 +40,6 @@ from april_server.rules.placement import (
 )
 from april_server.rules.ranks import merge_rank_stats
 from april_server.rules.samples import SegmentResult
-from april_server.runtime.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,12 +177,12 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         ]
         trigger = GroupSpec("t", input_ids=[3], sampling_params={"max_new_tokens": 5, **NO_EOS})
         req = RolloutReq(groups=[trigger, *groups], on_quota="snapshot", max_inflight_groups=5)
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         assert [g.group_id for g in r.groups] == ["t"]
         # Five fresh samples over two idle ranks: spread, not piled on one.
         ranks = list(eng.ran.values())
         assert sorted(ranks.count(k) for k in (0, 1)) == [2, 3]
-        held = {s.sample_id: s for g in mgr.idle_groups() for s in g.samples}
+        held = {s.sample_id: s for g in mgr.buffer.load_idle() for s in g.samples}
         for sid, s in held.items():
             assert s.snapshot_bytes > 0
             rank = s.segments[-1].dp_rank
@@ -197,7 +194,7 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         rank = held[sid].snapshot_dp_rank
         assert rank is not None
         eng.acts.clear()
-        (s,) = await resume(mgr, ResumeReq(sample_ids=[sid], kv="restore"))
+        (s,) = await mgr.resume(ResumeReq(sample_ids=[sid], kv="restore"))
         seg = s.segments[-1]
         assert (seg.kv, seg.engine, seg.dp_rank) == ("restored", LOCAL, rank)
         assert eng.acts == [("restore", sid, rank), ("unlock", sid, rank), ("drop", sid, rank)]
@@ -206,10 +203,10 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         other = "g0/0"
         other_rank = held[other].snapshot_dp_rank
         eng.acts.clear()
-        await resume(mgr, ResumeReq(sample_ids=[other], kv="recompute"))
+        await mgr.resume(ResumeReq(sample_ids=[other], kv="recompute"))
         assert eng.acts[0] == ("drop", other, other_rank)
         assert not any(a[0] == "restore" for a in eng.acts)
-        await abort(mgr, AbortReq(all=True))
+        await mgr.abort(AbortReq(all=True))
 
     asyncio.run(go())
 
@@ -229,13 +226,13 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
             )
             for i, b in enumerate([120, 140, 6, 150, 8, 33])
         ]
-        await rollout(mgr, RolloutReq(groups=groups, target_groups=2, max_inflight_groups=6))
-        await abort(mgr, AbortReq(all=True))
+        await mgr.rollout(RolloutReq(groups=groups, target_groups=2, max_inflight_groups=6))
+        await mgr.abort(AbortReq(all=True))
         loads = mgr.segments.loads()
         assert [(x.running, x.kv_tokens) for x in loads] == [(0, 0.0), (0, 0.0)]
         assert (mgr.admission.samples, mgr.admission.tokens) == (0, 0.0)
         eng.ran.clear()
-        await rollout(mgr, RolloutReq(groups=[GroupSpec("t", input_ids=[3], sampling_params={
+        await mgr.rollout(RolloutReq(groups=[GroupSpec("t", input_ids=[3], sampling_params={
             "max_new_tokens": 2, **NO_EOS})], resume_first=False))  # fmt: skip
         assert list(eng.ran.values()) == [0]  # the tie goes to the lowest rank
 
@@ -265,7 +262,7 @@ def test_placement_is_durable_and_old_rows_load_with_defaults(tmp_path: Path) ->
         params = {"max_new_tokens": 200, **NO_EOS}
         groups = [GroupSpec(f"g{i}", input_ids=[i + 1], sampling_params=params) for i in range(2)]
         trigger = GroupSpec("t", input_ids=[3], sampling_params={"max_new_tokens": 4, **NO_EOS})
-        await rollout(mgr, RolloutReq(groups=[trigger, *groups], max_inflight_groups=3))
+        await mgr.rollout(RolloutReq(groups=[trigger, *groups], max_inflight_groups=3))
         st_.close()
 
     asyncio.run(go())
@@ -434,7 +431,7 @@ def test_tail_placement_puts_the_predicted_long_on_one_rank() -> None:
                 lengths.finished_sum += length
         params = {"max_new_tokens": 60, **NO_EOS}
         groups = [GroupSpec(f"p{p}", input_ids=[p, 9], sampling_params=params) for p in range(1, 7)]
-        await rollout(mgr, RolloutReq(groups=groups, max_inflight_groups=6))
+        await mgr.rollout(RolloutReq(groups=groups, max_inflight_groups=6))
         return {rid.split("@")[0]: rank for rid, rank in eng.ran.items()}
 
     tail = asyncio.run(go("tail"))

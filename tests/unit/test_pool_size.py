@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from april_client.protocol import RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
+from april_server.root.manager import RolloutManager
 from april_server.rules import pool_size
 from april_server.rules.inflight import StepCurve, choose_running_target
 from april_server.rules.pool_size import (
@@ -24,7 +24,6 @@ from april_server.rules.pool_size import (
     bound_per_quota,
     groups_wanted,
 )
-from april_server.runtime.manager import RolloutManager
 from tests.unit.test_inflight import SIZES, CurveEngine, staggered_groups
 
 
@@ -183,11 +182,11 @@ def test_a_call_reports_the_advice_from_its_curve_and_its_lengths(monkeypatch: A
         async def go() -> int | None:
             mgr = RolloutManager(CurveEngine(points), BufferStore(None))
             # As after an earlier call with no push since: the 4 x bound applies.
-            mgr.pool_advisor.version = mgr.current_version()
+            mgr.policy.pool_advisor.version = mgr.versions.now()
             req = RolloutReq(
                 groups=staggered_groups(), target_groups=3, max_inflight_groups=pinned or "auto"
             )
-            r = await rollout(mgr, req)
+            r = await mgr.rollout(req)
             if pinned:
                 assert not seen  # a pinned batch: no play, no advice
                 return r.stats.groups_wanted

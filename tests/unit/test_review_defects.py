@@ -13,8 +13,7 @@ import pytest
 
 from april_client.protocol import GroupSpec, RejectReq, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
@@ -31,7 +30,7 @@ async def buffered(mgr: RolloutManager, gids: list[str], budget: int = 200) -> N
     """Leave `gids` idle in the buffer, each with a partial output (a call met its quota
     on a short group and interrupted them)."""
     groups = [spec("quick", 2)] + [spec(g, budget) for g in gids]
-    await rollout(mgr, RolloutReq(groups=groups, target_groups=1, on_quota="tokens"))
+    await mgr.rollout(RolloutReq(groups=groups, target_groups=1, on_quota="tokens"))
     assert {e.group_id for e in mgr.buffer.idle.oldest()} == set(gids)
 
 
@@ -85,7 +84,7 @@ def test_a_call_cancelled_while_claiming_buffered_groups_keeps_them(tmp_path: Pa
         gate = threading.Event()
         mgr.store._db.submit(lambda db: gate.wait(), write=False)  # reads queue behind it
         call = asyncio.ensure_future(
-            rollout(mgr, RolloutReq(groups=[spec("new", 5)], target_groups=1))
+            mgr.rollout(RolloutReq(groups=[spec("new", 5)], target_groups=1))
         )
         await asyncio.sleep(0.05)  # the call is awaiting the bodies of g1, g2
         call.cancel()
@@ -97,7 +96,7 @@ def test_a_call_cancelled_while_claiming_buffered_groups_keeps_them(tmp_path: Pa
         idle = {e.group_id for e in mgr.buffer.idle.oldest()}
         assert idle == {"g1", "g2", "new"}
         r = await asyncio.wait_for(
-            rollout(mgr, RolloutReq(groups=[], target_groups=3, on_quota="tokens")), 30
+            mgr.rollout(RolloutReq(groups=[], target_groups=3, on_quota="tokens")), 30
         )
         assert sorted(g.group_id for g in r.groups) == ["g1", "g2", "new"]
         mgr.check_integrity()
@@ -115,12 +114,12 @@ def test_a_group_being_claimed_is_still_known(tmp_path: Path) -> None:
         gate = threading.Event()
         mgr.store._db.submit(lambda db: gate.wait(), write=False)
         first = asyncio.ensure_future(
-            rollout(mgr, RolloutReq(groups=[], target_groups=1, on_quota="tokens"))
+            mgr.rollout(RolloutReq(groups=[], target_groups=1, on_quota="tokens"))
         )
         await asyncio.sleep(0.05)  # `first` is reading g1's body: g1 is in neither place
         assert mgr.buffer.known("g1")
         with pytest.raises(ApiError) as err:
-            await rollout(mgr, RolloutReq(groups=[spec("g1", 5)], target_groups=1))
+            await mgr.rollout(RolloutReq(groups=[spec("g1", 5)], target_groups=1))
         assert err.value.status == 409
         gate.set()
         r = await first
@@ -135,24 +134,24 @@ def test_an_unexpected_error_in_a_call_puts_its_groups_back_intact(tmp_path: Pat
     async def go() -> None:
         mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
         await buffered(mgr, ["old"], budget=300)
-        before = len((await mgr.read_group("old")).samples[0].output_ids)
+        before = len((await mgr.buffer.read_group("old")).samples[0].output_ids)
         req = RolloutReq(groups=[spec("new", 300)], target_groups=2, on_quota="tokens")
-        call = asyncio.ensure_future(rollout(mgr, req))
+        call = asyncio.ensure_future(mgr.rollout(req))
         await asyncio.sleep(0.1)
         (running,) = mgr.calls.values()
 
         def broken(*args: Any, **kwargs: Any) -> None:
             raise KeyError("a bug")
 
-        running._collect = broken  # the next segment that ends hits a bug in the call
-        mgr.engine.aborted.add(mgr.running["old/0"].rid)  # type: ignore[attr-defined]
+        running.refill.collect = broken  # type: ignore[attr-defined]  # the next segment that ends hits a bug in the call
+        mgr.engine.aborted.add(mgr.segments.running["old/0"].rid)  # type: ignore[attr-defined]
         with pytest.raises(KeyError):
             await call
         # Nothing generating, nothing lost: both groups are buffered with their tokens.
-        assert not mgr.running
+        assert not mgr.segments.running
         assert {e.group_id for e in mgr.buffer.idle.oldest()} == {"old", "new"}
-        assert len((await mgr.read_group("old")).samples[0].output_ids) >= before
-        assert (await mgr.read_group("new")).samples[0].output_ids
+        assert len((await mgr.buffer.read_group("old")).samples[0].output_ids) >= before
+        assert (await mgr.buffer.read_group("new")).samples[0].output_ids
         mgr.check_integrity()
 
     asyncio.run(go())
@@ -167,10 +166,10 @@ def test_a_retry_after_a_cancelled_call_runs_again(tmp_path: Path) -> None:
         req = RolloutReq(
             groups=[spec("a", 400), spec("b", 400)], target_groups=1, request_id="step-7"
         )
-        first = asyncio.ensure_future(rollout(mgr, req))
+        first = asyncio.ensure_future(mgr.rollout(req))
         await asyncio.sleep(0.1)
         # A retry sent while the first attempt winds down waits for it, then runs itself.
-        early = asyncio.ensure_future(rollout(mgr, req))
+        early = asyncio.ensure_future(mgr.rollout(req))
         await asyncio.sleep(0)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -181,7 +180,7 @@ def test_a_retry_after_a_cancelled_call_runs_again(tmp_path: Path) -> None:
         assert r.buffered_group_ids == [other]
         # A later retry gets the same answer, and runs nothing.
         calls = len(mgr.engine.calls)  # type: ignore[attr-defined]
-        assert await rollout(mgr, req) == r
+        assert await mgr.rollout(req) == r
         assert len(mgr.engine.calls) == calls  # type: ignore[attr-defined]
         mgr.check_integrity()
 
@@ -195,7 +194,7 @@ def test_a_retry_after_the_cancelled_call_ended_claims_its_groups(tmp_path: Path
         req = RolloutReq(
             groups=[spec("a", 300), spec("b", 300)], target_groups=2, request_id="step-8"
         )
-        first = asyncio.ensure_future(rollout(mgr, req))
+        first = asyncio.ensure_future(mgr.rollout(req))
         await asyncio.sleep(0.1)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -204,10 +203,10 @@ def test_a_retry_after_the_cancelled_call_ended_claims_its_groups(tmp_path: Path
         # Even after a restart: the attempt is remembered with the buffer, durably.
         mgr.store.close()
         mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
-        r = await rollout(mgr, req)  # before the fix: 409 group_exists
+        r = await mgr.rollout(req)  # before the fix: 409 group_exists
         assert sorted(g.group_id for g in r.groups) == ["a", "b"]
         assert all(len(g.samples[0].output_ids) == 300 for g in r.groups)
-        assert await rollout(mgr, req) == r
+        assert await mgr.rollout(req) == r
         mgr.check_integrity()
 
     asyncio.run(go())
@@ -219,14 +218,14 @@ def test_a_retry_does_not_recreate_a_group_another_call_delivered(tmp_path: Path
         req = RolloutReq(
             groups=[spec("a", 300), spec("b", 300)], target_groups=1, request_id="step-9"
         )
-        first = asyncio.ensure_future(rollout(mgr, req))
+        first = asyncio.ensure_future(mgr.rollout(req))
         await asyncio.sleep(0.1)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        other = await rollout(mgr, RolloutReq(groups=[], target_groups=1, on_quota="tokens"))
+        other = await mgr.rollout(RolloutReq(groups=[], target_groups=1, on_quota="tokens"))
         (taken,) = [g.group_id for g in other.groups]
-        r = await rollout(mgr, req)
+        r = await mgr.rollout(req)
         assert [g.group_id for g in r.groups] == [({"a", "b"} - {taken}).pop()]
         assert not len(mgr.buffer.idle)
         mgr.check_integrity()
@@ -246,7 +245,7 @@ def test_a_reject_race_loses_no_group(tmp_path: Path) -> None:
         events: asyncio.Queue[Any] = asyncio.Queue()
         groups = [spec(f"g{i}", 20 + 5 * i) for i in range(6)]
         req = RolloutReq(groups=groups, target_groups=2, stream=True, reject_grace_s=0.3)
-        call = asyncio.ensure_future(rollout(mgr, req, events))
+        call = asyncio.ensure_future(mgr.rollout(req, events))
         first = await events.get()
         (call_obj,) = mgr.calls.values()
         call_obj.reject(RejectReq(group_ids=[first.group.group_id]))
@@ -269,14 +268,14 @@ def test_a_staleness_restart_frees_the_snapshot(tmp_path: Path) -> None:
         eng = SnapshotFakeEngine()
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="snapshot")
-        await rollout(mgr, req)
+        await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
         eng.version = "2"  # two weight updates later: too stale for max_staleness=1
         call = asyncio.ensure_future(
-            rollout(mgr, RolloutReq(groups=[], target_groups=1, max_staleness=1))
+            mgr.rollout(RolloutReq(groups=[], target_groups=1, max_staleness=1))
         )
         await asyncio.sleep(0.1)
-        assert mgr.running["long/0"].sample.output_ids == []  # restarted from its prompt
+        assert mgr.segments.running["long/0"].sample.output_ids == []  # restarted from its prompt
         assert mgr.counters.staleness_restarts == 1
         assert eng.snaps == set()  # before the fix: held until the sample left the server
         await call
@@ -297,9 +296,9 @@ def test_a_restore_that_restored_nothing_does_not_leak_the_snapshot(tmp_path: Pa
         eng = SnapshotFakeEngine()
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="snapshot")
-        await rollout(mgr, req)
+        await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
-        r = await rollout(mgr, RolloutReq(groups=[], target_groups=1))  # restore planned
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=1))  # restore planned
         assert [g.group_id for g in r.groups] == ["long"]
         assert eng.snaps == set()  # before the fix: {"long/0"}, with nothing pointing at it
         mgr.check_integrity()
@@ -318,16 +317,16 @@ def test_a_stream_cancelled_right_after_it_started_keeps_its_groups(tmp_path: Pa
         path = tmp_path / "b.sqlite"
         mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
         gate = asyncio.Event()
-        real = mgr.admission_ready
+        real = mgr.segments.admission_ready
 
         async def slow_admission() -> Any:
             await gate.wait()  # e.g. the engine busy answering a control message
             return await real()
 
-        mgr.admission_ready = slow_admission  # type: ignore[method-assign]
+        mgr.segments.admission_ready = slow_admission  # type: ignore[method-assign]
         req = RolloutReq(groups=[spec("a", 50)], target_groups=1, stream=True, request_id="s-1")
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        call = asyncio.ensure_future(rollout(mgr, req, asyncio.Queue(), ready))
+        call = asyncio.ensure_future(mgr.rollout(req, asyncio.Queue(), ready))
         await asyncio.wait_for(ready, 5)  # the stream has started: "a" is acknowledged
         await asyncio.sleep(0.01)
         call.cancel()  # the client left
@@ -338,7 +337,7 @@ def test_a_stream_cancelled_right_after_it_started_keeps_its_groups(tmp_path: Pa
         mgr.store.close()
         # Durable, with the attempt's record: after a restart a retry runs again on "a".
         mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
-        r = await rollout(mgr, msgspec.structs.replace(req, stream=False))
+        r = await mgr.rollout(msgspec.structs.replace(req, stream=False))
         assert [g.group_id for g in r.groups] == ["a"]
         assert len(r.groups[0].samples[0].output_ids) == 50
 
@@ -357,14 +356,14 @@ def test_an_undelivered_drop_call_keeps_its_stragglers_for_the_retry(tmp_path: P
         mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
         groups = [spec("fast", 2), spec("slow", 400)]
         req = RolloutReq(groups=groups, target_groups=2, on_quota="drop", request_id="eval-3")
-        first = asyncio.ensure_future(rollout(mgr, req))
+        first = asyncio.ensure_future(mgr.rollout(req))
         await asyncio.sleep(0.1)  # "fast" finished, "slow" generates: a straggler to drop
-        assert "slow/0" in mgr.running and "fast/0" not in mgr.running
+        assert "slow/0" in mgr.segments.running and "fast/0" not in mgr.segments.running
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
         assert {e.group_id for e in mgr.buffer.idle.oldest()} == {"fast", "slow"}
-        r = await rollout(mgr, req)  # the retry runs again on both
+        r = await mgr.rollout(req)  # the retry runs again on both
         assert sorted(g.group_id for g in r.groups) == ["fast", "slow"]
         assert len(r.groups[1].samples[0].output_ids) == 400
         assert r.dropped_group_ids == []
@@ -385,12 +384,12 @@ def test_an_undelivered_call_gives_back_the_groups_its_trainer_rejected(tmp_path
             groups=[spec("a", 2), spec("b", 400)], target_groups=1, stream=True,
             reject_grace_s=5.0, request_id="s-9",
         )  # fmt: skip
-        call = asyncio.ensure_future(rollout(mgr, req, events))
+        call = asyncio.ensure_future(mgr.rollout(req, events))
         first = await events.get()
         (call_obj,) = mgr.calls.values()
         call_obj.reject(RejectReq(group_ids=[first.group.group_id]))  # "b" must finish now
         await asyncio.sleep(0.02)
-        assert "b/0" in mgr.running
+        assert "b/0" in mgr.segments.running
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
@@ -408,7 +407,6 @@ def test_a_segment_that_found_no_engine_keeps_the_snapshot_it_can_still_use(
     restore planned, then quietly re-prefilled; a quota stop lost the snapshot it kept)."""
     from april_client.protocol import ResumeReq
     from april_server.engine import segment_runner as segments_mod
-    from april_server.operations.resume import resume
     from april_server.rules.placement import Slot
 
     monkeypatch.setattr(segments_mod, "ENGINE_WAIT_S", 0.2)
@@ -424,10 +422,10 @@ def test_a_segment_that_found_no_engine_keeps_the_snapshot_it_can_still_use(
         eng = Unreachable()
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="snapshot")
-        await rollout(mgr, req)
+        await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
         eng.down = True
-        (s,) = await resume(mgr, ResumeReq(sample_ids=["long/0"]))  # nowhere to run
+        (s,) = await mgr.resume(ResumeReq(sample_ids=["long/0"]))  # nowhere to run
         assert s.status == "partial" and s.snapshot_bytes > 0
         assert eng.snaps == {"long/0"}  # before the fix: set(), the figures still set
         mgr.check_integrity()
@@ -454,12 +452,12 @@ def test_a_failure_after_the_answer_was_made_durable_still_answers(tmp_path: Pat
 
         mgr.buffer.persist = second_fails  # type: ignore[method-assign]
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="continue")
-        r = await rollout(mgr, req)  # before the fix: raised
+        r = await mgr.rollout(req)  # before the fix: raised
         assert [g.group_id for g in r.groups] == ["quick"] and r.buffered_group_ids == ["long"]
         assert [e.group_id for e in mgr.buffer.idle.oldest()] == ["long"]
         assert mgr.buffer.owner_of("long") is None
         mgr.buffer.persist = real  # type: ignore[method-assign]
-        r2 = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+        r2 = await mgr.rollout(RolloutReq(groups=[], target_groups=1))
         assert len(r2.groups[0].samples[0].output_ids) == 400
         mgr.check_integrity()
 
@@ -484,10 +482,10 @@ def test_an_unexpected_error_in_a_segment_leaves_the_sample_free_to_run(tmp_path
             return await real(*args)
 
         mgr.segments._one_segment = malformed_once  # type: ignore[method-assign]
-        first = await rollout(mgr, RolloutReq(groups=[spec("a", 20)], target_groups=1))
+        first = await mgr.rollout(RolloutReq(groups=[spec("a", 20)], target_groups=1))
         assert not first.stats.quota_met and first.buffered_group_ids == ["a"]
-        assert "a/0" not in mgr.running  # before the fix: held there for good
-        r = await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+        assert "a/0" not in mgr.segments.running  # before the fix: held there for good
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=1))
         assert [g.group_id for g in r.groups] == ["a"]
         assert len(r.groups[0].samples[0].output_ids) == 20
         mgr.check_integrity()
@@ -501,9 +499,6 @@ def test_a_sample_id_names_one_member_in_one_spelling(tmp_path: Path) -> None:
     the group while the segment kept generating; an abort of "g/01" stopped nothing) and
     "g/²" crashed with a 500 after an abort had already acted. Now both are 404."""
     from april_client.protocol import AbortReq, InputReq, ResumeReq
-    from april_server.operations.abort import abort
-    from april_server.operations.inputs import post_input
-    from april_server.operations.resume import resume
     from april_server.wire.ids import split_sample_id
 
     assert split_sample_id("g/0") == ("g", 0) and split_sample_id("a/b/12") == ("a/b", 12)
@@ -514,15 +509,15 @@ def test_a_sample_id_names_one_member_in_one_spelling(tmp_path: Path) -> None:
         await buffered(mgr, ["g"])
         for bad in (["g/0", "g/00"], ["g/²"]):
             with pytest.raises(ApiError) as exc:
-                await resume(mgr, ResumeReq(sample_ids=bad))
+                await mgr.resume(ResumeReq(sample_ids=bad))
             assert exc.value.status == 404, bad
         with pytest.raises(ApiError) as exc:
-            await abort(mgr, AbortReq(sample_ids=["g/²"]))
+            await mgr.abort(AbortReq(sample_ids=["g/²"]))
         assert exc.value.status == 404
         with pytest.raises(ApiError) as exc:
-            await post_input(mgr, "g/²", InputReq(append_ids=[1]))
+            await mgr.post_input("g/²", InputReq(append_ids=[1]))
         assert exc.value.status == 404
-        assert not mgr.running and mgr.buffer.owner_of("g") is None
+        assert not mgr.segments.running and mgr.buffer.owner_of("g") is None
         mgr.check_integrity()
 
     asyncio.run(go())

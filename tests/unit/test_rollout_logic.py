@@ -12,11 +12,8 @@ from hypothesis import strategies as st
 
 from april_client.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.resume import resume
+from april_server.root.manager import RolloutManager
 from april_server.rules.samples import context_ids
-from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
 
@@ -61,19 +58,19 @@ def test_quota_buffer_and_resume_first() -> None:
     async def go() -> None:
         mgr = make()
         groups = [spec(f"g{i}", 4, HEAVY[i]) for i in range(8)]
-        r1 = await rollout(mgr, RolloutReq(groups=groups, target_groups=4, on_quota="tokens"))
+        r1 = await mgr.rollout(RolloutReq(groups=groups, target_groups=4, on_quota="tokens"))
         _assert_quota_respected(r1, 4)
         assert {g.group_id for g in r1.groups} == {"g0", "g1", "g2", "g3"}
         assert sorted(r1.buffered_group_ids) == ["g4", "g5", "g6", "g7"]
         assert not mgr.engine.active  # type: ignore[attr-defined]
         mgr.check_integrity()
-        for g in mgr.idle_groups():
+        for g in mgr.buffer.load_idle():
             done = [s for s in g.samples if s.status == "truncated"]
             assert len(done) == 3  # finished members keep their outputs
             straggler = g.samples[1]
             assert straggler.status == "partial" and 0 < len(straggler.output_ids) < 200
         # The next call, with no new groups, finishes the buffered ones first.
-        r2 = await rollout(mgr, RolloutReq(groups=[], target_groups=4))
+        r2 = await mgr.rollout(RolloutReq(groups=[], target_groups=4))
         _assert_quota_respected(r2, 4)
         for g in r2.groups:
             for s, b in zip(g.samples, HEAVY[4], strict=True):
@@ -81,7 +78,7 @@ def test_quota_buffer_and_resume_first() -> None:
                 assert s.output_ids == reference(s.prompt_ids, b)
                 assert len(s.output_logprobs) == b
         assert r2.stats.resumed_samples == 4
-        assert mgr.idle_groups() == []
+        assert mgr.buffer.load_idle() == []
         mgr.check_integrity()
 
     run(go())
@@ -99,10 +96,10 @@ def test_interrupt_and_resume_equals_uninterrupted(
     async def go() -> None:
         mgr = make(delay_s=delay)
         groups = [spec(f"g{i}", 1, [b], prompt=[i + 1, 3]) for i, b in enumerate(budgets)]
-        resp = await rollout(mgr, RolloutReq(groups=groups, target_groups=target))
+        resp = await mgr.rollout(RolloutReq(groups=groups, target_groups=target))
         got = {g.group_id: g for g in resp.groups}
-        while mgr.idle_groups():
-            more = await rollout(mgr, RolloutReq(target_groups=len(mgr.idle_groups())))
+        while mgr.buffer.load_idle():
+            more = await mgr.rollout(RolloutReq(target_groups=len(mgr.buffer.load_idle())))
             got.update({g.group_id: g for g in more.groups})
             mgr.check_integrity()
         assert len(got) == len(budgets)
@@ -118,12 +115,12 @@ def test_surplus_finished_groups_are_buffered_and_served_first() -> None:
     async def go() -> None:
         mgr = make(delay_s=0.0)
         groups = [spec(f"g{i}", 2, [3, 3]) for i in range(3)]
-        r1 = await rollout(mgr, RolloutReq(groups=groups, target_groups=1))
+        r1 = await mgr.rollout(RolloutReq(groups=groups, target_groups=1))
         assert len(r1.groups) == 1
         # the other two may have finished too (same budgets); whatever was not returned is kept
-        r2 = await rollout(mgr, RolloutReq(groups=[spec("new", 1, [50])], target_groups=2))
+        r2 = await mgr.rollout(RolloutReq(groups=[spec("new", 1, [50])], target_groups=2))
         assert [g.group_id for g in r2.groups] == [g for g in r1.buffered_group_ids][:2]
-        assert [g.group_id for g in mgr.idle_groups()] == ["new"]
+        assert [g.group_id for g in mgr.buffer.load_idle()] == ["new"]
 
     run(go())
 
@@ -132,9 +129,9 @@ def test_drop_discards_started_stragglers_only() -> None:
     async def go() -> None:
         mgr = make()
         groups = [spec("fast", 1, [2]), spec("slow", 1, [300])]
-        r = await rollout(mgr, RolloutReq(groups=groups, target_groups=1, on_quota="drop"))
+        r = await mgr.rollout(RolloutReq(groups=groups, target_groups=1, on_quota="drop"))
         assert [g.group_id for g in r.groups] == ["fast"]
-        assert r.stats.num_dropped_groups == 1 and mgr.idle_groups() == []
+        assert r.stats.num_dropped_groups == 1 and mgr.buffer.load_idle() == []
 
     run(go())
 
@@ -143,8 +140,8 @@ def test_request_id_is_idempotent() -> None:
     async def go() -> None:
         mgr = make()
         req = RolloutReq(groups=[spec("a", 1, [3])], target_groups=1, request_id="step-1")
-        r1 = await rollout(mgr, req)
-        r2 = await rollout(mgr, req)
+        r1 = await mgr.rollout(req)
+        r2 = await mgr.rollout(req)
         assert r1 == r2
         assert len(mgr.engine.calls) == 1  # type: ignore[attr-defined]
 
@@ -155,18 +152,18 @@ def test_abort_is_idempotent_and_waits_for_idle() -> None:
     async def go() -> None:
         mgr = make()
         call = asyncio.ensure_future(
-            rollout(mgr, RolloutReq(groups=[spec("a", 2, [500, 500])], target_groups=1))
+            mgr.rollout(RolloutReq(groups=[spec("a", 2, [500, 500])], target_groups=1))
         )
         await asyncio.sleep(0.05)
-        first = await abort(mgr, AbortReq(all=True))
-        assert not mgr.running and not mgr.engine.active  # type: ignore[attr-defined]
+        first = await mgr.abort(AbortReq(all=True))
+        assert not mgr.segments.running and not mgr.engine.active  # type: ignore[attr-defined]
         assert {s.sample_id for s in first.samples} == {"a/0", "a/1"}
-        second = await abort(mgr, AbortReq(all=True))
+        second = await mgr.abort(AbortReq(all=True))
         assert second.samples == []
         resp = await call
         assert resp.groups == [] and not resp.stats.quota_met
         assert resp.buffered_group_ids == ["a"]
-        assert all(0 < len(s.output_ids) < 500 for s in (await mgr.read_group("a")).samples)
+        assert all(0 < len(s.output_ids) < 500 for s in (await mgr.buffer.read_group("a")).samples)
         mgr.check_integrity()
 
     run(go())
@@ -175,12 +172,12 @@ def test_abort_is_idempotent_and_waits_for_idle() -> None:
 def test_resume_append_ids_and_budget() -> None:
     async def go() -> None:
         mgr = make()
-        await rollout(
-            mgr, RolloutReq(groups=[spec("a", 1, [3]), spec("b", 1, [400])], target_groups=1)
+        await mgr.rollout(
+            RolloutReq(groups=[spec("a", 1, [3]), spec("b", 1, [400])], target_groups=1)
         )
-        s = (await mgr.read_samples(["b/0"]))["b/0"]
+        s = (await mgr.buffer.read_samples(["b/0"]))["b/0"]
         done_before = len(s.output_ids)
-        out = await resume(mgr, ResumeReq(sample_ids=["b/0"], append_ids={"b/0": [7, 7]}))
+        out = await mgr.resume(ResumeReq(sample_ids=["b/0"], append_ids={"b/0": [7, 7]}))
         s = out[0]
         assert s.status == "truncated" and len(s.output_ids) == 400
         assert s.appended[0].at == done_before and s.appended[0].ids == [7, 7]
@@ -189,10 +186,10 @@ def test_resume_append_ids_and_budget() -> None:
         last_input = mgr.engine.calls[-1][1]  # type: ignore[attr-defined]
         assert last_input == context_ids(s)[: len(last_input)]
         with pytest.raises(ApiError) as e:
-            await resume(mgr, ResumeReq(sample_ids=["b/0"]))
+            await mgr.resume(ResumeReq(sample_ids=["b/0"]))
         assert e.value.status == 409
         with pytest.raises(ApiError) as e:
-            await resume(mgr, ResumeReq(sample_ids=["nope/0"]))
+            await mgr.resume(ResumeReq(sample_ids=["nope/0"]))
         assert e.value.status == 404
 
     run(go())
@@ -202,10 +199,10 @@ def test_staleness_restarts_from_prompt() -> None:
     async def go() -> None:
         mgr = make()
         groups = [spec("a", 1, [2]), spec("b", 1, [300])]
-        await rollout(mgr, RolloutReq(groups=groups, target_groups=1))
-        assert (await mgr.read_samples(["b/0"]))["b/0"].output_ids
+        await mgr.rollout(RolloutReq(groups=groups, target_groups=1))
+        assert (await mgr.buffer.read_samples(["b/0"]))["b/0"].output_ids
         mgr.engine.version = "2"  # type: ignore[attr-defined]
-        r = await rollout(mgr, RolloutReq(target_groups=1, max_staleness=1))
+        r = await mgr.rollout(RolloutReq(target_groups=1, max_staleness=1))
         s = r.groups[0].samples[0]
         assert [seg.weight_version for seg in s.segments] == ["2"]
         assert s.output_ids == reference(s.prompt_ids, 300)
@@ -218,10 +215,10 @@ def test_staleness_restarts_from_prompt() -> None:
 def test_offpolicy_tokens_counted() -> None:
     async def go() -> None:
         mgr = make()
-        await rollout(mgr, RolloutReq(groups=[spec("a", 1, [2]), spec("b", 1, [300])]))
-        old = len((await mgr.read_samples(["b/0"]))["b/0"].output_ids)
+        await mgr.rollout(RolloutReq(groups=[spec("a", 1, [2]), spec("b", 1, [300])]))
+        old = len((await mgr.buffer.read_samples(["b/0"]))["b/0"].output_ids)
         mgr.engine.version = "1"  # type: ignore[attr-defined]
-        r = await rollout(mgr, RolloutReq(target_groups=1))
+        r = await mgr.rollout(RolloutReq(target_groups=1))
         assert r.stats.offpolicy_tokens == old
         assert [seg.weight_version for seg in r.groups[0].samples[0].segments] == ["0", "1"]
 
@@ -233,13 +230,13 @@ def test_durable_buffer_survives_restart(tmp_path: Path) -> None:
 
     async def first() -> list[Any]:
         mgr = make(db)
-        await rollout(mgr, RolloutReq(groups=[spec("a", 1, [2]), spec("b", 2, [300, 2])]))
-        return mgr.idle_groups()
+        await mgr.rollout(RolloutReq(groups=[spec("a", 1, [2]), spec("b", 2, [300, 2])]))
+        return mgr.buffer.load_idle()
 
     before = run(first())
     mgr2 = make(db)
-    assert mgr2.idle_groups() == before
-    r = run(rollout(mgr2, RolloutReq(target_groups=1)))
+    assert mgr2.buffer.load_idle() == before
+    r = run(mgr2.rollout(RolloutReq(target_groups=1)))
     assert len(r.groups[0].samples[0].output_ids) == 300
 
 
@@ -247,9 +244,9 @@ def test_engine_error_keeps_the_sample() -> None:
     async def go() -> None:
         mgr = make()
         mgr.engine.fail_rids.add("bad/0")  # type: ignore[attr-defined]
-        r = await rollout(mgr, RolloutReq(groups=[spec("ok", 1, [2]), spec("bad", 1, [2])]))
+        r = await mgr.rollout(RolloutReq(groups=[spec("ok", 1, [2]), spec("bad", 1, [2])]))
         assert [g.group_id for g in r.groups] == ["ok"]
-        assert (await mgr.read_group("bad")).samples[0].status == "partial"
+        assert (await mgr.buffer.read_group("bad")).samples[0].status == "partial"
 
     run(go())
 
@@ -297,9 +294,9 @@ def test_bad_rollouts_are_rejected_before_anything_starts(
 ) -> None:
     mgr = make()
     with pytest.raises(ApiError) as e:
-        run(rollout(mgr, req))
+        run(mgr.rollout(req))
     assert (e.value.status, e.value.code) == (status, code)
-    assert mgr.groups == {} and mgr.buffer.holders == {} and not mgr.engine.calls  # type: ignore[attr-defined]
+    assert mgr.buffer.claimed == {} and mgr.buffer.holders == {} and not mgr.engine.calls  # type: ignore[attr-defined]
 
 
 def test_a_continuation_owes_only_what_is_left_of_min_new_tokens() -> None:

@@ -11,9 +11,8 @@ import asyncio
 from april_client.protocol import ResumeReq
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
-from april_server.operations.resume import resume
+from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
-from april_server.runtime.manager import RolloutManager
 from tests.unit.test_fleet import fleet_over
 from tests.unit.test_fleet_defects import DropServers
 from tests.unit.test_snapshot_sweep import ListingEngine, buffered_with_snapshot
@@ -39,7 +38,7 @@ def test_a_segment_that_failed_before_freeing_the_old_snapshot_frees_it() -> Non
         mgr = RolloutManager(eng, BufferStore(None))
         await buffered_with_snapshot(eng, mgr)
         eng.version = "1"  # new weights: the snapshot is of no use, the plan frees it
-        (s,) = await resume(mgr, ResumeReq(sample_ids=["long/0"]))
+        (s,) = await mgr.resume(ResumeReq(sample_ids=["long/0"]))
         assert eng.failed and eng.failed[0].drop is not None  # the first attempt failed
         assert s.status == "truncated" and s.snapshot_bytes == 0
         assert eng.snaps == set()  # before the fix: {"long/0"}, held for good

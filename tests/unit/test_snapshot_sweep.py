@@ -8,11 +8,8 @@ import asyncio
 
 from april_client.protocol import AbortReq, GroupSpec, RolloutReq
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.delete import delete
+from april_server.root.manager import RolloutManager
 from april_server.rules.placement import LOCAL, Slot
-from april_server.runtime.manager import RolloutManager
 from april_server.runtime.snapshot_sweep import SnapshotSweep
 from tests.unit.fake_engine import SnapshotFakeEngine
 
@@ -33,7 +30,7 @@ class ListingEngine(SnapshotFakeEngine):
 
 def sweep_of(mgr: RolloutManager, min_age_s: float) -> SnapshotSweep:
     assert mgr.segments.snap is not None
-    return SnapshotSweep(mgr.segments.snap, mgr.running, mgr.buffer, min_age_s=min_age_s)
+    return SnapshotSweep(mgr.segments.snap, mgr.segments.running, mgr.buffer, min_age_s=min_age_s)
 
 
 def spec(gid: str, tokens: int) -> GroupSpec:
@@ -43,11 +40,11 @@ def spec(gid: str, tokens: int) -> GroupSpec:
 async def buffered_with_snapshot(eng: ListingEngine, mgr: RolloutManager) -> None:
     """'long' buffered as a partial whose snapshot is recorded ('short' meets the quota)."""
     req = RolloutReq(groups=[spec("long", 400), spec("short", 40)], max_inflight_groups=2)
-    call = asyncio.ensure_future(rollout(mgr, req))
+    call = asyncio.ensure_future(mgr.rollout(req))
     await asyncio.sleep(0.05)
-    await abort(mgr, AbortReq(sample_ids=["long/0"], keep="snapshot"))
+    await mgr.abort(AbortReq(sample_ids=["long/0"], keep="snapshot"))
     await call
-    (stored,) = mgr.idle_groups()
+    (stored,) = mgr.buffer.load_idle()
     assert stored.samples[0].snapshot_bytes == 100 and eng.snaps == {"long/0"}
 
 
@@ -71,7 +68,7 @@ def test_only_old_snapshots_nobody_refers_to_are_freed_on_the_second_sweep() -> 
         got = await sweep._unreferenced([(other, "long/0"), (HERE, "long/0")])
         assert got == {(other, "long/0")}
         # Once the group is deleted its snapshot is freed by the delete, not the sweep.
-        await delete(mgr, "long")
+        await mgr.delete("long")
         assert eng.snaps == {"young/0"}
 
     asyncio.run(go())
@@ -83,14 +80,14 @@ def test_a_snapshot_whose_sample_runs_or_is_held_by_a_call_is_never_freed() -> N
         mgr = RolloutManager(eng, BufferStore(None))
         sweep = sweep_of(mgr, min_age_s=0.0)
         req = RolloutReq(groups=[spec("run", 400)], target_groups=1)
-        call = asyncio.ensure_future(rollout(mgr, req))
-        while "run/0" not in mgr.running:
+        call = asyncio.ensure_future(mgr.rollout(req))
+        while "run/0" not in mgr.segments.running:
             await asyncio.sleep(0.005)
         eng.snaps.add("run/0")  # e.g. the snapshot its segment restored from
         for _ in range(3):
             assert await sweep.sweep_once() == 0
         assert "run/0" in eng.snaps
-        await abort(mgr, AbortReq(all=True))
+        await mgr.abort(AbortReq(all=True))
         await call
         # Held by nothing now (aborted without a snapshot kept): swept on two more rounds.
         eng.snaps.add("run/0")

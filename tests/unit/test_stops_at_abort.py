@@ -14,11 +14,9 @@ import pytest
 
 from april_client.protocol import GroupSpec, InputReq, RolloutReq, Sample, TurnsSpec
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.inputs import post_input
+from april_server.root.manager import RolloutManager
 from april_server.rules import turns as T
 from april_server.rules.stops import reached_stop
-from april_server.runtime.manager import RolloutManager
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
 from tests.unit.test_turns import BUDGET, PROMPT, STOPS, answer, episode
 
@@ -65,14 +63,14 @@ def run_episode(
         )
         req = RolloutReq(groups=[spec], target_groups=1)
         for calls in range(1, 12):
-            resp = await rollout(mgr, req)
+            resp = await mgr.rollout(req)
             mgr.check_integrity()
             if resp.groups:
                 return resp.groups[0].samples[0], calls
-            (g,) = mgr.idle_groups()
+            (g,) = mgr.buffer.load_idle()
             s = g.samples[0]
             if T.awaiting(s):
-                await post_input(mgr, s.sample_id, InputReq(append_ids=answer_of[s.turn]))
+                await mgr.post_input(s.sample_id, InputReq(append_ids=answer_of[s.turn]))
             req = RolloutReq(groups=[], target_groups=1)
         raise AssertionError("the episode never ended")
 

@@ -22,12 +22,9 @@ from april_client.protocol import (
     TurnsSpec,
 )
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.inputs import post_input
+from april_server.root.manager import RolloutManager
 from april_server.rules import turns as T
 from april_server.rules.samples import SegmentResult, apply_segment
-from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
 
@@ -161,7 +158,7 @@ async def drive(
     """Run a streamed call, answering every awaiting member with `answer` (unless `on_event`
     says otherwise by returning False)."""
     events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
-    task = asyncio.create_task(rollout(mgr, req, events))
+    task = asyncio.create_task(mgr.rollout(req, events))
     seen: list[StreamEvent] = []
     while not (task.done() and events.empty()):
         getter = asyncio.ensure_future(events.get())
@@ -175,7 +172,7 @@ async def drive(
         if on_event is not None and await on_event(ev) is False:
             continue
         if isinstance(ev, SampleAwaitingEvent):
-            await post_input(mgr, ev.sample.sample_id, InputReq(append_ids=answer(ev.turn)))
+            await mgr.post_input(ev.sample.sample_id, InputReq(append_ids=answer(ev.turn)))
     return task.result(), seen
 
 
@@ -209,27 +206,27 @@ def test_answer_after_the_call_is_durable_and_the_next_call_goes_on(tmp_path: Pa
 
         first, _ = await drive(mgr, never, no_answer)
         assert [g.group_id for g in first.groups] == ["filler"]
-        (s,) = (await mgr.read_group("a")).samples
+        (s,) = (await mgr.buffer.read_group("a")).samples
         assert s.status == "awaiting_input"
-        assert mgr.listed(await mgr.read_group("a")).state == "awaiting"
+        assert mgr.partials.listed(await mgr.buffer.read_group("a")).state == "awaiting"
         assert (await mgr.stats())["awaiting_input_samples"] == 1
         with pytest.raises(ApiError) as exc:  # nothing to run: a call cannot use it
-            await rollout(mgr, RolloutReq(groups=[], target_groups=1))
+            await mgr.rollout(RolloutReq(groups=[], target_groups=1))
         assert exc.value.code == "invalid_target"
-        r = await post_input(mgr, "a/0", InputReq(append_ids=answer(1)))
+        r = await mgr.post_input("a/0", InputReq(append_ids=answer(1)))
         assert r.batch_id is None and r.sample.status == "partial"
         with pytest.raises(ApiError) as exc:
-            await post_input(mgr, "a/0", InputReq(append_ids=answer(1)))
+            await mgr.post_input("a/0", InputReq(append_ids=answer(1)))
         assert exc.value.code == "not_awaiting"
         for bad in ("nope/0", "a/7", "a"):
             with pytest.raises(ApiError) as exc:
-                await post_input(mgr, bad, InputReq(append_ids=[1]))
+                await mgr.post_input(bad, InputReq(append_ids=[1]))
             assert exc.value.status == 404
         mgr.check_integrity()
         # A restart keeps the answer.
         mgr.store.close()
         mgr = make(tmp_path)
-        (s,) = (await mgr.read_group("a")).samples
+        (s,) = (await mgr.buffer.read_group("a")).samples
         assert s.status == "partial" and s.appended[-1].ids == answer(1)
         second, _ = await drive(
             mgr, RolloutReq(groups=[], target_groups=1, stream=True, turns=TURNS)
@@ -251,14 +248,14 @@ def test_an_abort_ends_a_call_waiting_for_answers_and_keeps_them_awaiting(
 
         async def abort_instead(ev: StreamEvent) -> bool:
             if isinstance(ev, SampleAwaitingEvent):
-                await abort(mgr, AbortReq(all=True))
+                await mgr.abort(AbortReq(all=True))
             return False
 
         resp, seen = await asyncio.wait_for(drive(mgr, req, abort_instead), 30)
         assert resp.groups == [] and resp.buffered_group_ids == ["a"]
-        (s,) = (await mgr.read_group("a")).samples
+        (s,) = (await mgr.buffer.read_group("a")).samples
         assert s.status == "awaiting_input"
-        await post_input(mgr, "a/0", InputReq(append_ids=answer(1)))  # kept, waits idle
+        await mgr.post_input("a/0", InputReq(append_ids=answer(1)))  # kept, waits idle
         mgr.check_integrity()
 
     asyncio.run(go())
@@ -292,12 +289,12 @@ def test_a_call_without_turns_never_waits_for_answers(tmp_path: Path) -> None:
             return False
 
         await drive(mgr, RolloutReq(groups=[spec("a", n=2), spec("f", 1)], stream=True), no_answer)
-        g = await mgr.read_group("a")
+        g = await mgr.buffer.read_group("a")
         assert any(s.status == "awaiting_input" for s in g.samples)
         # A plain call (its caller cannot see who awaits) runs what it can and answers; an
         # older streamed client gets no turn events.
         for stream in (False, True):
-            if all(s.status != "partial" for s in (await mgr.read_group("a")).samples):
+            if all(s.status != "partial" for s in (await mgr.buffer.read_group("a")).samples):
                 break
             req = RolloutReq(groups=[spec(f"x{stream}", 1)], target_groups=2, stream=stream)
             resp, seen = await asyncio.wait_for(drive(mgr, req, no_answer), 30)
@@ -314,7 +311,7 @@ def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
 
     async def go() -> None:
         mgr = make(tmp_path)
-        persist = mgr.persist
+        persist = mgr.persister.persist
         answers: list[asyncio.Task[Any]] = []
 
         async def late_persist(put: Any, delete: Any, call: Any = None) -> None:
@@ -327,10 +324,10 @@ def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
                 and any(c.stopped for c in mgr.calls.values())
             ):
                 req = InputReq(append_ids=answer(1))
-                answers.append(asyncio.create_task(post_input(mgr, waiting[0].sample_id, req)))
+                answers.append(asyncio.create_task(mgr.post_input(waiting[0].sample_id, req)))
                 await asyncio.sleep(0.05)  # the answer runs while the call still holds it
 
-        mgr.persist = late_persist  # type: ignore[method-assign]
+        mgr.persister.persist = late_persist  # type: ignore[method-assign]
 
         async def no_answer(ev: StreamEvent) -> bool:
             return False
@@ -340,11 +337,11 @@ def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
         assert answers, "the wind-down never persisted an awaiting member"
         r = await answers[0]
         assert r.batch_id is None
-        (s,) = (await mgr.read_group("a")).samples
+        (s,) = (await mgr.buffer.read_group("a")).samples
         assert s.status == "partial" and [a.ids for a in s.appended] == [answer(1)]
         mgr.store.close()
         mgr = make(tmp_path)
-        (s,) = (await mgr.read_group("a")).samples
+        (s,) = (await mgr.buffer.read_group("a")).samples
         assert [a.ids for a in s.appended] == [answer(1)]  # durable
 
     asyncio.run(go())
@@ -365,8 +362,7 @@ def test_a_group_answered_before_its_retry_started_it_counts_once(tmp_path: Path
         )  # fmt: skip
         events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
         first = asyncio.create_task(
-            rollout(
-                mgr,
+            mgr.rollout(
                 RolloutReq(
                     groups=[spec("a", 2), long], target_groups=2, stream=True, request_id="r-1"
                 ),
@@ -384,10 +380,10 @@ def test_a_group_answered_before_its_retry_started_it_counts_once(tmp_path: Path
             groups=[long, spec("a", 2), spec("x", 1), spec("y", 1)], target_groups=3,
             max_inflight_groups=1, request_id="r-1",
         )  # fmt: skip
-        call = asyncio.create_task(rollout(mgr, retry))
+        call = asyncio.create_task(mgr.rollout(retry))
         await asyncio.sleep(0.05)
-        assert "h/0" in mgr.running and "a/0" not in mgr.running
-        await post_input(mgr, "a/0", InputReq(append_ids=answer(1)))  # runs now, ends "a"
+        assert "h/0" in mgr.segments.running and "a/0" not in mgr.segments.running
+        await mgr.post_input("a/0", InputReq(append_ids=answer(1)))  # runs now, ends "a"
         r = await asyncio.wait_for(call, 30)
         ids = [g.group_id for g in r.groups]
         assert len(ids) == 3 and len(set(ids)) == 3, ids
@@ -415,7 +411,7 @@ def test_a_text_answer_is_tokenized_without_special_tokens(tmp_path: Path) -> No
             return False
 
         await drive(mgr, never, no_answer)
-        r = await post_input(mgr, "a/0", InputReq(text="ok"))
+        r = await mgr.post_input("a/0", InputReq(text="ok"))
         assert r.sample.appended[-1].ids == [111 % 64, 107 % 64]  # before the fix: BOS first
         mgr.check_integrity()
 

@@ -26,11 +26,7 @@ from april_client.protocol import (
     TurnsSpec,
 )
 from april_server.buffer.store import BufferStore
-from april_server.calls.rollout import rollout
-from april_server.operations.abort import abort
-from april_server.operations.delete import delete
-from april_server.operations.inputs import post_input
-from april_server.runtime.manager import RolloutManager
+from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import EOS, next_token
 from tests.unit.test_background_properties import Watch
@@ -103,7 +99,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
         async def answer(sid: str, turn: int, twice: bool = False) -> None:
             ids = tool(sid, turn)
             try:
-                await post_input(mgr, sid, InputReq(append_ids=ids, turn=turn))
+                await mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
                 taken.setdefault(sid, []).append(ids)
             except ApiError as exc:
                 # Deleted or delivered meanwhile (unknown now), or answered: nothing else.
@@ -114,7 +110,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
                 return
             if twice:
                 try:
-                    await post_input(mgr, sid, InputReq(append_ids=ids, turn=turn))
+                    await mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
                 except ApiError as exc:
                     assert exc.code == "not_awaiting", exc
                 else:
@@ -128,7 +124,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
                 on_quota=on_quota,
                 stream=True,
             )
-            task = asyncio.create_task(rollout(mgr, req, events))
+            task = asyncio.create_task(mgr.rollout(req, events))
             late: list[asyncio.Task[None]] = []
             while not (task.done() and events.empty()):
                 getter = asyncio.ensure_future(events.get())
@@ -146,7 +142,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
                     late.append(asyncio.create_task(answer(sid, turn)))
                 else:
                     pending.append((sid, turn))
-                    await abort(mgr, AbortReq(group_ids=[ev.sample.group_id], keep="tokens"))
+                    await mgr.abort(AbortReq(group_ids=[ev.sample.group_id], keep="tokens"))
             r = task.result()
             await asyncio.gather(*late)
             delivered.extend(g.group_id for g in r.groups)
@@ -161,15 +157,14 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
                     on_quota = "continue" if op == "call_continue" else "tokens"
                     await call(gids, budget, how, on_quota)
                 elif op == "abort":
-                    await abort(mgr, AbortReq(all=True, keep="tokens"))
+                    await mgr.abort(AbortReq(all=True, keep="tokens"))
                 elif op == "abort_group" and created:
-                    await abort(
-                        mgr,
+                    await mgr.abort(
                         AbortReq(group_ids=[sorted(created)[n - 1 if n <= len(created) else 0]]),
                     )
                 elif op == "delete" and len(mgr.buffer.idle):
                     gid = next(iter(mgr.buffer.idle.oldest())).group_id
-                    await delete(mgr, gid)
+                    await mgr.delete(gid)
                     gone.add(gid)
                 elif op == "answer" and pending:
                     await answer(*pending.pop(0))
@@ -184,13 +179,13 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
         await asyncio.wait_for(asyncio.gather(*(one(k, *op) for k, op in enumerate(ops))), 120)
         for sid, turn in pending:  # answers that come after everything
             await answer(sid, turn)
-        await abort(mgr, AbortReq(all=True, keep="tokens"))  # settle the background
-        assert not mgr.running and not eng.double, eng.double
+        await mgr.abort(AbortReq(all=True, keep="tokens"))  # settle the background
+        assert not mgr.segments.running and not eng.double, eng.double
         assert len(delivered) == len(set(delivered)), "a group was delivered twice"
         buffered = {e.group_id for e in mgr.buffer.idle.oldest()}
         assert not set(delivered) & buffered and not gone & buffered
         assert set(delivered) | buffered | gone == created
-        for g in [*mgr.idle_groups(), *bodies]:
+        for g in [*mgr.buffer.load_idle(), *bodies]:
             for s in g.samples:
                 check_tokens(s)
                 # The answers it holds are exactly those the server took, once each, in order.

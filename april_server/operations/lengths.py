@@ -1,0 +1,23 @@
+"""`DELETE /april/v1/lengths`: forget every prompt's length history, here and in the store,
+and what the pool advice remembers (it plays from those lengths: the next advice starts
+afresh)."""
+
+from __future__ import annotations
+
+from april_server.buffer.store import BufferStore
+from april_server.rules.lengths import LengthModel
+from april_server.runtime.inflight_policy import InflightPolicy
+
+
+class ForgetLengths:
+    def __init__(self, lengths: LengthModel, store: BufferStore, policy: InflightPolicy) -> None:
+        self.lengths = lengths
+        self.store = store
+        self.policy = policy
+
+    def __call__(self) -> int:
+        """How many prompts it held."""
+        n = self.lengths.forget()
+        self.store.save_lengths([], forget=True)
+        self.policy.forget()
+        return n
