@@ -92,8 +92,8 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             logger.error("april: no engine answered in %.0f s; serving 503s", READY_WAIT_S)
         yield
         mgr = holder.peek()
-        if mgr is not None and mgr.sweep is not None:
-            await mgr.sweep.stop()
+        if mgr is not None:
+            await mgr.close()
         await fleet.close()
 
     def get_manager() -> RolloutManager:

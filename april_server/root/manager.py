@@ -120,6 +120,11 @@ class RolloutManager:
         self.partials = Partials(self.buffer, self.segments)
         self.forget_lengths = ForgetLengths(length_model, store, self.policy)
 
+    async def close(self) -> None:
+        """Stop the timers this root started (the snapshot sweep)."""
+        if self.sweep is not None:
+            await self.sweep.stop()
+
     # ---- the views over every part ------------------------------------------------------------
 
     def check_integrity(self) -> None:
