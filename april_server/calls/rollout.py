@@ -59,9 +59,13 @@ class RolloutCall:
     of it (`runtime.live_calls.LiveCall`) is answered here, from its state and its turns."""
 
     def __init__(
-        self, req: RolloutReq, parts: CallParts, handed_in: frozenset[str] = frozenset()
+        self,
+        req: RolloutReq,
+        parts: CallParts,
+        handed_in: frozenset[str] = frozenset(),
+        events: asyncio.Queue[StreamEvent | None] | None = None,
     ) -> None:
-        self.state = state = CallState(req, handed_in)
+        self.state = state = CallState(req, handed_in, events)
         self.engine = parts.engine
         self.buffer = parts.buffer
         self.segments = parts.segments
@@ -316,8 +320,7 @@ class Rollout:
                 if earlier is not None:
                     _set(ready)
                     return _resp_dec.decode(earlier)
-        call = RolloutCall(req, parts, handed_in)
-        call.state.events = events
+        call = RolloutCall(req, parts, handed_in, events)
         fut: asyncio.Future[bytes | None] | None = None
         if rid is not None:  # from here on, a retry waits for this attempt
             fut = asyncio.get_running_loop().create_future()

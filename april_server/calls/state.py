@@ -13,7 +13,13 @@ from april_server.rules.quota import QuotaTracker
 
 
 class CallState:
-    def __init__(self, req: RolloutReq, handed_in: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        req: RolloutReq,
+        handed_in: frozenset[str] = frozenset(),
+        events: asyncio.Queue[StreamEvent | None] | None = None,
+    ) -> None:
+        """`events`: the caller's stream (a streamed call); None for a plain one."""
         self.req = req
         self.handed_in = handed_in  # sent groups an earlier attempt of this request_id buffered
         self.batch_id = f"b-{uuid.uuid4().hex[:12]}"
@@ -22,7 +28,7 @@ class CallState:
         self.group_ids: list[str] = []  # every group this call holds, in the order claimed
         self.fresh: deque[str] = deque()  # sent groups not started yet
         self.ready: deque[str] = deque()  # claimed buffered groups not started yet
-        self.events: asyncio.Queue[StreamEvent | None] | None = None
+        self.events = events
         self.started: set[str] = set()
         self.stopped = False
         self.wakeup = asyncio.Event()
