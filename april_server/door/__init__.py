@@ -3,6 +3,7 @@
 - `engine.py`: the HTTP-process side (TokenizerManager driver, launcher, KV control client).
 - `scheduler_hooks.py`: the scheduler-process side (plugin hooks: snapshot on release, the
   KV control message handler), loaded by SGLang's plugin mechanism in every process.
-- `ipc.py`: the control messages exchanged between the two.
+- `channel.py`: the control operations the first asks of the second, one msgspec struct each
+  (no SGLang import); `ipc.py`: the SGLang request types they travel in.
 Everything is version-checked against the pinned SGLang.
 """

@@ -19,6 +19,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from april_client.protocol import RoutingDtype, WeightGroupInfo
+from april_server.door.channel import (
+    Clock,
+    Curve,
+    Drop,
+    Info,
+    Keys,
+    Mark,
+    Reply,
+    Restore,
+    SchedulerOp,
+    Stats,
+    Unlock,
+    encode,
+    op_name,
+)
 from april_server.door.weight_hooks import JoinedGroup
 from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
@@ -85,7 +100,6 @@ def preload_sampling_params() -> None:
 
 KV_CALL_TIMEOUT_S = 60.0  # a scheduler busy with a long prefill answers between batches
 ALL_RANKS = -1
-Reply = tuple[bool, dict[str, Any]]
 
 
 @dataclass
@@ -101,10 +115,11 @@ class _Gather:
 class SGLangEngine(SnapshotEngine):
     """SnapshotEngine over SGLang's TokenizerManager, in the HTTP server's event loop.
 
-    KV control messages (`door/ipc.py`) go down the TokenizerManager's own socket to the
-    scheduler, so a `mark` is always ordered before the `abort` sent after it. With
-    `--dp-size N` every segment is pinned to its rank (`GenerateReqInput.routed_dp_rank`),
-    each KV message names the rank that acts, and the figures come from all N."""
+    KV control messages (one struct per operation, `door/channel.py`, in the envelope of
+    `door/ipc.py`) go down the TokenizerManager's own socket to the scheduler, so a `mark` is
+    always ordered before the `abort` sent after it. With `--dp-size N` every segment is pinned
+    to its rank (`GenerateReqInput.routed_dp_rank`), each KV message names the rank that acts,
+    and the figures come from all N."""
 
     def __init__(
         self, tokenizer_manager: Any, snapshots_enabled: bool = True, dp_size: int = 1
@@ -142,66 +157,65 @@ class SGLangEngine(SnapshotEngine):
             if not g.done.done():
                 g.done.set_result(None)
 
-    def _kv_send(self, op: str, key: str, dp_rank: int, target: str = "") -> _Gather:
+    def _kv_send(self, op: SchedulerOp, dp_rank: int) -> _Gather:
         from april_server.door.ipc import AprilKvReq
 
         call_id = next(self._ids)
         expect = self.dp_size if dp_rank == ALL_RANKS else 1
         g = _Gather(call_id, expect, asyncio.get_running_loop().create_future())
         self._waiting[call_id] = g
-        req = AprilKvReq(call_id=call_id, op=op, key=key, target=target, dp_rank=dp_rank)
+        req = AprilKvReq(call_id=call_id, body=encode(op), dp_rank=dp_rank)
         self.tm._dispatch_to_scheduler(req)
         return g
 
-    async def _gather(
-        self, op: str, key: str = "", dp_rank: int = ALL_RANKS, target: str = ""
-    ) -> dict[int, Reply]:
-        g = self._kv_send(op, key, dp_rank, target)
+    async def _gather(self, op: SchedulerOp, dp_rank: int = ALL_RANKS) -> dict[int, Reply]:
+        g = self._kv_send(op, dp_rank)
         try:
             await asyncio.wait_for(asyncio.shield(g.done), KV_CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._waiting.pop(g.call_id, None)
             logger.error(
                 "april: kv %s: %d of %d ranks answered (is the plugin loaded?)",
-                op,
+                op_name(op),
                 len(g.replies),
                 g.expect,
             )
         return g.replies
 
-    async def _kv(self, op: str, key: str, slot: Slot, target: str = "") -> Reply:
-        replies = await self._gather(op, key, slot.dp_rank, target)
+    async def _kv(self, op: SchedulerOp, slot: Slot) -> Reply:
+        replies = await self._gather(op, slot.dp_rank)
         return replies.get(slot.dp_rank, (False, {"error": "timeout"}))
 
-    async def _per_rank(self, op: str) -> dict[int, dict[str, Any]]:
+    async def _per_rank(self, op: SchedulerOp) -> dict[int, dict[str, Any]]:
         """Every rank's answer to `op`, by rank in rank order (ranks that failed are left out)."""
         replies = await self._gather(op)
         return {r: p for r, (ok, p) in sorted(replies.items()) if ok}
 
     def send_mark(self, rid: str, key: str, slot: Slot) -> None:
-        self._kv_send("mark", key, slot.dp_rank, rid)  # the answer only confirms; nobody waits
+        # The answer only confirms; nobody waits for it.
+        self._kv_send(Mark(rid=rid, key=key), slot.dp_rank)
 
     async def restore_snapshot(self, key: str, slot: Slot, namespace: str | None = None) -> int:
-        ok, payload = await self._kv("restore", key, slot, namespace or "")
+        ok, payload = await self._kv(Restore(key=key, namespace=namespace or ""), slot)
         return int(payload.get("restored", 0)) if ok else 0
 
     async def release_snapshot(self, key: str, slot: Slot) -> None:
-        await self._kv("unlock", key, slot)
+        await self._kv(Unlock(key=key), slot)
 
     async def drop_snapshot(self, key: str, slot: Slot) -> None:
-        await self._kv("drop", key, slot)
+        await self._kv(Drop(key=key), slot)
 
     async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
-        ok, payload = await self._kv("info", key, slot)
+        ok, payload = await self._kv(Info(key=key), slot)
         return payload if ok else None
 
     async def snapshot_keys(self) -> dict[Slot, dict[str, float]]:
         return {
-            Slot(LOCAL, r): p.get("keys", {}) for r, p in (await self._per_rank("keys")).items()
+            Slot(LOCAL, r): p.get("keys", {}) for r, p in (await self._per_rank(Keys())).items()
         }
 
     async def snapshot_stats(self) -> dict[str, Any]:
-        ranks = await self._per_rank("stats")
+        ranks = await self._per_rank(Stats())
         merged = merge_rank_stats(list(ranks.values()))
         if self.dp_size > 1:
             merged["dp_size"] = self.dp_size
@@ -209,7 +223,7 @@ class SGLangEngine(SnapshotEngine):
         return merged
 
     async def capacity(self) -> EngineCapacity | None:
-        ranks = [p for p in (await self._per_rank("stats")).values() if "max_running_requests" in p]
+        ranks = [p for p in (await self._per_rank(Stats())).values() if "max_running_requests" in p]
         if not ranks:
             return None
         return EngineCapacity(  # the whole server's: the sum over its ranks
@@ -220,12 +234,12 @@ class SGLangEngine(SnapshotEngine):
     async def step_curve(self) -> dict[int, StepStat]:
         curves = [
             {int(b): StepStat(int(v[0]), *map(float, v[1:])) for b, v in p.items()}
-            for p in (await self._per_rank("curve")).values()
+            for p in (await self._per_rank(Curve())).values()
         ]
         return aggregate_curve(curves)  # ranks step side by side: inflight.py
 
     async def engine_clock(self) -> dict[str, float]:
-        ranks = await self._per_rank("clock")
+        ranks = await self._per_rank(Clock())
         return {k: float(v) for k, v in merge_rank_stats(list(ranks.values())).items()}
 
     def weight_version(self) -> str:

@@ -1,8 +1,10 @@
-"""Control messages between the HTTP process and the scheduler for KV snapshots.
+"""The envelopes of the scheduler channel (`channel.py`) on SGLang's sockets.
 
 They subclass SGLang's `BaseReq`, so they travel over SGLang's own ZMQ sockets (pickle IPC,
 the default) and through its TypeBasedDispatcher on both sides; their classes live in an
-importable module because the scheduler unpickles them by qualified name.
+importable module because the scheduler unpickles them by qualified name. The operation
+itself rides as msgpack bytes: whatever is in them, the envelope always unpickles, and the
+scheduler answers a body it cannot read with an error reply.
 """
 
 from __future__ import annotations
@@ -11,18 +13,15 @@ from sglang.srt.managers.io_struct import BaseReq
 
 
 class AprilKvReq(BaseReq, kw_only=True):  # type: ignore[misc,call-arg]
-    """`op`: mark (snapshot `key` when request `target` ends by abort) | restore (into the
-    prefix-cache namespace `target`, SGLang's `extra_key`; "" = shared) | unlock | drop |
-    info | keys | stats | curve | clock. `call_id` pairs the answers with their caller.
+    """`body`: one `channel.SchedulerOp`, as `channel.encode` writes it. `call_id` pairs the
+    answers with their caller.
 
     With data parallelism SGLang's DP controller broadcasts every message that is not a
     generate request to all ranks: `dp_rank` says which one acts and answers (-1: all of
     them, each with its own figures)."""
 
     call_id: int
-    op: str
-    key: str = ""
-    target: str = ""
+    body: bytes
     dp_rank: int = -1
 
 

@@ -2,7 +2,8 @@
 
 Entry point `sglang.srt.plugins: april = april_server.door.scheduler_hooks:register` (see
 pyproject.toml); `april-server` sets `SGLANG_PLUGINS=april`. Hooks, each a short wrapper:
-- AFTER `Scheduler.init_request_dispatcher`: route `AprilKvReq` to `SchedulerKv.handle`.
+- AFTER `Scheduler.init_request_dispatcher`: route `AprilKvReq` to `SchedulerKv.handle`, which
+  answers the operation it carries (`channel.py`) with the method its handler table names.
 - AROUND `mem_cache.common.release_kv_cache`: before SGLang frees a request that ended by
   abort and was marked for a snapshot, gather its committed KV into the host store.
 - AFTER `Scheduler.flush_cache`: a flush drops the whole tree, so our tree locks go with it.
@@ -19,19 +20,36 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from april_server.door.channel import (
+    Clock,
+    Curve,
+    Drop,
+    Info,
+    Keys,
+    Mark,
+    Reply,
+    Restore,
+    SchedulerOp,
+    Stats,
+    Unlock,
+    answer,
+)
 from april_server.door.deterministic import register_deterministic_hooks
 from april_server.door.dp_hooks import register_dp_hooks
 from april_server.door.fault_hooks import register_fault_hooks
-from april_server.door.ipc import AprilKvReq, AprilKvResp
 from april_server.door.kv_store import HostKvStore
 from april_server.door.moe_hooks import register_moe_hooks, restore_routing, saved_routing
 from april_server.engine.clock import EngineClock, StepTimer
 from april_server.settings import env
 from kernels.kv_copy import mha_kv_buffers, restore_kv, save_kv
+
+if TYPE_CHECKING:  # SGLang is imported where the hooks run, not by importing this module
+    from april_server.door.ipc import AprilKvReq, AprilKvResp
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +83,8 @@ def register() -> None:
 
 def _after_init_dispatcher(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     from sglang.utils import TypeBasedDispatcher
+
+    from april_server.door.ipc import AprilKvReq
 
     global _active
     _active = SchedulerKv(scheduler)
@@ -141,43 +161,56 @@ class SchedulerKv:
         self.rank0 = getattr(scheduler, "tp_rank", 0) == 0
         self.steps = StepTimer()
         self.clock = EngineClock()
+        self.handlers = self.handler_table()
 
     # ---- messages ----------------------------------------------------------------------------
 
+    def handler_table(self) -> dict[type[SchedulerOp], Callable[[Any], Reply]]:
+        """Every operation of the channel and the method that answers it."""
+        return {
+            Mark: self.on_mark,
+            Restore: self.on_restore,
+            Unlock: self.on_unlock,
+            Drop: self.on_drop,
+            Info: self.on_info,
+            Keys: self.on_keys,
+            Stats: self.on_stats,
+            Curve: self.on_curve,
+            Clock: self.on_clock,
+        }
+
     def handle(self, req: AprilKvReq) -> AprilKvResp | None:
+        from april_server.door.ipc import AprilKvResp
+
         # SGLang's DP controller broadcasts our messages to every rank: only the addressed
         # one acts (all of them for -1), and each answer says whose it is.
         if req.dp_rank >= 0 and req.dp_rank != self.dp_rank:
             return None
-        try:
-            ok, payload = getattr(self, "op_" + req.op)(req)
-        except Exception as exc:
-            logger.exception("april: kv op %s failed", req.op)
-            ok, payload = False, {"error": str(exc)}
+        ok, payload = answer(self.handlers, req.body)
         if not self.rank0:
             return None  # control replies come from TP rank 0 only
         return AprilKvResp(
             call_id=req.call_id, ok=ok, payload=json.dumps(payload), dp_rank=self.dp_rank
         )
 
-    def op_mark(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
-        self.marked[req.target] = req.key
+    def on_mark(self, op: Mark) -> Reply:
+        self.marked[op.rid] = op.key
         while len(self.marked) > MAX_MARKED:
             self.marked.popitem(last=False)
         return True, {}
 
-    def op_drop(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
-        self.op_unlock(req)
-        return self.store.drop(req.key), {}
+    def on_drop(self, op: Drop) -> Reply:
+        self._unlock(op.key)
+        return self.store.drop(op.key), {}
 
-    def op_info(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
-        info = self.store.info(req.key)
+    def on_info(self, op: Info) -> Reply:
+        info = self.store.info(op.key)
         return info is not None, whole_dp_rank(info or {}, self.tp)
 
-    def op_keys(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+    def on_keys(self, op: Keys) -> Reply:
         return True, {"keys": self.store.ages()}
 
-    def op_stats(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+    def on_stats(self, op: Stats) -> Reply:
         tree = self.sched.tree_cache
         return True, {
             **whole_dp_rank(self.store.stats(), self.tp),
@@ -186,26 +219,29 @@ class SchedulerKv:
             "protected_tokens": int(tree.protected_size()),
             "restore_locks": len(self.locks),
             "pending_marks": len(self.marked),
-            # What admission may submit at once (the rollout manager's bound, issue #11).
+            # What admission may submit at once (the rollout manager's bound).
             "max_running_requests": int(self.sched.max_running_requests),
             "max_total_tokens": int(self.sched.max_total_num_tokens),
         }
 
-    def op_curve(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+    def on_curve(self, op: Curve) -> Reply:
         return True, self.steps.curve()
 
-    def op_clock(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+    def on_clock(self, op: Clock) -> Reply:
         return True, self.clock.snapshot()
 
-    def op_unlock(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
-        lock = self.locks.pop(req.key, None)
+    def on_unlock(self, op: Unlock) -> Reply:
+        return self._unlock(op.key), {}
+
+    def _unlock(self, key: str) -> bool:
+        lock = self.locks.pop(key, None)
         if lock is not None:
             self.sched.tree_cache.unlock(lock)
-        return lock is not None, {}
+        return lock is not None
 
-    def op_restore(self, req: AprilKvReq) -> tuple[bool, dict[str, Any]]:
+    def on_restore(self, op: Restore) -> Reply:
         """Make the snapshot's prefix visible to SGLang's prefix matching and hold it (tree
-        lock) until `unlock`, so the continuation request matches it instead of prefilling."""
+        lock) until `Unlock`, so the continuation request matches it instead of prefilling."""
         from sglang.srt.mem_cache.base_prefix_cache import (
             EvictParams,
             InsertParams,
@@ -213,7 +249,7 @@ class SchedulerKv:
         )
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        snap = self.store.get(req.key)
+        snap = self.store.get(op.key)
         if snap is None:
             return False, {"reason": "no snapshot (never taken, evicted or dropped)"}
         alloc, tree = self.sched.token_to_kv_pool_allocator, self.sched.tree_cache
@@ -226,7 +262,7 @@ class SchedulerKv:
         if n == 0:
             return False, {"reason": "shorter than one page"}
         # A stale snapshot goes into its continuation's own namespace (`snapshots.py`).
-        key = RadixKey(array("q", snap.tokens[:n]), req.target or None)
+        key = RadixKey(array("q", snap.tokens[:n]), op.namespace or None)
         match = tree.match_prefix(MatchPrefixParams(key=key))
         copied = 0
         if match.device_prefix_len < n:
@@ -249,10 +285,10 @@ class SchedulerKv:
             tree.insert(InsertParams(key=key, value=slots))
             copied = n
             match = tree.match_prefix(MatchPrefixParams(key=key))
-        old = self.locks.pop(req.key, None)
+        old = self.locks.pop(op.key, None)
         if old is not None:
             tree.unlock(old)
-        self.locks[req.key] = tree.lock(match.last_device_node)
+        self.locks[op.key] = tree.lock(match.last_device_node)
         return True, {"restored": int(match.device_prefix_len), "copied": copied}
 
     def _fill(self, slots: Any, snap: Any, n: int) -> None:

@@ -1,9 +1,11 @@
-"""`SchedulerKv.op_restore` over fake pools (run in a subprocess by test_scheduler_kv.py: it
+"""`SchedulerKv.on_restore` over fake pools (run in a subprocess by test_scheduler_kv.py: it
 imports SGLang, which is slow and stubs sgl_kernel process-wide). Exit 0 = OK.
 
 Checks (#23): a restore that fails after allocating gives every slot back; a restore into a
 namespace inserts and matches with that namespace as the radix key's `extra_key`. And the host
-budget is split over TP ranks too, their byte figures reported for the whole."""
+budget is split over TP ranks too, their byte figures reported for the whole. And the envelope
+SGLang dispatches (`AprilKvReq`) gets an error reply, not an exception, for a body that holds
+no operation."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def main() -> int:
     from sglang.test.test_utils import maybe_stub_sgl_kernel
 
     maybe_stub_sgl_kernel()
-    from april_server.door.ipc import AprilKvReq
+    from april_server.door.channel import Restore
     from april_server.door.scheduler_hooks import SchedulerKv
 
     kv = SchedulerKv.__new__(SchedulerKv)
@@ -71,9 +73,8 @@ def main() -> int:
         raise RuntimeError("copy failed half-way")
 
     kv._fill = broken_fill  # type: ignore[method-assign]
-    req = AprilKvReq(call_id=1, op="restore", key="s/0")
     try:
-        kv.op_restore(req)
+        kv.on_restore(Restore(key="s/0"))
     except RuntimeError:
         pass
     else:
@@ -82,8 +83,7 @@ def main() -> int:
     assert tree.inserted == [] and kv.locks == {}
 
     kv._fill = lambda *args: None  # type: ignore[method-assign]
-    ns = AprilKvReq(call_id=2, op="restore", key="s/0", target="april-stale/s/0")
-    ok, payload = kv.op_restore(ns)
+    ok, payload = kv.on_restore(Restore(key="s/0", namespace="april-stale/s/0"))
     assert ok and payload["restored"] == 4, payload
     assert [k.extra_key for k in tree.inserted] == ["april-stale/s/0"]
 
@@ -95,8 +95,32 @@ def main() -> int:
     assert whole_dp_rank({"snapshot_bytes_used": 10, "snapshots": 3}, 4) == {
         "snapshot_bytes_used": 40, "snapshots": 3,
     }  # fmt: skip
+    check_envelope()
     print("scheduler kv check OK")
     return 0
+
+
+def check_envelope() -> None:
+    """The message SGLang's dispatcher hands `handle`, both ways, with a good and a bad body."""
+    import json
+
+    import msgspec
+
+    from april_server.door.channel import Info, encode
+    from april_server.door.ipc import AprilKvReq, AprilKvResp
+    from april_server.door.scheduler_hooks import SchedulerKv
+
+    kv = SchedulerKv.__new__(SchedulerKv)
+    kv.dp_rank, kv.rank0, kv.tp = 0, True, 1
+    kv.store = SimpleNamespace(info=lambda key: {"tokens": 3, "bytes": 12})
+    kv.handlers = kv.handler_table()
+    resp = kv.handle(AprilKvReq(call_id=7, body=encode(Info(key="s/0"))))
+    assert isinstance(resp, AprilKvResp) and resp.call_id == 7 and resp.ok, resp
+    assert json.loads(resp.payload) == {"tokens": 3, "bytes": 12}
+    bad = kv.handle(AprilKvReq(call_id=8, body=msgspec.msgpack.encode({"op": "nope"})))
+    assert bad is not None and not bad.ok and bad.call_id == 8, bad
+    assert "not a scheduler operation" in json.loads(bad.payload)["error"], bad.payload
+    assert kv.handle(AprilKvReq(call_id=9, body=b"", dp_rank=1)) is None  # another rank's
 
 
 if __name__ == "__main__":
