@@ -31,7 +31,8 @@ import httpx
 
 from april_client.protocol import WeightGroupInfo
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome, SnapshotEngine
-from april_server.fleet.remote import MakeClient, RemoteEngine, engine_name, new_client
+from april_server.fleet.lanes import MakeClient, new_client
+from april_server.fleet.remote import RemoteEngine, engine_name
 from april_server.fleet.weight_push import WeightPush
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.rules.placement import Slot
