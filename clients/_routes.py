@@ -26,9 +26,7 @@ from .protocol import (
     AbortReq,
     AbortResp,
     DeleteResp,
-    DoneEvent,
     Group,
-    GroupFinishedEvent,
     GroupSpec,
     GroupsReq,
     GroupsResp,
@@ -43,9 +41,6 @@ from .protocol import (
     ResumeResp,
     RolloutReq,
     RolloutResp,
-    SampleAwaitingEvent,
-    SampleInterruptedEvent,
-    StreamEvent,
     TurnsSpec,
 )
 
@@ -57,7 +52,6 @@ MAX_BACKOFF_S = 30.0
 JSON_HEADERS = {"content-type": "application/json"}
 
 T = TypeVar("T")
-Event = GroupFinishedEvent | SampleAwaitingEvent | SampleInterruptedEvent | DoneEvent
 TurnsArg = TurnsSpec | Mapping[str, Any] | None
 
 _encoder = msgspec.json.Encoder()
@@ -71,7 +65,6 @@ _partials_decoder = msgspec.json.Decoder(PartialsResp)
 _group_decoder = msgspec.json.Decoder(Group)
 _delete_decoder = msgspec.json.Decoder(DeleteResp)
 _input_decoder = msgspec.json.Decoder(InputResp)
-_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(StreamEvent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,52 +405,3 @@ def generate(
     body["sampling_params"] = dict(sampling_params or {})
     body.update(extra)
     return Call("POST", "/generate", _any_decoder.decode, _encode_obj(body))
-
-
-# ---- NDJSON stream ---------------------------------------------------------------------------
-
-
-class EventReader:
-    """Bytes of an NDJSON rollout stream in, events out; a line may span chunks.
-
-    Records what it has seen: `groups` (finished so far, in order) and `done` (the last event).
-    """
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.groups: list[Group] = []
-        self.done: DoneEvent | None = None
-        self.batch_id: str | None = None  # every event names its call: the first one read
-        self._buf = bytearray()
-
-    def feed(self, chunk: bytes) -> list[Event]:
-        if b"\n" not in chunk:
-            self._buf += chunk
-            return []
-        self._buf += chunk
-        *lines, rest = self._buf.split(b"\n")
-        self._buf = bytearray(rest)
-        return [self._decode(line) for line in lines if line.strip()]
-
-    def end(self) -> list[Event]:
-        """The events of an unterminated last line; raises if the stream never said `done`."""
-        rest, self._buf = bytes(self._buf), bytearray()
-        events = [self._decode(rest)] if rest.strip() else []
-        if self.done is None:
-            raise ProtocolError(f"rollout stream from {self.url} ended before its done event")
-        return events
-
-    def _decode(self, line: bytes | bytearray) -> Event:
-        if self.done is not None:
-            raise ProtocolError(f"rollout stream from {self.url} went on after its done event")
-        try:
-            event = _event_decoder.decode(line)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"bad event line in rollout stream from {self.url}: {exc}") from exc
-        if isinstance(event, DoneEvent):
-            self.done = event
-        elif isinstance(event, GroupFinishedEvent):
-            self.groups.append(event.group)
-        if self.batch_id is None and event.batch_id:
-            self.batch_id = event.batch_id
-        return event

@@ -1,6 +1,6 @@
-"""Iterators over a streamed rollout (NDJSON), one per client flavour.
+"""A streamed rollout (NDJSON): the reader of its events, and iterators, one per client flavour.
 
-The request goes out on the first `next()`; the reader (`_routes.EventReader`) turns bytes into
+The request goes out on the first `next()`; the reader (`EventReader`) turns bytes into
 events. After the `done` event, or on `close()`, the HTTP response is closed; closing early is a
 client disconnect to the server, which then stops the call and keeps its state.
 """
@@ -12,10 +12,67 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 
-from ._errors import TransportError
-from ._routes import Call, Event, EventReader
-from .protocol import DoneEvent, Group
+from ._errors import ProtocolError, TransportError
+from ._routes import Call
+from .protocol import (
+    DoneEvent,
+    Group,
+    GroupFinishedEvent,
+    SampleAwaitingEvent,
+    SampleInterruptedEvent,
+    StreamEvent,
+)
+
+Event = GroupFinishedEvent | SampleAwaitingEvent | SampleInterruptedEvent | DoneEvent
+_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(StreamEvent)
+
+
+class EventReader:
+    """Bytes of an NDJSON rollout stream in, events out; a line may span chunks.
+
+    Records what it has seen: `groups` (finished so far, in order) and `done` (the last event).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.groups: list[Group] = []
+        self.done: DoneEvent | None = None
+        self.batch_id: str | None = None  # every event names its call: the first one read
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        if b"\n" not in chunk:
+            self._buf += chunk
+            return []
+        self._buf += chunk
+        *lines, rest = self._buf.split(b"\n")
+        self._buf = bytearray(rest)
+        return [self._decode(line) for line in lines if line.strip()]
+
+    def end(self) -> list[Event]:
+        """The events of an unterminated last line; raises if the stream never said `done`."""
+        rest, self._buf = bytes(self._buf), bytearray()
+        events = [self._decode(rest)] if rest.strip() else []
+        if self.done is None:
+            raise ProtocolError(f"rollout stream from {self.url} ended before its done event")
+        return events
+
+    def _decode(self, line: bytes | bytearray) -> Event:
+        if self.done is not None:
+            raise ProtocolError(f"rollout stream from {self.url} went on after its done event")
+        try:
+            event = _event_decoder.decode(line)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"bad event line in rollout stream from {self.url}: {exc}") from exc
+        if isinstance(event, DoneEvent):
+            self.done = event
+        elif isinstance(event, GroupFinishedEvent):
+            self.groups.append(event.group)
+        if self.batch_id is None and event.batch_id:
+            self.batch_id = event.batch_id
+        return event
 
 
 class _StreamBase:

@@ -16,7 +16,7 @@ Where each part lives (this module only gathers the two clients under their hist
 `_routes.py` what a route sends and how its answer is read, shared by both clients;
 `_base.py` the shared constructor, default timeout and argument types; `_sync.py` and
 `_async.py` one line per route plus one generic send (with opt-in retries) each;
-`_stream.py` the streamed-rollout iterators; `_errors.py` the exceptions.
+`_stream.py` the streamed-rollout reader and iterators; `_errors.py` the exceptions.
 """
 
 from ._async import AsyncAprilClient

@@ -74,23 +74,22 @@ per step the same within noise).
 `max_tokens_column`: when set, a dataset row's integer value in that column caps its group's
 `max_new_tokens` (at most the trainer's `max_completion_length`): per-prompt answer budgets,
 as in tasks whose answers differ widely in length (`make train-demo` uses it for its long tail).
+
+How prompts become groups (rows as metadata, draws, specs) is `trl_prompts.py`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
-
-import msgspec
 
 from . import AprilClient, NotFound
 from ._routes import TurnsArg
@@ -104,6 +103,7 @@ from .trainer_batch import (
     unique_prompts,
 )
 from .trl_correction import use_sampling_policy_as_old
+from .trl_prompts import draw_prompts, group_spec, index_dataset, prompt_key, sampling_params
 from .trl_tools import Tool, ToolLoop
 from .weight_sync import WeightBroadcaster
 
@@ -218,7 +218,7 @@ class AprilRollout:
             chosen += self._draw(extra, firsts, step)
         call = self._calls
         self._calls += 1
-        params = _sampling_params(trainer)
+        params = sampling_params(trainer)
         specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
                  for k, p in enumerate(chosen)]  # fmt: skip
         sent = [s["group_id"] for s in specs]
@@ -371,100 +371,23 @@ class AprilRollout:
 
         return _CloseAtEnd()
 
-    # ---- prompts, rows, specs ----------------------------------------------------------------
+    # ---- prompts, rows, specs (trl_prompts.py) ------------------------------------------------
 
     def _index_dataset(self, trainer: Any) -> None:
         """Each prompt's row as JSON metadata, and the training prompts (built once)."""
-        if self._metadata is not None:
-            return
-        self._metadata = {}
-        for ds in (trainer.train_dataset, getattr(trainer, "eval_dataset", None)):
-            if ds is None or isinstance(ds, dict):
-                continue
-            for row in ds:
-                key = _key(row["prompt"])
-                if key not in self._metadata:
-                    self._metadata[key] = _jsonable(row)
-                if ds is trainer.train_dataset:
-                    self._pool.append((key, row["prompt"]))
+        if self._metadata is None:
+            self._metadata, pool = index_dataset(trainer)
+            self._pool.extend(pool)
 
     def _draw(self, count: int, exclude: Sequence[Any], step: int) -> list[Any]:
-        """`count` distinct prompts from the training set, none of this step's own.
-
-        Samples about as many indices as it needs (not a permutation of the whole set, which
-        would cost time proportional to the dataset every step); a full permutation only when
-        duplicates or exclusions leave it short.
-        """
-        taken = {_key(p) for p in exclude}
+        """`count` distinct prompts from the training set, none of this step's own."""
         rng = random.Random(f"{self.seed}:{self.run_id}:{step}:{self._calls}")
-        out: list[Any] = []
-        for i in _candidates(rng, len(self._pool), 2 * (count + len(taken))):
-            if len(out) == count:
-                break
-            key, prompt = self._pool[i]
-            if key not in taken:
-                taken.add(key)
-                out.append(prompt)
-        return out
+        return draw_prompts(self._pool, count, exclude, rng)
 
     def _spec(
         self, gid: str, prompt: Any, n: int, params: dict[str, Any], trainer: Any, call: int, k: int
     ) -> dict[str, Any]:
-        metadata = (self._metadata or {}).get(_key(prompt), {})
-        budget = metadata.get(self.max_tokens_column) if self.max_tokens_column else None
-        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-            params = {**params, "max_new_tokens": min(budget, int(params["max_new_tokens"]))}
-        return {
-            "group_id": gid,
-            "input_ids": _encode(prompt, trainer.processing_class),
-            "n": n,
-            "sampling_params": params,
-            "seed": (self.seed * 1_000_003 + call * 10_007 + k * n) % 2**31,
-            "metadata": metadata,
-        }
-
-
-def _candidates(rng: random.Random, size: int, first: int) -> Iterator[int]:
-    yield from rng.sample(range(size), min(size, first))
-    yield from rng.sample(range(size), size)  # only reached when the first draw fell short
-
-
-def _key(prompt: Any) -> str:
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
-
-
-def _encode(prompt: Any, tokenizer: Any) -> list[int]:
-    """Token ids as TRL would build them: chat template for messages, plain text otherwise."""
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def _sampling_params(trainer: Any) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "max_new_tokens": int(trainer.max_completion_length),
-        "temperature": float(trainer.temperature),
-        "top_p": float(trainer.top_p),
-        "min_p": float(trainer.min_p or 0.0),
-        "repetition_penalty": float(trainer.repetition_penalty),
-    }
-    if trainer.top_k:
-        params["top_k"] = int(trainer.top_k)
-    return params
-
-
-def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
-    """The row's columns that survive JSON (images and tensors are left out of `metadata`)."""
-    out: dict[str, Any] = {}
-    for key, value in row.items():
-        if key == "prompt":
-            continue
-        try:
-            msgspec.json.encode(value)
-        except (TypeError, msgspec.EncodeError):
-            continue
-        out[key] = value
-    return out
+        metadata = (self._metadata or {}).get(prompt_key(prompt), {})
+        seed = (self.seed * 1_000_003 + call * 10_007 + k * n) % 2**31
+        tokenizer = trainer.processing_class
+        return group_spec(gid, prompt, n, params, tokenizer, metadata, self.max_tokens_column, seed)

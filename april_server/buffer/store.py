@@ -5,12 +5,11 @@ of every completed call that carried a `request_id` (so a retry returns the same
 What is volatile: KV snapshots and in-flight generation (a crash loses only what no response
 has acknowledged yet; the buffered state before that call is intact).
 
-Nothing here runs on the event loop. One thread owns the connection and runs every operation
-in the order it was submitted, so commits land in call order and a read sees every commit
-submitted before it; callers await a future. WAL + `synchronous=FULL` makes each commit fsync
-the log before the future resolves (acknowledge after fsync). Commits queued behind one
-another share one transaction and one fsync, each in its own savepoint, so one that fails
-does not take the others with it. Every statement is O(log n) in the buffer's size: groups
+Nothing here runs on the event loop: one thread owns the connection and runs every operation
+in the order it was submitted (`db_thread.py`), and callers await a future. WAL +
+`synchronous=FULL` makes each commit fsync the log before the future resolves (acknowledge
+after fsync); commits queued behind one another share one transaction and one fsync, each in
+its own savepoint. Every statement is O(log n) in the buffer's size: groups
 are keyed by id and ordered by an indexed `seq`; a restart reads only the summary columns
 (`buffer_index.py`), through a covering index, and bodies are read when a group is used.
 """
@@ -21,12 +20,9 @@ import asyncio
 import concurrent.futures as cf
 import logging
 import sqlite3
-import threading
 import uuid
 import weakref
-from collections import deque
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +30,7 @@ import msgspec
 
 from april_client.protocol import Group
 from april_server.buffer.buffer_index import BufferEntry, summarize
+from april_server.buffer.db_thread import DbThread
 from april_server.rules.lengths import MAX_PROMPTS
 from april_server.rules.samples import clear_snapshot
 
@@ -86,7 +83,6 @@ MAX_REMEMBERED_CALL_BYTES = 256 << 20
 CALLS_PRUNE_EVERY = 64  # remembered calls between two checks of their bytes
 LENGTHS_PRUNE_EVERY = 64  # saves of the length history between two prunes of its table
 WAL_LIMIT_BYTES = 64 << 20
-MAX_BATCHED_COMMITS = 64  # commits that may share one transaction (one fsync)
 _READ_CHUNK = 500  # ids per SELECT ... IN (...)
 
 _json_group = msgspec.json.Decoder(Group)
@@ -105,79 +101,6 @@ def encode_group(g: Group) -> bytes:
 def decode_group(body: bytes) -> Group:
     # Version-1 state dirs stored JSON bodies; a JSON object never starts a msgpack map.
     return _json_group.decode(body) if body[:1] == b"{" else _unpack_group.decode(body)
-
-
-@dataclass(frozen=True, slots=True)
-class _Op:
-    fn: Callable[[sqlite3.Connection], Any]
-    future: cf.Future[Any]
-    write: bool
-
-
-class _DbThread:
-    """The connection's own thread: operations run one at a time, in submission order."""
-
-    def __init__(self, path: Path | None) -> None:
-        self._ops: deque[_Op] = deque()
-        self._cv = threading.Condition()
-        self._stopping = False
-        opened: cf.Future[None] = cf.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(path, opened), name="april-store", daemon=True
-        )
-        self._thread.start()
-        opened.result()  # raises what opening raised (bad path, corrupt file)
-
-    def submit(self, fn: Callable[[sqlite3.Connection], T], write: bool) -> cf.Future[T]:
-        fut: cf.Future[T] = cf.Future()
-        with self._cv:
-            if self._stopping:
-                raise RuntimeError("the buffer store is closed")
-            self._ops.append(_Op(fn, fut, write))
-            self._cv.notify()
-        return fut
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def _run(self, path: Path | None, opened: cf.Future[None]) -> None:
-        try:
-            db = _open(path)
-        except BaseException as exc:
-            opened.set_exception(exc)
-            return
-        opened.set_result(None)
-        try:
-            while True:
-                with self._cv:
-                    while not self._ops and not self._stopping:
-                        self._cv.wait()
-                    if not self._ops:
-                        return
-                    batch = [self._ops.popleft()]
-                    while (
-                        batch[0].write
-                        and self._ops
-                        and self._ops[0].write
-                        and len(batch) < MAX_BATCHED_COMMITS
-                    ):
-                        batch.append(self._ops.popleft())
-                try:
-                    if batch[0].write:
-                        _run_writes(db, batch)
-                    else:
-                        _run_read(db, batch[0])
-                except BaseException as exc:
-                    # One operation must never take the thread down: every later one would hang.
-                    logger.exception("april: buffer store operation failed")
-                    for op in batch:
-                        _settle(op.future, False, exc)
-        finally:
-            db.close()
 
 
 def _open(path: Path | None) -> sqlite3.Connection:
@@ -271,56 +194,6 @@ def _forget_calls_beyond(db: sqlite3.Connection, max_bytes: int) -> None:
         )
 
 
-def _settle(future: cf.Future[Any], ok: bool, value: Any) -> None:
-    """Hand a result to whoever still waits. A caller that went away (a streamed call whose
-    client disconnected) has cancelled its future: setting it would raise and kill the thread."""
-    if future.done():
-        return
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
-
-
-def _run_writes(db: sqlite3.Connection, batch: list[_Op]) -> None:
-    # A write runs even if its caller was cancelled meanwhile: the caller's memory already
-    # counts on it (persist is awaited to its end, `run_to_end`), so skipping it could lose data.
-    for op in batch:
-        op.future.set_running_or_notify_cancel()  # from now on a cancel is refused
-    results: list[tuple[bool, Any]] = []
-    try:
-        db.execute("BEGIN IMMEDIATE")
-        for i, op in enumerate(batch):
-            db.execute(f"SAVEPOINT op{i}")
-            try:
-                results.append((True, op.fn(db)))
-                db.execute(f"RELEASE op{i}")
-            except Exception as exc:
-                db.execute(f"ROLLBACK TO op{i}")
-                db.execute(f"RELEASE op{i}")
-                results.append((False, exc))
-        db.execute("COMMIT")  # fsync: only now is anything acknowledged
-    except BaseException as exc:
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        for op in batch:
-            _settle(op.future, False, exc)
-        return
-    for op, (ok, value) in zip(batch, results, strict=True):
-        _settle(op.future, ok, value)
-
-
-def _run_read(db: sqlite3.Connection, op: _Op) -> None:
-    if not op.future.set_running_or_notify_cancel():
-        return  # nobody waits for this read any more
-    try:
-        value = op.fn(db)
-    except BaseException as exc:
-        _settle(op.future, False, exc)
-        return
-    _settle(op.future, True, value)
-
-
 class BufferStore:
     """One SQLite file. `path=None` keeps everything in memory (tests, no --april-state-dir).
 
@@ -332,7 +205,7 @@ class BufferStore:
         # Bodies written by this process carry its boot id: a body from an earlier boot has
         # snapshot figures of KV that died with that process.
         self.boot = uuid.uuid4().hex
-        self._db = _DbThread(path)
+        self._db = DbThread(lambda: _open(path))
         self._finalizer = weakref.finalize(self, self._db.stop)
         self._next_call_seq = self._blocking(
             lambda db: int(db.execute("SELECT COALESCE(MAX(seq), 0) FROM calls").fetchone()[0]) + 1

@@ -13,15 +13,16 @@ connection lost mid-segment, take it out of the pool (`down`): its segments in f
 rejoins when it answers again with the fleet's weight version; with another version it is
 `stale` and is brought level by replaying the last weight update, if there was one.
 
-Weight updates (`update_weights`) go to every reachable engine at once; new segments wait until
-all have answered, and the fleet's version changes only to one every engine in the pool reports.
+Weight updates (`update_weights`, `weight_push.py`) go to every reachable engine at once; new
+segments wait until all have answered, and the fleet's version changes only to one every engine
+in the pool reports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,22 +31,23 @@ import httpx
 
 from april_client.protocol import WeightGroupInfo
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome, SnapshotEngine
-from april_server.fleet.remote import MakeClient, RemoteEngine, engine_name, new_client
+from april_server.fleet.lanes import MakeClient, new_client
+from april_server.fleet.remote import RemoteEngine, engine_name
+from april_server.fleet.weight_push import WeightPush
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.rules.placement import Slot
 from april_server.rules.ranks import merge_rank_stats
 from april_server.rules.samples import SegmentResult
-from april_server.wire.errors import ApiError, bad_request
+from april_server.wire.errors import bad_request
 
 logger = logging.getLogger(__name__)
-DISK = "/update_weights_from_disk"
 
 Discover = Callable[[], Awaitable[list[str]]]
 LEFT_REGISTRY = "left the registry"
 FORGET_AFTER_ROUNDS = 30  # probe rounds (1 s each) an engine may be missing before it is dropped
 
 
-class FleetEngine(SnapshotEngine):
+class FleetEngine(WeightPush, SnapshotEngine):
     def __init__(
         self,
         urls: Sequence[str] = (),
@@ -231,6 +233,9 @@ class FleetEngine(SnapshotEngine):
     def capacity_key(self) -> object:
         return tuple(sorted(m.name for m in self.pool()))
 
+    def weight_group(self) -> WeightGroupInfo:
+        return self.group_info()
+
     # ---- BaseEngine ---------------------------------------------------------------------
 
     def slots(self) -> list[Slot]:
@@ -379,88 +384,6 @@ class FleetEngine(SnapshotEngine):
             "engines": [m.describe() for m in self.members.values()],
             "healthy_engines": len(self.pool()),
         }
-
-    # ---- weights ------------------------------------------------------------------------
-
-    async def update_weights(
-        self, body: dict[str, Any], path: str = DISK, names: Collection[str] | None = None
-    ) -> dict[str, Any]:
-        """Load new weights (SGLang's route `path`) on every reachable engine, or on `names`;
-        new segments wait meanwhile. Succeeds when every one of them reports the new version."""
-        async with self._update_lock:
-            self.hold_segments()
-            try:
-                return await self._update(body, path, names)
-            finally:
-                self.release_segments()
-
-    def hold_segments(self, session: bool = False) -> None:
-        """New segments wait (`run_segment`) until `release_segments`; a weight-update
-        session (`weight_group.py`) holds them from its begin to its end."""
-        self.session_open = self.session_open or session
-        self._open.clear()
-
-    def release_segments(self, session: bool = False) -> None:
-        if session:
-            self.session_open = False
-        if not self.session_open:
-            self._open.set()
-
-    def weight_group(self) -> WeightGroupInfo:
-        return self.group_info()
-
-    def _no_group(self) -> WeightGroupInfo:
-        live = [m.info for m in self.members.values() if m.state != "down" and m.info]
-        return WeightGroupInfo(
-            ranks=sum(i.tp_size for i in live), weight_version=self.version or ""
-        )
-
-    async def _update(
-        self, body: dict[str, Any], path: str, names: Collection[str] | None
-    ) -> dict[str, Any]:
-        targets = [
-            m
-            for m in self.members.values()
-            if m.state != "down" and (names is None or m.name in names)
-        ]
-        if not targets:
-            raise ApiError(503, "no_engine", "no engine is reachable to update")
-        results = await asyncio.gather(
-            *(m.update_weights(body, path) for m in targets), return_exceptions=True
-        )
-        failed = {
-            m.name: str(r)
-            for m, r in zip(targets, results, strict=True)
-            if isinstance(r, BaseException)
-        }
-        await asyncio.gather(*(self.probe_quietly(m) for m in targets))
-        versions = {m.name: m.weight_version() for m in targets if m.name not in failed}
-        wanted = body.get("weight_version")
-        new = str(wanted) if wanted is not None else next(iter(versions.values()), None)
-        if new is not None and new in versions.values():
-            self.version = new
-            # Only a disk push can be replayed to an engine that rejoins; after a broadcast it
-            # waits, held out, for the trainer's next push (`weight_group.py`).
-            self.last_update = dict(body) if path == DISK else None
-        for m in targets:
-            if m.state == "down":
-                continue  # a probe saw it die meanwhile: down until a probe says otherwise
-            if m.name in failed or versions.get(m.name) != self.version:
-                m.set_state("stale", failed.get(m.name, f"weights {versions.get(m.name)!r}"))
-            elif m.state == "stale":
-                m.set_state("healthy")
-        ok = not failed and set(versions.values()) == {self.version}
-        message = "every engine is at weight version " + repr(self.version)
-        if not ok:
-            message = f"weight update incomplete: failed {failed}, versions {versions}"
-        return {"success": ok, "message": message, "weight_version": self.version,
-                "engines": versions, "num_paused_requests": 0}  # fmt: skip
-
-    async def probe_quietly(self, m: RemoteEngine) -> None:
-        try:
-            await m.probe()
-        except (httpx.HTTPError, ValueError) as exc:
-            logger.warning("april: engine %s: probe after update failed: %s", m.name, exc)
 
 
 def load_tokenizer(path: str) -> Any:

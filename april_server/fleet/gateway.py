@@ -34,14 +34,9 @@ from april_server.engine.base import EngineUnavailable
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
 from april_server.fleet.weight_group import FleetWeights
-from april_server.http.app import (
-    StreamThen,
-    create_router,
-    error_response,
-    extend_app,
-    read_bounded,
-)
+from april_server.http.app import create_router, error_response, extend_app, read_bounded
 from april_server.http.server import ManagerHolder
+from april_server.http.streaming import StreamThen
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
 from april_server.runtime.snapshot_sweep import SWEEP_INTERVAL_S

@@ -3,57 +3,47 @@ root, `root/manager.py`), encodes.
 
 Bodies are decoded by msgspec (not FastAPI), so every rejection uses the contract's body:
 malformed JSON -> 400 `malformed_json`; wrong types or unknown fields -> 422 `invalid_schema`.
+A streamed rollout is answered by `streaming.py`; the routes' types and their OpenAPI schemas
+are `openapi.py`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from april_client.protocol import (
     AbortReq,
-    AbortResp,
-    DeleteResp,
-    DoneEvent,
     ErrorDetail,
     ErrorResp,
-    Group,
-    GroupFinishedEvent,
     GroupsReq,
-    GroupsResp,
     InputReq,
-    InputResp,
     LengthsForgotten,
-    PartialsResp,
     RejectReq,
     ResumeReq,
     ResumeResp,
     RolloutReq,
-    RolloutResp,
-    StreamEvent,
-    WeightGroupInfo,
 )
 from april_server.buffer.buffer_index import PartialsFilter
-from april_server.calls.rollout import Rollout
 from april_server.http.metrics import CONTENT_TYPE, prometheus_text
+from april_server.http.openapi import PREFIX, extend_openapi
+from april_server.http.streaming import stream_rollout
 from april_server.root.manager import RolloutManager
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
 from april_server.wire.errors import ApiError, bad_request
 
 logger = logging.getLogger(__name__)
-PREFIX = "/april/v1"
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a rollout body of prompts; larger is a client bug
 
 T = TypeVar("T")
@@ -289,99 +279,6 @@ def create_router(
     return router
 
 
-async def stream_rollout(rollout: Rollout, req: RolloutReq) -> Response:
-    """NDJSON: `group_finished` events as groups finish, then `done`. Validation errors come
-    back as a normal error response, before the stream starts."""
-    events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-    task = loop.create_task(rollout(req, events, ready))
-    waiters: list[asyncio.Future[Any]] = [ready, task]
-    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    if not ready.done():
-        task.result()  # validation failed: raises the ApiError
-
-    async def lines() -> AsyncIterator[bytes]:
-        sent: set[str] = set()
-        try:
-            while not (task.done() and events.empty()):
-                getter = asyncio.ensure_future(events.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                ev = getter.result()
-                if isinstance(ev, GroupFinishedEvent):
-                    sent.add(ev.group.group_id)
-                if ev is not None:  # turn events too (sample_awaiting, sample_interrupted)
-                    yield _enc.encode(ev) + b"\n"
-            resp: RolloutResp = task.result()
-            for g in resp.groups:  # a replayed (idempotent) call emits its stored groups
-                if g.group_id not in sent:
-                    event = GroupFinishedEvent(group=g, batch_id=resp.batch_id)
-                    yield _enc.encode(event) + b"\n"
-            done = DoneEvent(
-                batch_id=resp.batch_id, buffered_group_ids=resp.buffered_group_ids, stats=resp.stats
-            )
-            yield _enc.encode(done) + b"\n"
-        finally:
-            if not task.done():  # the client went away: stop the call, keep everything
-                task.cancel()  # the call winds down by itself (rollout.py)
-
-    async def stop_the_call() -> None:
-        if not task.done():
-            task.cancel()
-        await asyncio.wait([task])
-
-    return StreamThen(lines(), stop_the_call, media_type="application/x-ndjson")
-
-
-class StreamThen(StreamingResponse):
-    """A streamed response that runs `then` exactly once however it ends: the stream done,
-    the client gone before or after the first chunk, an error. A generator's own `finally` is
-    not enough: one that never started (a client gone before the first chunk) never runs it.
-    For a streamed call, `then` stops the call (it winds down and buffers everything, instead
-    of delivering its groups to nobody); for the owner's proxied `/generate`, it settles the
-    engine's in-flight count."""
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        then: Callable[[], Awaitable[None]],
-        status_code: int = 200,
-        media_type: str | None = None,
-    ) -> None:
-        super().__init__(content, status_code=status_code, media_type=media_type)
-        self.then = then
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.then()
-
-
-# Request and response types of each route, exported into /openapi.json (for clients and
-# fuzzers): the routes decode bodies with msgspec, so FastAPI cannot see these types itself.
-ROUTE_TYPES: dict[tuple[str, str], tuple[type | None, type]] = {
-    ("post", PREFIX + "/rollouts"): (RolloutReq, RolloutResp),
-    ("post", PREFIX + "/rollouts/{batch_id}/reject"): (RejectReq, dict),
-    ("post", PREFIX + "/groups"): (GroupsReq, GroupsResp),
-    ("post", PREFIX + "/abort"): (AbortReq, AbortResp),
-    ("post", PREFIX + "/resume"): (ResumeReq, ResumeResp),
-    ("post", PREFIX + "/samples/{sample_id}/input"): (InputReq, InputResp),
-    ("post", PREFIX + "/samples/{sample_id:path}/input"): (InputReq, InputResp),
-    ("get", PREFIX + "/partials"): (None, PartialsResp),
-    ("get", PREFIX + "/partials/{group_id}"): (None, Group),
-    ("delete", PREFIX + "/partials/{group_id}"): (None, DeleteResp),
-    ("get", PREFIX + "/partials/{group_id:path}"): (None, Group),
-    ("delete", PREFIX + "/partials/{group_id:path}"): (None, DeleteResp),
-    ("get", PREFIX + "/stats"): (None, dict),
-    ("get", PREFIX + "/weights/group"): (None, WeightGroupInfo),
-    ("delete", PREFIX + "/lengths"): (None, LengthsForgotten),
-}
-
-
 def extend_app(app: FastAPI) -> None:
     """What the routes need from the app they are mounted on: the contract's error body for
     routing errors under our prefix and on our /metrics (unknown path, wrong method), and our
@@ -400,46 +297,3 @@ def extend_app(app: FastAPI) -> None:
 
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     extend_openapi(app)
-
-
-def extend_openapi(app: FastAPI) -> None:
-    """Put our msgspec schemas into the app's OpenAPI document (once, lazily)."""
-    original = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema and app.openapi_schema.get("x-april"):
-            return app.openapi_schema
-        doc = original()
-        types = [t for pair in ROUTE_TYPES.values() for t in pair if t not in (None, dict)]
-        types.append(ErrorResp)
-        schemas, components = msgspec.json.schema_components(
-            types, ref_template="#/components/schemas/{name}"
-        )
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
-        by_type = dict(zip(types, schemas, strict=True))
-        error = {"content": {"application/json": {"schema": by_type[ErrorResp]}}}
-        for (method, path), (req_t, resp_t) in ROUTE_TYPES.items():
-            op = doc.get("paths", {}).get(path, {}).get(method)
-            if op is None:
-                continue
-            if req_t is not None:
-                op["requestBody"] = {
-                    "required": True,
-                    "content": {"application/json": {"schema": by_type[req_t]}},
-                }
-            ok_schema = by_type.get(resp_t, {"type": "object"})
-            op["responses"] = {
-                "200": {
-                    "description": "OK",
-                    "content": {"application/json": {"schema": ok_schema}},
-                },
-                **{
-                    code: {"description": "error", **error}
-                    for code in ("400", "401", "403", "404", "409", "413", "422")
-                },
-            }
-        doc["x-april"] = True
-        app.openapi_schema = doc
-        return doc
-
-    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,11 +1,11 @@
 """The buffer store's thread, replaced by work on the simulated loop (`SimDb`).
 
-Everything the store does is its real code (`store.py`: the same SQLite statements, the same
-batching of queued commits into one transaction, savepoints, settling of futures); only the
-thread is gone. Operations still run one at a time in submission order, each after a seeded
-virtual latency, so a read or a commit takes "a while" and other callbacks run meanwhile,
-as they do beside the real thread. `fail_next_write` makes the next commit fail like a full
-disk would.
+Everything the store does is its real code (`store.py`, `db_thread.py`: the same SQLite
+statements, the same batching of queued commits into one transaction, savepoints, settling of
+futures); only the thread is gone. Operations still run one at a time in submission order,
+each after a seeded virtual latency, so a read or a commit takes "a while" and other callbacks
+run meanwhile, as they do beside the real thread. `fail_next_write` makes the next commit fail
+like a full disk would.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import random
 import sqlite3
 from collections import deque
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from april_server.buffer import store as store_module
-from april_server.buffer.store import MAX_BATCHED_COMMITS, _Op, _open, _run_read, _run_writes
+from april_server.buffer.db_thread import MAX_BATCHED_COMMITS, DbOp, run_read, run_writes
 from april_server.wire.errors import ApiError
 
 
@@ -29,15 +28,15 @@ class SimDb:
     rng: random.Random = random.Random(0)  # set per seed by `simulated_store`
     max_latency_s = 0.004
 
-    def __init__(self, path: Path | None) -> None:
-        self._db = _open(path)
-        self._ops: deque[_Op] = deque()
+    def __init__(self, open_db: Callable[[], sqlite3.Connection]) -> None:
+        self._db = open_db()
+        self._ops: deque[DbOp] = deque()
         self._due: asyncio.TimerHandle | None = None
         self.fail_writes = 0  # commits still to fail (a full disk)
 
     def submit(self, fn: Callable[[sqlite3.Connection], Any], write: bool) -> cf.Future[Any]:
         fut: cf.Future[Any] = cf.Future()
-        self._ops.append(_Op(fn, fut, write))
+        self._ops.append(DbOp(fn, fut, write))
         self._schedule()
         return fut
 
@@ -88,27 +87,27 @@ class SimDb:
                     op.future.set_exception(OSError("simulated: disk full"))
             return
         if batch[0].write:
-            _run_writes(self._db, batch)
+            run_writes(self._db, batch)
         else:
-            _run_read(self._db, batch[0])
+            run_read(self._db, batch[0])
 
 
 @contextlib.contextmanager
 def simulated_store(rng: random.Random) -> Iterator[None]:
     """`BufferStore` runs on `SimDb` (and its blocking calls drain it) while this holds."""
-    saved_thread = store_module._DbThread
+    saved_thread = store_module.DbThread
     saved_blocking = store_module.BufferStore._blocking
 
     def blocking(self: Any, fn: Any, write: bool = False) -> Any:
         return self._db.run_now(fn, write)
 
     SimDb.rng = rng
-    store_module._DbThread = SimDb  # type: ignore[misc,assignment]
+    store_module.DbThread = SimDb  # type: ignore[misc,assignment]
     store_module.BufferStore._blocking = blocking  # type: ignore[method-assign]
     try:
         yield
     finally:
-        store_module._DbThread = saved_thread  # type: ignore[misc]
+        store_module.DbThread = saved_thread  # type: ignore[misc]
         store_module.BufferStore._blocking = saved_blocking  # type: ignore[method-assign]
 
 

@@ -22,7 +22,7 @@ from april_server.buffer.store import BufferStore
 from april_server.engine import segment_runner as segments_mod
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.fleet.fleet import FleetEngine
-from april_server.fleet.remote import LANE_SIZE, Lanes
+from april_server.fleet.lanes import LANE_SIZE, Lanes
 from april_server.fleet.wire import EngineInfo, encoder
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot

@@ -58,3 +58,18 @@ def test_no_pickle_or_eval_of_request_data() -> None:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
         assert not calls & {"eval", "exec", "compile", "__import__"}, p
+
+
+MAX_LINES = 450  # a file past this has a part with a name of its own: split it out
+
+
+def test_no_source_file_is_over_450_lines() -> None:
+    """Every .py file of the server, the client (and its benchmarks) and the kernels."""
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for top in ("april_server", "clients", "kernels")
+        for p in sorted((ROOT / top).rglob("*.py"))
+    }
+    assert len(sizes) > 100
+    offenders = {path: n for path, n in sizes.items() if n > MAX_LINES}
+    assert offenders == {}, f"over {MAX_LINES} lines: {offenders}"

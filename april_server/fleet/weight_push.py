@@ -1,0 +1,113 @@
+"""A weight push to the fleet: every reachable engine at once, new segments held meanwhile.
+
+`update_weights` loads new weights on every engine that is up (or on the ones named); new
+segments wait (`FleetEngine.run_segment`) until all have answered, and the fleet's version
+changes only to one every engine in the pool reports. An engine left behind is `stale` until a
+probe finds it level (a disk push is replayed to it: `last_update`). A weight-update session
+over a group (`weight_group.py`) holds new segments from its begin to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection
+from typing import Any
+
+import httpx
+
+from april_client.protocol import WeightGroupInfo
+from april_server.fleet.remote import RemoteEngine
+from april_server.wire.errors import ApiError
+
+logger = logging.getLogger(__name__)
+DISK = "/update_weights_from_disk"
+
+
+class WeightPush:
+    """`FleetEngine`'s weight updates; the state they share with it is set by its `__init__`."""
+
+    members: dict[str, RemoteEngine]
+    version: str | None  # the weights every engine in the pool runs
+    last_update: dict[str, Any] | None  # replayed to engines that rejoin
+    session_open: bool
+    group_info: Callable[[], WeightGroupInfo]
+    _open: asyncio.Event
+    _update_lock: asyncio.Lock
+
+    async def update_weights(
+        self, body: dict[str, Any], path: str = DISK, names: Collection[str] | None = None
+    ) -> dict[str, Any]:
+        """Load new weights (SGLang's route `path`) on every reachable engine, or on `names`;
+        new segments wait meanwhile. Succeeds when every one of them reports the new version."""
+        async with self._update_lock:
+            self.hold_segments()
+            try:
+                return await self._update(body, path, names)
+            finally:
+                self.release_segments()
+
+    def hold_segments(self, session: bool = False) -> None:
+        """New segments wait (`run_segment`) until `release_segments`; a weight-update
+        session (`weight_group.py`) holds them from its begin to its end."""
+        self.session_open = self.session_open or session
+        self._open.clear()
+
+    def release_segments(self, session: bool = False) -> None:
+        if session:
+            self.session_open = False
+        if not self.session_open:
+            self._open.set()
+
+    def _no_group(self) -> WeightGroupInfo:
+        live = [m.info for m in self.members.values() if m.state != "down" and m.info]
+        return WeightGroupInfo(
+            ranks=sum(i.tp_size for i in live), weight_version=self.version or ""
+        )
+
+    async def _update(
+        self, body: dict[str, Any], path: str, names: Collection[str] | None
+    ) -> dict[str, Any]:
+        targets = [
+            m
+            for m in self.members.values()
+            if m.state != "down" and (names is None or m.name in names)
+        ]
+        if not targets:
+            raise ApiError(503, "no_engine", "no engine is reachable to update")
+        results = await asyncio.gather(
+            *(m.update_weights(body, path) for m in targets), return_exceptions=True
+        )
+        failed = {
+            m.name: str(r)
+            for m, r in zip(targets, results, strict=True)
+            if isinstance(r, BaseException)
+        }
+        await asyncio.gather(*(self.probe_quietly(m) for m in targets))
+        versions = {m.name: m.weight_version() for m in targets if m.name not in failed}
+        wanted = body.get("weight_version")
+        new = str(wanted) if wanted is not None else next(iter(versions.values()), None)
+        if new is not None and new in versions.values():
+            self.version = new
+            # Only a disk push can be replayed to an engine that rejoins; after a broadcast it
+            # waits, held out, for the trainer's next push (`weight_group.py`).
+            self.last_update = dict(body) if path == DISK else None
+        for m in targets:
+            if m.state == "down":
+                continue  # a probe saw it die meanwhile: down until a probe says otherwise
+            if m.name in failed or versions.get(m.name) != self.version:
+                m.set_state("stale", failed.get(m.name, f"weights {versions.get(m.name)!r}"))
+            elif m.state == "stale":
+                m.set_state("healthy")
+        ok = not failed and set(versions.values()) == {self.version}
+        message = "every engine is at weight version " + repr(self.version)
+        if not ok:
+            message = f"weight update incomplete: failed {failed}, versions {versions}"
+        return {"success": ok, "message": message, "weight_version": self.version,
+                "engines": versions, "num_paused_requests": 0}  # fmt: skip
+
+    async def probe_quietly(self, m: RemoteEngine) -> None:
+        try:
+            await m.probe()
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("april: engine %s: probe after update failed: %s", m.name, exc)
