@@ -207,7 +207,7 @@ def in_process(state: Path, samples: int, add_groups: int) -> Table:
 
 
 def end_to_end(state: Path, add_groups: int) -> Table:
-    from .launcher import LaunchedServer
+    from april_server.launcher import LaunchedServer
 
     t = Table()
     srv = LaunchedServer(keep_dir=True)

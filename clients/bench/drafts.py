@@ -190,7 +190,7 @@ def main() -> None:
     if args.url:
         samples = collect(args.url, args.prompts, args.n, args.epochs, args.max_tokens, args.seed)
     else:
-        from .launcher import LaunchedServer
+        from april_server.launcher import LaunchedServer
 
         with LaunchedServer(["--april-model", "smollm2"]) as srv:
             samples = collect(srv.url, args.prompts, args.n, args.epochs, args.max_tokens,

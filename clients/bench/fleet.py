@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from april_server.cli import cpu_share_env
+from april_server.launcher import LaunchedServer, start_all
 
-from .launcher import LaunchedServer, start_all
 from .sweep import median_cell, per_repeat_ratios
 
 COLUMNS = [

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from april_client.bench.launcher import LaunchedServer
+from april_server.launcher import LaunchedServer
 
 R = "/april/v1"
 TAIL = 6  # tokens generated after the interruption (same for both paths)

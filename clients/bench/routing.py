@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from april_client.bench.launcher import LaunchedServer, start_all
+from april_server.launcher import LaunchedServer, start_all
 
 R = "/april/v1"
 

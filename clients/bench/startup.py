@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from april_client.bench.launcher import LaunchedServer
+from april_server.launcher import LaunchedServer
 
 MODES = {"preloaded": {}, "spawn": {"APRIL_PRELOAD_CHILDREN": "0"}}
 

@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from april_client import AprilClient
-from april_client.bench.launcher import LaunchedServer
 from april_client.weight_sync import WeightBroadcaster
+from april_server.launcher import LaunchedServer
 
 R = "/april/v1"
 

@@ -177,7 +177,7 @@ def kv_bandwidth(ctx: Context) -> dict[str, Any]:
 
 
 def start_server(ctx: Context) -> dict[str, Any]:
-    from april_client.bench.launcher import LaunchedServer
+    from april_server.launcher import LaunchedServer
 
     command = shown(["python", "-m", "april_server", *SERVER_ARGS])
     if not ctx.cuda:

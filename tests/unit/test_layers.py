@@ -29,6 +29,7 @@ NAMED = {
     "kernels.gpu_check": "harness",
     "april_server.cpu_shim": "kernels",  # SGLang's CPU stand-ins: nothing of ours
     "april_server.cli": "entry",
+    "april_server.launcher": "entry",
     "april_server.models": "entry",
     "april_server.__main__": "entry",
 }
@@ -111,7 +112,7 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert at("april_server.calls.rollout") > at("april_server.runtime.manager")
     assert at("april_client.protocol") > at("april_server.settings.config")
     assert at("april_server.buffer.store") > at("april_client.protocol")
-    assert at("kernels.gpu_check.parts") > at("april_client.bench.launcher")
+    assert at("kernels.gpu_check.parts") > at("april_server.launcher")
     assert layer_of("torch") is None
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
 
