@@ -20,7 +20,7 @@ bench-tail:  ## tail-aware rollouts on real text (HumanEval prompts on SmolLM2, 
 	@V=$(VENV) && $$V/bin/april-bench --workload text --sweep-point smollm2:192:4x4 --repeat 3 --modes sync,april@auto,april-tail@auto --steps 10 --prompts 8 --json-out out/tail.jsonl
 
 bench-drafts:  ## drafts from history, offline: n-gram drafts from a prompt's earlier rollouts vs prompt lookup, acceptance on real SmolLM2 samples (~3 min)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.drafts
+	@V=$(VENV) && $$V/bin/python -m examples.drafts
 
 PYTEST = python -m pytest -q -p no:cacheprovider --durations=25
 

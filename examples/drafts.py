@@ -1,4 +1,4 @@
-"""Drafts from history (#35 spike): how many tokens would an n-gram draft taken from earlier
+"""Drafts from history (a finished research spike): how many tokens would an n-gram draft taken from earlier
 rollouts of the same prompt get accepted, measured offline on real samples.
 
 Why offline: SGLang 0.5.23's speculative decoding (NGRAM included) does not start on our CPU
@@ -15,7 +15,7 @@ occurrence, and the `depth` tokens that followed it. Sources compared: `self` (t
 the sample's own output so far: prompt lookup, no history), `history` (earlier rollouts of the
 same prompt, from earlier steps), `history+self`.
 
-    python -m april_client.bench.drafts [--prompts 8] [--n 4] [--epochs 3] [--max-tokens 192]
+    python -m examples.drafts [--prompts 8] [--n 4] [--epochs 3] [--max-tokens 192]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def collect(
 ) -> list[dict[str, Any]]:
     """Run `epochs` passes over the text workload's prompts (each a whole group of `n`, every
     group finished: a synchronous step per epoch) and return every sample's tokens."""
-    from .workload import Workload
+    from april_client.bench.workload import Workload
 
     wl = Workload("text", n, max_tokens, seed=seed, prompts=prompts)
     samples: list[dict[str, Any]] = []
