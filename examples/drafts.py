@@ -1,5 +1,5 @@
-"""Drafts from history (a finished research spike): how many tokens would an n-gram draft taken from earlier
-rollouts of the same prompt get accepted, measured offline on real samples.
+"""Drafts from history, a finished research spike: how many tokens would an n-gram draft taken
+from earlier rollouts of the same prompt get accepted, measured offline on real samples.
 
 Why offline: SGLang 0.5.23's speculative decoding (NGRAM included) does not start on our CPU
 setup (its CPU path takes the tree kernels from sgl-kernel's CPU build, which has no wheel here;
