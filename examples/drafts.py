@@ -150,7 +150,7 @@ def collect(
 ) -> list[dict[str, Any]]:
     """Run `epochs` passes over the text workload's prompts (each a whole group of `n`, every
     group finished: a synchronous step per epoch) and return every sample's tokens."""
-    from april_client.bench.workload import Workload
+    from april_bench.workload import Workload
 
     wl = Workload("text", n, max_tokens, seed=seed, prompts=prompts)
     samples: list[dict[str, Any]] = []

@@ -71,7 +71,7 @@ def configs(ctx: Context) -> dict[str, Any]:
 
     from transformers import AutoConfig
 
-    from april_client.bench.cli import parse_args as bench_parse_args
+    from april_bench.cli import parse_args as bench_parse_args
     from april_server.cli import april_parser
 
     cfg = AutoConfig.from_pretrained(MODEL_DIR)
@@ -199,12 +199,12 @@ def resume(ctx: Context) -> dict[str, Any]:
     """Resume of an interrupted 8B sample after flush_cache: KV restore vs re-prefill."""
     import httpx
 
-    from april_client.bench.resume import R, interrupted_pair, timed_resume
+    from april_bench.resume import R, interrupted_pair, timed_resume
 
     what = {
         "lengths": list(RESUME_LENGTHS),
         "repeats": RESUME_REPEATS,
-        "command": "april_client.bench.resume's interrupted_pair + timed_resume on the server",
+        "command": "april_bench.resume's interrupted_pair + timed_resume on the server",
     }
     if ctx.server is None:
         return {"status": NO_CUDA if not ctx.cuda else "skipped: no server", **what}
@@ -254,9 +254,7 @@ def april_bench(ctx: Context) -> dict[str, Any]:
     """april-bench sync vs static (april@all) vs adaptive (april@auto) on the 8B server."""
     out = ctx.out_dir / "april_bench.jsonl"
     url = ctx.server.url if ctx.server is not None else "URL"
-    cmd = ctx.python(
-        "-m", "april_client.bench.cli", "--url", url, *BENCH_ARGS, "--json-out", str(out)
-    )
+    cmd = ctx.python("-m", "april_bench.cli", "--url", url, *BENCH_ARGS, "--json-out", str(out))
     if ctx.server is None:
         status = NO_CUDA if not ctx.cuda else "skipped: no server"
         return {"status": status, "command": shown(cmd)}

@@ -15,13 +15,14 @@ from tests.unit.test_structure import ROOT
 # runtime (manager, background, sweep); the call state machine; the other operations. The door
 # runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one manager and
 # the holder that builds it. The fleet builds on those to drive engines on other machines.
-# `entry` (the command line, the model builder) wires a process from all of them. The client and
-# its benchmarks, which launch servers, sit on top; its wire types (`april_client.protocol`) are
-# the server's wire layer, shared. The GPU-check harness (kernels/gpu_check/) starts servers and
-# benchmarks, so it is above everything.
+# `entry` (the command line, the model builder, the launcher that starts a server as a child
+# process) wires a process from all of them. The client sits on top; its wire types
+# (`april_client.protocol`) are the server's wire layer, shared. The bench (clients/bench/), which
+# launches servers and speaks through the client, is above it. The GPU-check harness
+# (kernels/gpu_check/) starts servers and benchmarks, so it is above everything.
 LAYERS = [
     "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
-    "door", "http", "fleet", "entry", "april_client", "harness",
+    "door", "http", "fleet", "entry", "april_client", "april_bench", "harness",
 ]  # fmt: skip
 NAMED = {
     **{f"april_server.{pkg}": pkg for pkg in LAYERS[1:12]},
@@ -49,7 +50,9 @@ def layer_of(module: str) -> int | None:
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[0] == "clients":
+    if parts[:2] == ["clients", "bench"]:  # the bench's own distribution: april_bench
+        parts = parts[2:]
+    elif parts[0] == "clients":
         parts[0] = "april_client"
     if parts[-1] == "__init__":
         parts.pop()
@@ -108,12 +111,15 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert at("april_server.cli") > at("april_server.fleet.gateway")
     assert at("kernels.gpu_check.parts") > at("april_server.cli")
     assert at("april_client") > at("april_server.cli")
+    assert at("april_bench.cli") > at("april_client")
     assert at("april_server.runtime.manager") > at("april_server.engine.segment_runner")
     assert at("april_server.calls.rollout") > at("april_server.runtime.manager")
     assert at("april_client.protocol") > at("april_server.settings.config")
     assert at("april_server.buffer.store") > at("april_client.protocol")
     assert at("kernels.gpu_check.parts") > at("april_server.launcher")
     assert layer_of("torch") is None
+    assert module_name(ROOT / "clients" / "bench" / "april_bench" / "cli.py") == "april_bench.cli"
+    assert module_name(ROOT / "clients" / "_sync.py") == "april_client._sync"
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
 
 

@@ -6,7 +6,7 @@ snapshot can avoid a prefill); one is resumed with `kv: recompute`, the other wi
 `kv: restore`; both then decode the same few remaining tokens. Printed side by side, from
 one run:
 
-    python -m april_client.bench.resume [--models tiny,smollm2] [--lengths 1024,4096] [--repeats 3]
+    python -m april_bench.resume [--models tiny,smollm2] [--lengths 1024,4096] [--repeats 3]
 """
 
 from __future__ import annotations
