@@ -10,16 +10,16 @@ from pathlib import Path
 from tests.unit.test_structure import ROOT
 
 # Lowest first, one subpackage of april_server each (README, "Architecture"). `kernels` imports
-# nothing of ours. Then the bookkeeping, plain Python: settings; the wire contract; pure rules;
-# the buffer and its store; the engine side (what an engine offers, the segment runner); the
-# runtime (manager, background, sweep); the call state machine; the other operations. The door
-# runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one manager and
-# the holder that builds it. The fleet builds on those to drive engines on other machines.
-# `entry` (the command line, the model builder, the launcher that starts a server as a child
-# process) wires a process from all of them. The client sits on top; its wire types
+# nothing of ours (its GPU-check parts included). Then the bookkeeping, plain Python: settings; the
+# wire contract; pure rules; the buffer and its store; the engine side (what an engine offers, the
+# segment runner); the runtime (manager, background, sweep); the call state machine; the other
+# operations. The door runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over
+# one manager and the holder that builds it. The fleet builds on those to drive engines on other
+# machines. `entry` (the command line, the model builder, the launcher that starts a server as a
+# child process) wires a process from all of them. The client sits on top; its wire types
 # (`april_client.protocol`) are the server's wire layer, shared. The bench (clients/bench/), which
 # launches servers and speaks through the client, is above it. The GPU-check harness
-# (kernels/gpu_check/) starts servers and benchmarks, so it is above everything.
+# (april_bench.gpu_check) starts servers and benchmarks, so it is above everything.
 LAYERS = [
     "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
     "door", "http", "fleet", "entry", "april_client", "april_bench", "harness",
@@ -27,7 +27,7 @@ LAYERS = [
 NAMED = {
     **{f"april_server.{pkg}": pkg for pkg in LAYERS[1:12]},
     "april_client.protocol": "wire",  # msgspec only: the contract both sides speak
-    "kernels.gpu_check": "harness",
+    "april_bench.gpu_check": "harness",
     "april_server.cpu_shim": "kernels",  # SGLang's CPU stand-ins: nothing of ours
     "april_server.cli": "entry",
     "april_server.launcher": "entry",
@@ -109,18 +109,39 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert at("april_client.protocol") > at("kernels.kv_copy")
     assert at("april_server.http.app") > at("april_server.door.engine")
     assert at("april_server.cli") > at("april_server.fleet.gateway")
-    assert at("kernels.gpu_check.parts") > at("april_server.cli")
+    assert at("april_bench.gpu_check.server_parts") > at("april_server.cli")
+    assert at("april_bench.gpu_check") > at("april_bench.cli")
+    assert at("april_server.launcher") > at("kernels.gpu_check.parts")
     assert at("april_client") > at("april_server.cli")
     assert at("april_bench.cli") > at("april_client")
     assert at("april_server.runtime.manager") > at("april_server.engine.segment_runner")
     assert at("april_server.calls.rollout") > at("april_server.runtime.manager")
     assert at("april_client.protocol") > at("april_server.settings.config")
     assert at("april_server.buffer.store") > at("april_client.protocol")
-    assert at("kernels.gpu_check.parts") > at("april_server.launcher")
     assert layer_of("torch") is None
     assert module_name(ROOT / "clients" / "bench" / "april_bench" / "cli.py") == "april_bench.cli"
     assert module_name(ROOT / "clients" / "_sync.py") == "april_client._sync"
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
+
+
+def test_kernels_import_nothing_of_ours() -> None:
+    """kernels/ is the leaf: no module of it (the GPU check's kernel parts included) imports
+    the server, the client or the bench, directly or inside a function."""
+    import ast
+
+    ours = {"april_server", "april_client", "april_bench", "clients", "tests", "examples"}
+    found = []
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{module_name(path)} -> {n}" for n in names if n.split(".")[0] in ours]
+    assert len(list((ROOT / "kernels" / "gpu_check").glob("*.py"))) >= 5
+    assert found == []
 
 
 def import_cycles() -> list[list[str]]:
