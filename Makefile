@@ -20,7 +20,7 @@ bench-tail:  ## tail-aware rollouts on real text (HumanEval prompts on SmolLM2, 
 	@V=$(VENV) && $$V/bin/april-bench --workload text --sweep-point smollm2:192:4x4 --repeat 3 --modes sync,april@auto,april-tail@auto --steps 10 --prompts 8 --json-out out/tail.jsonl
 
 bench-drafts:  ## drafts from history, offline: n-gram drafts from a prompt's earlier rollouts vs prompt lookup, acceptance on real SmolLM2 samples (~3 min)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.drafts
+	@V=$(VENV) && $$V/bin/python -m examples.drafts
 
 PYTEST = python -m pytest -q -p no:cacheprovider --durations=25
 
@@ -49,22 +49,22 @@ bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
 	@V=$(VENV) && $$V/bin/python -m kernels.bench_kv_copy --quick
 
 bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (tiny, SmolLM2)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.resume
+	@V=$(VENV) && $$V/bin/python -m april_bench.resume
 
 bench-routing:  ## routing replay on the tiny MoE: throughput with routing on vs off, routing bytes per position on the wire and in a snapshot (~1 min)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.routing --repeats 5 --json-out out/bench-routing.json
+	@V=$(VENV) && $$V/bin/python -m april_bench.routing --repeats 5 --json-out out/bench-routing.json
 
 bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.buffer --json-out out/bench-buffer.json
+	@V=$(VENV) && $$V/bin/python -m april_bench.buffer --json-out out/bench-buffer.json
 
 bench-weights:  ## a weight push from disk vs over the wire (gloo), tiny and SmolLM2, idle and beside background generation (~4 min)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.weights --json-out out/bench-weights.jsonl
+	@V=$(VENV) && $$V/bin/python -m april_bench.weights --json-out out/bench-weights.jsonl
 
 bench-placement:  ## tail placement on an owner over two SmolLM2 engines (same cores): least_loaded vs tail, real text, 3 alternated repeats (~15 min)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --layouts 2 --engine-model smollm2 --placements least_loaded,tail --repeat 3 --json-out out/placement.jsonl -- --workload text --model smollm2 --max-tokens 192 --groups 4 --n 4 --modes april@auto --steps 3 --prompts 8
+	@V=$(VENV) && $$V/bin/python -m april_bench.fleet --layouts 2 --engine-model smollm2 --placements least_loaded,tail --repeat 3 --json-out out/placement.jsonl -- --workload text --model smollm2 --max-tokens 192 --groups 4 --n 4 --modes april@auto --steps 3 --prompts 8
 
 bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engine servers on the same cores (~5 min)
-	@V=$(VENV) && $$V/bin/python -m april_client.bench.fleet --json-out out/fleet.jsonl
+	@V=$(VENV) && $$V/bin/python -m april_bench.fleet --json-out out/fleet.jsonl
 
 simulate:  ## the core's deterministic simulator (tests/sim): SEEDS seeds (default 10000) from START (0), seeds/s shown; a failure prints the command that replays it
 	@V=$(VENV) && PYTHONHASHSEED=0 $$V/bin/python -m tests.sim --seeds $${SEEDS:-10000} --start $${START:-0}

@@ -1,4 +1,4 @@
-"""`april_client`: the typed HTTP client of april-server (`client.py`) and `april-bench` (`bench/`).
+"""`april_client`: the typed HTTP client of april-server (`client.py`).
 
 Importing this package needs only httpx and msgspec: `AprilClient`/`AsyncAprilClient` cover
 every `/april/v1` route and the SGLang routes a trainer needs; their wire types are in

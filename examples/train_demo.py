@@ -74,8 +74,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, get_args
 
-from april_client.bench.launcher import LaunchedServer
 from april_client.trainer_batch import StaleTokens
+from april_server.launcher import LaunchedServer
 from examples.train_report import by_seed, plot, seeds_table, split_table, summarize, table
 
 MODES = ("sync", "april", "april-async")

@@ -28,7 +28,7 @@ except ImportError:  # the client-only tests run without torch
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from april_client.bench.launcher import LaunchedServer  # noqa: E402
+from april_server.launcher import LaunchedServer  # noqa: E402
 from tests import zygote  # noqa: E402
 from tests.server_proc import ServerProc  # noqa: E402
 

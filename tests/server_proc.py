@@ -1,4 +1,4 @@
-"""A real `april-server` process for end-to-end tests: the bench's launcher, plus kill -9 and
+"""A real `april-server` process for end-to-end tests: the server's launcher, plus kill -9 and
 restart on the same state dir."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from april_client.bench.launcher import LaunchedServer
+from april_server.launcher import LaunchedServer
 
 
 class ServerProc(LaunchedServer):

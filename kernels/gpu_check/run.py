@@ -1,4 +1,5 @@
-"""Run context of the gpu-check: the time budget and child processes with timeouts."""
+"""Run context of the gpu-check: the time budget and child processes with timeouts. Shared by
+the kernel parts here and the harness above (`april_bench.gpu_check`)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ class Context:
     out_dir: Path
     budget_s: float
     started: float = field(default_factory=time.monotonic)
-    server: Any = None  # the april-server shared by the resume and april-bench parts
 
     def seconds_left(self) -> float:
         return self.budget_s - (time.monotonic() - self.started) - MARGIN_S
@@ -62,29 +62,6 @@ def shown(command: list[str]) -> str:
     """A command as a reader would type it: `python` for this interpreter, paths relative."""
     words = ["python" if w == sys.executable else w.replace(f"{ROOT}/", "") for w in command]
     return " ".join(words)
-
-
-PLUGIN_GROUP = "sglang.srt.plugins"
-PLUGIN = "april = april_server.door.scheduler_hooks:register"  # as in pyproject.toml
-
-
-def ensure_plugin_entry_point(out_dir: Path) -> str:
-    """SGLang finds our scheduler hooks (KV snapshots) by entry point, which exists only once
-    april-server is pip-installed. With the repository merely on PYTHONPATH (e.g. in the SGLang
-    image, offline), declare it in a minimal dist-info put on PYTHONPATH for every child."""
-    from importlib.metadata import entry_points
-
-    if any(ep.name == "april" for ep in entry_points(group=PLUGIN_GROUP)):
-        return "installed"
-    site = out_dir / "site"
-    info = site / "april_server_gpu_check-0.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: april-server-gpu-check\n"
-                                   "Version: 0.0\n")  # fmt: skip
-    (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN}\n")
-    paths = (str(site), os.environ.get("PYTHONPATH"))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    return f"declared in {info}"
 
 
 def child_env(interpret: bool | None = None) -> dict[str, str]:

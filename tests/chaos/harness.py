@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from april_client._base import LIMITS
-from april_client.bench.launcher import LaunchedServer, start_all
+from april_server.launcher import LaunchedServer, start_all
 from tests.chaos.ledger import ChaosLedger
 
 R = "/april/v1"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from april_client.bench import agent, cli
+from april_bench import agent, cli
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from april_client.bench import cli
+from april_bench import cli
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from april_client.bench.launcher import free_port, start_all
 from april_server.cli import cpu_share_env
+from april_server.launcher import free_port, start_all
 from tests.e2e.test_rollouts_e2e import (
     R,
     clear_buffer,

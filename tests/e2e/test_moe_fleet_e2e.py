@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from april_client import routing as decode
-from april_client.bench.launcher import start_all
 from april_server.cli import cpu_share_env
+from april_server.launcher import start_all
 from tests.e2e.test_moe_routing_e2e import as_sample, interrupt, sglang_routing
 from tests.e2e.test_rollouts_e2e import R, clear_buffer, group, ok
 from tests.server_proc import ServerProc

@@ -38,7 +38,7 @@ KERNEL_SOURCE = ROOT / "kernels" / "kv_copy_triton.py"
 
 CHECKER_SOURCES = [
     *sorted((ROOT / "kernels").glob("*.py")),
-    *sorted((ROOT / "clients" / "bench" / "gpu_check").glob("aot_*.py")),
+    *sorted((ROOT / "kernels" / "gpu_check").glob("aot_*.py")),
 ]
 # The checker's results, kept between runs (a full check compiles ~75 s on 2 cores), keyed by
 # everything they depend on: the kernel and checker sources, the arguments, Triton's and torch's

@@ -1,5 +1,6 @@
-"""scripts/gpu-check.sh's driver (kernels/gpu_check/), the parts a CPU can exercise: the
-report with device-shaped results, the time budget, timeouts, the plugin entry point.
+"""scripts/gpu-check.sh's driver (april_bench.gpu_check, over the kernel parts in
+kernels/gpu_check/), the parts a CPU can exercise: the report with device-shaped results, the
+time budget, timeouts, the plugin entry point.
 (`scripts/gpu-check.sh --dry-run` runs the real CPU parts; not here: the AOT part takes ~90 s.)"""
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import time
 
 import pytest
 
-from kernels.gpu_check import __main__ as gpu_check
-from kernels.gpu_check.report import markdown
-from kernels.gpu_check.run import Context, ensure_plugin_entry_point, run_cmd
+from april_bench.gpu_check import __main__ as gpu_check
+from april_bench.gpu_check.report import markdown
+from april_bench.gpu_check.server_parts import ensure_plugin_entry_point
+from kernels.gpu_check.run import Context, run_cmd
 
 DEVICE_REPORT = {
     "started_at": "2026-01-01T00:00:00+00:00",

@@ -3,7 +3,7 @@ reported, and modes that consume different numbers of samples per step are flagg
 
 from __future__ import annotations
 
-from april_client.bench.accounting import Consumed, Ledger, compare_modes
+from april_bench.accounting import Consumed, Ledger, compare_modes
 
 
 def consumed(gid: str, budgets: tuple[int, ...], tokens: list[int] | None = None) -> list[Consumed]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from april_client.bench import cli
-from april_client.bench.agent import Episode, ModeFigures, table
-from april_client.bench.agent_workload import AgentSettings, AgentWorkload
+from april_bench import cli
+from april_bench.agent import Episode, ModeFigures, table
+from april_bench.agent_workload import AgentSettings, AgentWorkload
 
 
 def test_every_draw_is_a_pure_function_of_seed_group_member_and_turn() -> None:

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from april_client.bench import cli
+from april_bench import cli
 
 BACKGROUND_STRIDE = 5  # tokens each background sample generates while the trainer trains
 

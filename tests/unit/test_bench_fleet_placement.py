@@ -1,11 +1,11 @@
-"""`python -m april_client.bench.fleet --placements a,b --repeat N`: the placements alternate
+"""`python -m april_bench.fleet --placements a,b --repeat N`: the placements alternate
 over the same engines, and the summary's ratio is taken within each repeat."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from april_client.bench import fleet
+from april_bench import fleet
 
 
 def rec(placement: str, rep: int, tps: float, err: float) -> dict[str, Any]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from april_client.bench import simulate as sim
-from april_client.bench.cli import main
-from april_client.bench.metrics import StepRecord
+from april_bench import simulate as sim
+from april_bench.cli import main
+from april_bench.metrics import StepRecord
 
 SETUP = sim.SimSetup(steps=8, groups=8, n=4, over_sampling=2.0, max_tokens=512, engines=1,
                      prompt_len=32)  # fmt: skip

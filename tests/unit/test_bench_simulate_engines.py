@@ -8,9 +8,9 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from april_client.bench import simulate as sim
-from april_client.bench.cli import main
-from april_client.bench.workload import Workload
+from april_bench import simulate as sim
+from april_bench.cli import main
+from april_bench.workload import Workload
 
 MODES = ("sync", "april", "april-kv")
 SETUP = sim.SimSetup(steps=6, groups=8, n=4, over_sampling=2.0, max_tokens=512, engines=4,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from april_client.bench.metrics import wall_throughput, windows_idle_frac
-from april_client.bench.staleness import (
+from april_bench.metrics import wall_throughput, windows_idle_frac
+from april_bench.staleness import (
     UNKNOWN,
     describe,
     merge,

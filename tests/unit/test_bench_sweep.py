@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from april_client.bench import cli
-from april_client.bench.driver import ModeSpec
-from april_client.bench.server_api import BenchError
-from april_client.bench.sweep import PRESETS, SweepPoint, repeat_order, sweep_points, sweep_table
+from april_bench import cli
+from april_bench.driver import ModeSpec
+from april_bench.server_api import BenchError
+from april_bench.sweep import PRESETS, SweepPoint, repeat_order, sweep_points, sweep_table
 
 
 def test_mode_spec_policies() -> None:

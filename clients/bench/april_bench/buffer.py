@@ -207,7 +207,7 @@ def in_process(state: Path, samples: int, add_groups: int) -> Table:
 
 
 def end_to_end(state: Path, add_groups: int) -> Table:
-    from .launcher import LaunchedServer
+    from april_server.launcher import LaunchedServer
 
     t = Table()
     srv = LaunchedServer(keep_dir=True)
@@ -303,7 +303,7 @@ def end_to_end(state: Path, add_groups: int) -> Table:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m april_client.bench.buffer", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m april_bench.buffer", description=__doc__)
     p.add_argument("--samples", type=int, default=1_000_000, help="buffered samples")
     p.add_argument("--add-groups", type=int, default=4000, help="groups sent by the big call")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end part")

@@ -1,4 +1,4 @@
-"""`python -m april_client.bench.fleet`: april-bench, unchanged, against one april-server and
+"""`python -m april_bench.fleet`: april-bench, unchanged, against one april-server and
 against an owner over 1 and 2 engine servers (`--april-engines`), on the same machine and
 cores, printed side by side.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from april_server.cli import cpu_share_env
+from april_server.launcher import LaunchedServer, start_all
 
-from .launcher import LaunchedServer, start_all
 from .sweep import median_cell, per_repeat_ratios
 
 COLUMNS = [
@@ -44,7 +44,7 @@ COLUMNS = [
 def bench(url: str, bench_args: list[str]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "bench.jsonl"
-        cmd = [sys.executable, "-m", "april_client.bench.cli", "--url", url, "--json-out",
+        cmd = [sys.executable, "-m", "april_bench.cli", "--url", url, "--json-out",
                str(out), "--no-progress", *bench_args]  # fmt: skip
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -153,7 +153,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, _, rest = _split(argv)
-    p = argparse.ArgumentParser(prog="python -m april_client.bench.fleet")
+    p = argparse.ArgumentParser(prog="python -m april_bench.fleet")
     p.add_argument("--layouts", default="0,1,2", help="0: one april-server; N: owner + N engines")
     p.add_argument("--kv-host-bytes", default=str(512 * 1024**2))
     p.add_argument("--json-out", type=Path, default=None)

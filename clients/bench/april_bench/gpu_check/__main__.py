@@ -13,12 +13,15 @@ budget, each part with its own timeout cut to what is left:
 3. server: april-server on the 8B-shaped model, shared by 4 and 5;
 4. resume: restore vs re-prefill for 1k/4k/16k-token partials after flush_cache;
 5. april_bench: sync vs static (april@all) vs adaptive (april@auto) APRIL;
-6. moe_routing: routing replay on the tiny MoE, the e2e routing tests on the device (#49).
+6. moe_routing: routing replay on the tiny MoE, the e2e routing tests on the device.
 
 ``--dry-run`` (also what runs without CUDA) does everything a CPU can: the config loads in
 transformers and SGLang, the server and bench command lines parse, the ahead-of-time kernel
 check (sm_80/90/100), kernel parity in the Triton interpreter at tiny sizes; every device part
 is written as "not run: no CUDA" with the command it would run.
+
+The kernel parts (parity, GB/s, AOT) live with the kernels (`kernels.gpu_check.parts`); the
+parts that start april-server and run april-bench are `server_parts` here, above the server.
 """
 
 from __future__ import annotations
@@ -33,28 +36,33 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kernels.gpu_check import parts
-from kernels.gpu_check.report import markdown
-from kernels.gpu_check.run import ROOT, Context
+from april_bench.gpu_check import server_parts
+from april_bench.gpu_check.report import markdown
+from april_bench.gpu_check.server_parts import DeviceRun
+from kernels.gpu_check import parts as kernel_parts
+from kernels.gpu_check.run import ROOT
 
-Part = Callable[[Context], dict[str, Any]]
+Part = Callable[[DeviceRun], dict[str, Any]]
 
 
-def plan(ctx: Context, with_aot: bool) -> list[tuple[str, Part]]:
-    steps: list[tuple[str, Part]] = [("environment", parts.environment), ("configs", parts.configs)]
+def plan(ctx: DeviceRun, with_aot: bool) -> list[tuple[str, Part]]:
+    steps: list[tuple[str, Part]] = [
+        ("environment", server_parts.environment),
+        ("configs", server_parts.configs),
+    ]
     if with_aot:
-        steps.append(("aot", parts.aot))
+        steps.append(("aot", kernel_parts.aot))
     return steps + [
-        ("parity", parts.parity),
-        ("kv_bandwidth", parts.kv_bandwidth),
-        ("server", parts.start_server),
-        ("resume", parts.resume),
-        ("april_bench", parts.april_bench),
-        ("moe_routing", parts.moe_routing),
+        ("parity", kernel_parts.parity),
+        ("kv_bandwidth", kernel_parts.kv_bandwidth),
+        ("server", server_parts.start_server),
+        ("resume", server_parts.resume),
+        ("april_bench", server_parts.april_bench),
+        ("moe_routing", server_parts.moe_routing),
     ]
 
 
-def run_part(ctx: Context, name: str, part: Part) -> dict[str, Any]:
+def run_part(ctx: DeviceRun, name: str, part: Part) -> dict[str, Any]:
     print(f"[gpu-check {time.monotonic() - ctx.started:5.0f}s] {name} ...", flush=True)
     t0 = time.monotonic()
     try:
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = bool(torch.cuda.is_available()) and not args.dry_run
     args.out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(dry_run=not cuda, cuda=cuda, out_dir=args.out, budget_s=args.budget_s)
+    ctx = DeviceRun(dry_run=not cuda, cuda=cuda, out_dir=args.out, budget_s=args.budget_s)
     report: dict[str, Any] = {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "dry_run": ctx.dry_run,
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, part in plan(ctx, with_aot=ctx.dry_run or args.aot):
             report["parts"][name] = run_part(ctx, name, part)
     finally:
-        parts.stop_server(ctx)
+        server_parts.stop_server(ctx)
         report["total_s"] = round(time.monotonic() - ctx.started, 1)
         (args.out / "gpu-check.json").write_text(json.dumps(report, indent=1, default=str))
         (args.out / "gpu-check.md").write_text(markdown(report))

@@ -10,7 +10,7 @@ but not the work done) and response bytes per output token; then the routing's o
 position, on the wire (base64 in JSON) and in a KV snapshot (int32
 rows beside the KV, `/stats` `snapshot_routing_bytes`):
 
-    python -m april_client.bench.routing [--groups 8] [--n 4] [--max-tokens 128] [--repeats 3]
+    python -m april_bench.routing [--groups 8] [--n 4] [--max-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from april_client.bench.launcher import LaunchedServer, start_all
+from april_server.launcher import LaunchedServer, start_all
 
 R = "/april/v1"
 

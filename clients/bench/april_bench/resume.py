@@ -6,7 +6,7 @@ snapshot can avoid a prefill); one is resumed with `kv: recompute`, the other wi
 `kv: restore`; both then decode the same few remaining tokens. Printed side by side, from
 one run:
 
-    python -m april_client.bench.resume [--models tiny,smollm2] [--lengths 1024,4096] [--repeats 3]
+    python -m april_bench.resume [--models tiny,smollm2] [--lengths 1024,4096] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from april_client.bench.launcher import LaunchedServer
+from april_server.launcher import LaunchedServer
 
 R = "/april/v1"
 TAIL = 6  # tokens generated after the interruption (same for both paths)

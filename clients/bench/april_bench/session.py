@@ -12,7 +12,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
 from .accounting import compare_modes
 from .calibrate import measure_cost_model
@@ -141,6 +140,18 @@ async def drive(
             sync_mean.append(sum(s.wall_s for s in r.result.steps) / len(r.result.steps))
 
 
+def progress_bar(total_groups: int, off: bool) -> Any:
+    """A tqdm bar on stderr, or None with --no-progress or without tqdm installed (it is
+    april-bench's `progress` extra: the bench runs the same without it)."""
+    if off:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total_groups, unit="group", file=sys.stderr, desc="april-bench")
+
+
 async def run_modes(
     url: str,
     modes: list[ModeSpec],
@@ -169,8 +180,7 @@ async def run_modes(
             )
         wl = make_workload(args, cfg, info.vocab_size)
         await warmup(http, cfg, wl, args.warmup)
-        bar = tqdm(total=cfg.steps * cfg.groups * len(modes), unit="group", file=sys.stderr,
-                   disable=args.no_progress, desc="april-bench")  # fmt: skip
+        bar = progress_bar(cfg.steps * cfg.groups * len(modes), args.no_progress)
         runners = [ModeRunner(http, m, cfg, wl, info, bar) for m in modes]
         poller = LoadPoller(http, cfg.poll_hz, time.perf_counter())
         poller.start()
@@ -181,8 +191,10 @@ async def run_modes(
         results: list[ModeResult] = []
         for r in runners:
             results.append(await r.finish(poller))
-            bar.update(max(0, cfg.steps * cfg.groups - r.ticks))
-        bar.close()
+            if bar is not None:
+                bar.update(max(0, cfg.steps * cfg.groups - r.ticks))
+        if bar is not None:
+            bar.close()
         ledgers = [r.ledger for r in runners if r.result.available]
         cost = None
         if args.simulate:

@@ -1,7 +1,11 @@
-"""Start a private `april-server` for a benchmark run and stop it afterwards.
+"""Start a private `april-server` in a child process and stop it afterwards.
 
-The server runs as `python -m april_server` (the interpreter running april-bench) on a free
-port with a temporary state dir, in its own session so stopping it reaches SGLang's children.
+For whoever needs a server of its own for a while: april-bench, the tests, the examples, the
+GPU check. It lives with the server (the entry layer, beside `cli.py`) because starting an
+april-server is the server distribution's business; none of its users depends on another.
+
+The server runs as `python -m april_server` (the caller's interpreter) on a free port with a
+temporary state dir, in its own session so stopping it reaches SGLang's children.
 `cpus` pins it (and the SGLang processes it starts, which inherit the affinity) to those cores,
 e.g. to keep it off the cores a trainer in the same machine uses; by default it is not pinned.
 """

@@ -1,5 +1,5 @@
-"""Drafts from history (#35 spike): how many tokens would an n-gram draft taken from earlier
-rollouts of the same prompt get accepted, measured offline on real samples.
+"""Drafts from history, a finished research spike: how many tokens would an n-gram draft taken
+from earlier rollouts of the same prompt get accepted, measured offline on real samples.
 
 Why offline: SGLang 0.5.23's speculative decoding (NGRAM included) does not start on our CPU
 setup (its CPU path takes the tree kernels from sgl-kernel's CPU build, which has no wheel here;
@@ -15,7 +15,7 @@ occurrence, and the `depth` tokens that followed it. Sources compared: `self` (t
 the sample's own output so far: prompt lookup, no history), `history` (earlier rollouts of the
 same prompt, from earlier steps), `history+self`.
 
-    python -m april_client.bench.drafts [--prompts 8] [--n 4] [--epochs 3] [--max-tokens 192]
+    python -m examples.drafts [--prompts 8] [--n 4] [--epochs 3] [--max-tokens 192]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def collect(
 ) -> list[dict[str, Any]]:
     """Run `epochs` passes over the text workload's prompts (each a whole group of `n`, every
     group finished: a synchronous step per epoch) and return every sample's tokens."""
-    from .workload import Workload
+    from april_bench.workload import Workload
 
     wl = Workload("text", n, max_tokens, seed=seed, prompts=prompts)
     samples: list[dict[str, Any]] = []
@@ -190,7 +190,7 @@ def main() -> None:
     if args.url:
         samples = collect(args.url, args.prompts, args.n, args.epochs, args.max_tokens, args.seed)
     else:
-        from .launcher import LaunchedServer
+        from april_server.launcher import LaunchedServer
 
         with LaunchedServer(["--april-model", "smollm2"]) as srv:
             samples = collect(srv.url, args.prompts, args.n, args.epochs, args.max_tokens,

@@ -2,5 +2,6 @@
 
 Modules: `workload` (seeded prompt/budget streams), `driver` (one mode's RL loop), `session`
 (all modes against one server), `accounting` (no sample lost or duplicated), `metrics`,
-`report` (table, JSONL, plots), `simulate` (discrete-event projection), `launcher`, `cli`.
+`report` (table, JSONL, plots), `simulate` (discrete-event projection), `cli`. Its own
+distribution (clients/bench/pyproject.toml); it starts servers with `april_server.launcher`.
 """

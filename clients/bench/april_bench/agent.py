@@ -35,8 +35,9 @@ from typing import Any
 
 import httpx
 
+from april_server.launcher import LaunchedServer
+
 from .agent_workload import AgentGroup, AgentSettings, AgentWorkload
-from .launcher import LaunchedServer
 from .server_api import BenchError, R, check, engine_clock, probe, rollout_events
 
 # `--agent` defaults, and `--agent --quick` (a few minutes on a 2-core CPU with the tiny model).
