@@ -33,7 +33,7 @@ from april_server.operations.inputs import post_input
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import EOS, next_token
-from tests.unit.test_background_properties import Watch
+from tests.unit.runtime.test_background_properties import Watch
 
 STOPS = [9, 17, 33, 41, 50]
 OPS = st.lists(

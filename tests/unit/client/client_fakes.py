@@ -14,7 +14,7 @@ import pytest
 
 from april_client import AprilClient, AprilError, AsyncAprilClient
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 URL = "http://april.test"
 Handler = Callable[[httpx.Request], httpx.Response]
 

@@ -1,6 +1,6 @@
 """The typed client against httpx.MockTransport: every route on both clients, the constructor,
-and how errors map to exceptions (retries: test_client_retries.py; NDJSON streaming:
-test_client_stream.py; import paths: test_client_imports.py)."""
+and how errors map to exceptions (retries: test_retries.py; NDJSON streaming:
+test_stream.py; import paths: test_imports.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from april_client.protocol import (
     ResumeResp,
     RolloutResp,
 )
-from tests.unit.client_fakes import (
+from tests.unit.client.client_fakes import (
     GROUP,
     ROLLOUT,
     SAMPLE,

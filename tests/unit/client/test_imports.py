@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import april_client
-from tests.unit.client_fakes import ROOT
+from tests.unit.client.client_fakes import ROOT
 
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:

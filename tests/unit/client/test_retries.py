@@ -12,7 +12,7 @@ import pytest
 
 from april_client import NotFound, ServerError, TransportError
 from april_client._routes import Call, RetryPolicy
-from tests.unit.client_fakes import (
+from tests.unit.client.client_fakes import (
     GROUP,
     ROLLOUT,
     RUNNERS,

@@ -13,7 +13,7 @@ import pytest
 
 from april_client import AprilClient, AsyncAprilClient, InvalidRequest, ProtocolError, ServerError
 from april_client.protocol import DoneEvent, GroupFinishedEvent
-from tests.unit.client_fakes import (
+from tests.unit.client.client_fakes import (
     DONE_LINE,
     FINISHED_LINE,
     SPEC,

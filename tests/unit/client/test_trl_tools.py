@@ -13,7 +13,7 @@ import pytest
 from april_client import AprilClient
 from april_client.protocol import Appended, Group, Sample, Segment
 from april_client.trl_tools import ToolCall, ToolLoop, answer_ids, response_logprobs, tool_rows
-from tests.unit.client_fakes import DONE_LINE, SAMPLE, URL
+from tests.unit.client.client_fakes import DONE_LINE, SAMPLE, URL
 
 CALL = 7
 

@@ -20,7 +20,7 @@ from april_client.protocol import (
     Segment,
 )
 from april_client.trainer_batch import response_mask
-from tests.unit.client_fakes import DONE_LINE, SAMPLE, SPEC, URL, both, both_raise, recorder
+from tests.unit.client.client_fakes import DONE_LINE, SAMPLE, SPEC, URL, both, both_raise, recorder
 
 AWAITING = {
     **SAMPLE,

@@ -1,4 +1,4 @@
-"""`SchedulerKv.op_restore` over fake pools (run in a subprocess by test_scheduler_kv.py: it
+"""`SchedulerKv.op_restore` over fake pools (run in a subprocess by test_scheduler_hooks.py: it
 imports SGLang, which is slow and stubs sgl_kernel process-wide). Exit 0 = OK.
 
 Checks (#23): a restore that fails after allocating gives every slot back; a restore into a

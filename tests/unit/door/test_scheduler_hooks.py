@@ -10,7 +10,7 @@ from pathlib import Path
 
 def test_restore_frees_its_slots_on_failure_and_keeps_its_namespace() -> None:
     script = Path(__file__).with_name("scheduler_kv_check.py")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,

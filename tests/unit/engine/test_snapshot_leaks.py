@@ -14,9 +14,9 @@ from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutc
 from april_server.operations.resume import resume
 from april_server.rules.placement import Slot
 from april_server.runtime.manager import RolloutManager
-from tests.unit.test_fleet import fleet_over
-from tests.unit.test_fleet_defects import DropServers
-from tests.unit.test_snapshot_sweep import ListingEngine, buffered_with_snapshot
+from tests.unit.fleet.test_fleet import fleet_over
+from tests.unit.fleet.test_gateway import DropServers
+from tests.unit.runtime.test_snapshot_sweep import ListingEngine, buffered_with_snapshot
 
 
 class GoneOnce(ListingEngine):

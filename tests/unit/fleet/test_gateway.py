@@ -22,7 +22,7 @@ from april_server.rules.placement import Slot
 from april_server.runtime.manager import RolloutManager
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
-from tests.unit.test_fleet import FakeServers, fleet_over
+from tests.unit.fleet.test_fleet import FakeServers, fleet_over
 
 R = "/april/v1"
 

@@ -19,7 +19,7 @@ from april_server.fleet.weight_group import FleetWeights, rank_offsets
 from april_server.fleet.wire import EngineInfo, encoder
 from april_server.rules.placement import Slot
 from april_server.wire.errors import ApiError
-from tests.unit.test_fleet import FakeServers, fleet_over
+from tests.unit.fleet.test_fleet import FakeServers, fleet_over
 
 
 class GroupServers(FakeServers):

@@ -7,7 +7,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from april_server.http.app import extend_app
-from tests.unit.test_app_asgi import app_and_manager
+from tests.unit.http.test_app import app_and_manager
 
 app, manager = app_and_manager(delay_s=0.0)
 extend_app(app)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.unit.test_structure import ROOT
+from tests.unit.project.test_structure import ROOT
 
 # Lowest first, one subpackage of april_server each (README, "Architecture"). `kernels` imports
 # nothing of ours. Then the bookkeeping, plain Python: settings; the wire contract; pure rules;

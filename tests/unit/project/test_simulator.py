@@ -13,7 +13,7 @@ import pytest
 from tests.sim.run import run_seed
 from tests.sim.store import simulated_store  # noqa: F401  (the sim imports cleanly)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SEEDS = int(os.environ.get("APRIL_SIM_SEEDS", "300"))
 
 

@@ -16,7 +16,7 @@ from april_server.rules.lengths import (
     predict,
     prompt_key,
 )
-from tests.unit.test_app_asgi import R, _client, app_and_manager
+from tests.unit.http.test_app import R, _client, app_and_manager
 
 
 def test_no_evidence_no_prediction() -> None:

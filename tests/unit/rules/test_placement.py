@@ -45,7 +45,7 @@ from april_server.rules.samples import SegmentResult
 from april_server.runtime.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NO_EOS = {"ignore_eos": True}
 
 slots_st = st.builds(Slot, st.sampled_from(["local", "node-b"]), st.integers(0, 3))

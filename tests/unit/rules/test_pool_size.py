@@ -25,7 +25,7 @@ from april_server.rules.pool_size import (
     groups_wanted,
 )
 from april_server.runtime.manager import RolloutManager
-from tests.unit.test_inflight import SIZES, CurveEngine, staggered_groups
+from tests.unit.rules.test_inflight import SIZES, CurveEngine, staggered_groups
 
 
 def reference(

@@ -19,8 +19,8 @@ from april_server.operations.inputs import post_input
 from april_server.rules import turns as T
 from april_server.rules.stops import reached_stop
 from april_server.runtime.manager import RolloutManager
+from tests.unit.calls.test_turns_in_call import BUDGET, PROMPT, STOPS, answer, episode
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
-from tests.unit.test_turns import BUDGET, PROMPT, STOPS, answer, episode
 
 
 def text(ids: list[int]) -> str:

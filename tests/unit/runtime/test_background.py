@@ -294,7 +294,7 @@ def test_a_round_does_not_rewrite_the_groups_that_found_no_room(tmp_path: Path) 
     """Found by review: each background round read every wanted group, started what fit, and
     persisted each of the others unchanged, one fsynced commit per group, every round (and a
     call arriving meanwhile waited for all of it)."""
-    from tests.unit.test_buffer import CapacityEngine
+    from tests.unit.buffer.test_buffer import CapacityEngine
 
     async def go() -> None:
         eng = CapacityEngine(max_running=2, total_tokens=100_000)  # admits 2 + a queue of 8

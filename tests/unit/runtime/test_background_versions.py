@@ -16,7 +16,7 @@ from april_server.calls.rollout import rollout
 from april_server.operations.groups import add_groups
 from april_server.runtime.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
-from tests.unit.test_background import make, reference, spec, until
+from tests.unit.runtime.test_background import make, reference, spec, until
 
 
 def test_a_weight_update_cuts_background_segments_at_the_version_boundary(
