@@ -4,7 +4,7 @@ timeout, into one JSON + Markdown report; `--dry-run` runs what a CPU can. The a
 compile check of the KV kernels (`aot_*.py`) lives here too.
 
 It lives in `kernels/`, beside the kernels it checks, but not in their layer: it imports the
-server and the client (to start april-server and run april-bench), so tests/unit/test_layers.py
-puts `kernels.gpu_check` on top of everything (`harness`), while the kernels themselves are the
-bottom layer and import nothing of ours.
+server and the client (to start april-server and run april-bench), so
+tests/unit/project/test_layers.py puts `kernels.gpu_check` on top of everything (`harness`),
+while the kernels themselves are the bottom layer and import nothing of ours.
 """
