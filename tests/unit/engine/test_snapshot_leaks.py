@@ -15,7 +15,7 @@ from april_server.operations.resume import resume
 from april_server.rules.placement import Slot
 from april_server.runtime.manager import RolloutManager
 from tests.unit.fleet.test_fleet import fleet_over
-from tests.unit.fleet.test_gateway import DropServers
+from tests.unit.fleet.test_snapshot_drops import DropServers
 from tests.unit.runtime.test_snapshot_sweep import ListingEngine, buffered_with_snapshot
 
 
