@@ -18,7 +18,7 @@ from april_client.protocol import (
 )
 from april_server.calls.rollout import rollout
 from april_server.operations.groups import add_groups
-from april_server.rules import turns as T
+from april_server.rules import turns
 from april_server.rules.idempotency import is_attempt
 from april_server.wire.errors import ApiError
 from tests.sim.base import WorldBase
@@ -245,7 +245,7 @@ class CallClients(WorldBase):
             if not self.mgr.buffer.known(gid):
                 return
             g = await self.mgr.read_group(gid)
-            awaiting = next((s for s in g.samples if T.awaiting(s)), None)
+            awaiting = next((s for s in g.samples if turns.awaiting(s)), None)
             if awaiting is not None:
                 break
         if awaiting is None:

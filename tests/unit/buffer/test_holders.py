@@ -25,8 +25,7 @@ from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.abort import abort
 from april_server.operations.inputs import post_input
-from april_server.rules import samples as S
-from april_server.rules import turns as T
+from april_server.rules import samples, turns
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
@@ -85,11 +84,13 @@ async def buffer_agent_group(mgr: RolloutManager, gid: str = "g") -> None:
         sampling_params={"max_new_tokens": BUDGET, "temperature": 0.0},
         turns=TURNS,
     )
-    g = S.build_group(spec, PROMPT, mgr.engine.context_len, mgr.engine.vocab_size)
+    g = samples.build_group(spec, PROMPT, mgr.engine.context_len, mgr.engine.vocab_size)
     first = g.samples[0]
-    S.apply_segment(first, S.SegmentResult([3, 4, STOP], [0.0] * 3, "stop", "0"), "fresh")
-    T.end_of_segment(first, STOP)
-    assert T.awaiting(first)
+    samples.apply_segment(
+        first, samples.SegmentResult([3, 4, STOP], [0.0] * 3, "stop", "0"), "fresh"
+    )
+    turns.end_of_segment(first, STOP)
+    assert turns.awaiting(first)
     mgr.buffer.adopt([g], "setup")
     await mgr.persist([g], [])
     mgr.release("setup")

@@ -25,7 +25,7 @@ from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.abort import abort
 from april_server.operations.inputs import post_input
-from april_server.rules import turns as T
+from april_server.rules import turns
 from april_server.rules.samples import SegmentResult, apply_segment
 from april_server.runtime.manager import RolloutManager
 from april_server.wire.errors import ApiError
@@ -89,7 +89,7 @@ def sample_(**kw: Any) -> Sample:
         segments=[],
         max_new_tokens=10,
         finish_reason=None,
-        turn_rule=T.rule_of(TurnsSpec(stop=["</call>"], stop_token_ids=[7], max_turns=2)),
+        turn_rule=turns.rule_of(TurnsSpec(stop=["</call>"], stop_token_ids=[7], max_turns=2)),
     )
     base.update(kw)
     return Sample(**base)
@@ -110,32 +110,32 @@ def sample_(**kw: Any) -> Sample:
 )
 def test_bad_turn_rules_are_refused(bad: TurnsSpec) -> None:
     with pytest.raises(ApiError) as exc:
-        T.check_spec(bad, "g", 64)
+        turns.check_spec(bad, "g", 64)
     assert exc.value.code == "invalid_turns" and exc.value.status == 400
 
 
 def test_turn_stops_are_added_to_the_samples_own() -> None:
-    rule = T.rule_of(TurnsSpec(stop=["</call>"], stop_token_ids=[7]))
-    out = T.with_turn_stops({"stop": "x", "stop_token_ids": [3]}, rule)
+    rule = turns.rule_of(TurnsSpec(stop=["</call>"], stop_token_ids=[7]))
+    out = turns.with_turn_stops({"stop": "x", "stop_token_ids": [3]}, rule)
     assert out["stop"] == ["x", "</call>"] and out["stop_token_ids"] == [3, 7]
 
 
 def test_a_turn_stop_makes_the_member_await_then_max_turns_ends_it() -> None:
     s = sample_()
     apply_segment(s, SegmentResult([4, 7], [0.0, 0.0], "stop", "1", matched=7), "fresh")
-    T.end_of_segment(s, 7, now=100.0)
+    turns.end_of_segment(s, 7, now=100.0)
     assert s.status == "awaiting_input" and s.turn == 1
     assert [(t.start, t.end, t.stop, t.end_reason) for t in s.turns] == [(0, 2, 7, "turn_stop")]
     with pytest.raises(ApiError) as exc:
-        T.check_answer(s, [], 64)
+        turns.check_answer(s, [], 64)
     assert exc.value.code == "invalid_request"
-    T.apply_answer(s, [11, 12], now=101.5)
+    turns.apply_answer(s, [11, 12], now=101.5)
     assert s.status == "partial" and s.turns[0].awaited_s == 1.5 and s.turn == 2
     with pytest.raises(ApiError) as exc:
-        T.check_answer(s, [1], 64)  # a second answer for the same turn
+        turns.check_answer(s, [1], 64)  # a second answer for the same turn
     assert exc.value.code == "not_awaiting" and exc.value.status == 409
     apply_segment(s, SegmentResult([5, 7], [0.0, 0.0], "stop", "2", matched="</call>"), "fresh")
-    T.end_of_segment(s, "</call>", now=102.0)
+    turns.end_of_segment(s, "</call>", now=102.0)
     assert s.status == "truncated"  # its second turn was its last (max_turns 2)
     assert s.turns[-1].end_reason == "max_turns" and s.turns[-1].weight_versions == ["2"]
     assert s.response_ids == [4, 7, 11, 12, 5, 7] and s.loss_mask == [1, 1, 0, 0, 1, 1]
@@ -144,11 +144,11 @@ def test_a_turn_stop_makes_the_member_await_then_max_turns_ends_it() -> None:
 def test_eos_and_budget_end_the_episode() -> None:
     s = sample_()
     apply_segment(s, SegmentResult([4, 2], [0.0, 0.0], "stop", "1", matched=2), "fresh")
-    T.end_of_segment(s, 2)
+    turns.end_of_segment(s, 2)
     assert s.status == "completed" and s.turns[-1].end_reason == "stop"
     s = sample_(max_new_tokens=2)
     apply_segment(s, SegmentResult([4, 7], [0.0, 0.0], "stop", "1", matched=7), "fresh")
-    T.end_of_segment(s, 7)
+    turns.end_of_segment(s, 7)
     assert s.status == "truncated" and s.turns[-1].end_reason == "length"
 
 

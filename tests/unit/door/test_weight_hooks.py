@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from april_server.door import weight_hooks as W
+from april_server.door import weight_hooks
 
 
 @dataclass
@@ -53,12 +53,12 @@ class FakeTm:
 
 
 async def raced(tm: FakeTm, obj: Obj) -> tuple[bool, str, int]:
-    return False, W.UPDATED_BUT_NOT_FLUSHED + " because requests are still running", 0
+    return False, weight_hooks.UPDATED_BUT_NOT_FLUSHED + " because requests are still running", 0
 
 
 def test_a_raced_flush_is_retried_and_the_push_succeeds() -> None:
     tm = FakeTm(busy_flushes=3)
-    ok, msg, _ = asyncio.run(W._around_update_flushing(raced, tm, Obj()))
+    ok, msg, _ = asyncio.run(weight_hooks._around_update_flushing(raced, tm, Obj()))
     assert ok, msg
     assert tm.version == "v2" and tm.aborts == 3
 
@@ -67,20 +67,22 @@ def test_a_flush_that_never_goes_through_still_reports_the_version() -> None:
     tm = FakeTm(busy_flushes=10**9)
 
     async def go() -> tuple[bool, str, int]:
-        W.FLUSH_DEADLINE_S, old = 0.2, W.FLUSH_DEADLINE_S
+        weight_hooks.FLUSH_DEADLINE_S, old = 0.2, weight_hooks.FLUSH_DEADLINE_S
         try:
-            return await W._around_update_flushing(raced, tm, Obj())
+            return await weight_hooks._around_update_flushing(raced, tm, Obj())
         finally:
-            W.FLUSH_DEADLINE_S = old
+            weight_hooks.FLUSH_DEADLINE_S = old
 
     ok, msg, _ = asyncio.run(go())
-    assert not ok and msg.startswith(W.UPDATED_BUT_NOT_FLUSHED)
+    assert not ok and msg.startswith(weight_hooks.UPDATED_BUT_NOT_FLUSHED)
     assert tm.version == "v2"  # the weights did change: the version says so
 
 
 def test_without_abort_the_flush_is_retried_without_aborting_anything() -> None:
     tm = FakeTm(busy_flushes=2)
-    ok, _, _ = asyncio.run(W._around_update_flushing(raced, tm, Obj(abort_all_requests=False)))
+    ok, _, _ = asyncio.run(
+        weight_hooks._around_update_flushing(raced, tm, Obj(abort_all_requests=False))
+    )
     assert ok and tm.aborts == 0 and tm.version == "v2"
 
 
@@ -90,10 +92,12 @@ def test_a_distributed_update_whose_flush_raced_its_cut_segments_succeeds_too() 
     segments cut for it were still leaving the batch."""
 
     async def raced_two(tm: FakeTm, obj: Obj) -> tuple[bool, str]:
-        return False, W.UPDATED_BUT_NOT_FLUSHED + " because requests are still running"
+        return False, weight_hooks.UPDATED_BUT_NOT_FLUSHED + " because requests are still running"
 
     tm = FakeTm(busy_flushes=2)
-    out = asyncio.run(W._around_update_flushing(raced_two, tm, Obj(abort_all_requests=False)))
+    out = asyncio.run(
+        weight_hooks._around_update_flushing(raced_two, tm, Obj(abort_all_requests=False))
+    )
     assert len(out) == 2 and out[0] and tm.version == "v2" and tm.aborts == 0
 
 
@@ -110,7 +114,7 @@ class Segments:
 
 def test_our_segments_are_cut_before_the_update_and_continue_after_the_flush() -> None:
     log: list[str] = []
-    W._listeners[:] = [lambda: Segments(log)]
+    weight_hooks._listeners[:] = [lambda: Segments(log)]
     tm = FakeTm(busy_flushes=1)
 
     async def update(tm: FakeTm, obj: Obj) -> tuple[bool, str, int]:
@@ -125,13 +129,15 @@ def test_our_segments_are_cut_before_the_update_and_continue_after_the_flush() -
 
     tm.flush_cache = flush  # type: ignore[method-assign]
     try:
-        ok, _, _ = asyncio.run(W._around_update_flushing(update, tm, Obj(abort_all_requests=False)))
+        ok, _, _ = asyncio.run(
+            weight_hooks._around_update_flushing(update, tm, Obj(abort_all_requests=False))
+        )
         assert ok and log == ["cut", "update", "flush", "flush", "continue"]
         log.clear()  # a caller that aborts everything gets no cut: its abort ends them
-        asyncio.run(W._around_update_flushing(update, tm, Obj(abort_all_requests=True)))
+        asyncio.run(weight_hooks._around_update_flushing(update, tm, Obj(abort_all_requests=True)))
         assert "cut" not in log and "continue" not in log
     finally:
-        W._listeners.clear()
+        weight_hooks._listeners.clear()
 
 
 def test_other_answers_pass_through() -> None:
@@ -139,7 +145,7 @@ def test_other_answers_pass_through() -> None:
         return True, "Succeeded", 0
 
     tm = FakeTm(busy_flushes=0)
-    assert asyncio.run(W._around_update_flushing(fine, tm, Obj()))[0]
+    assert asyncio.run(weight_hooks._around_update_flushing(fine, tm, Obj()))[0]
     assert tm.version == "v1"  # SGLang itself records it on success
 
 
@@ -156,7 +162,7 @@ class Listener:
 
 def _with_listener(monkeypatch: Any) -> Listener:
     lst = Listener()
-    monkeypatch.setattr(W, "_listeners", [lambda: lst])
+    monkeypatch.setattr(weight_hooks, "_listeners", [lambda: lst])
     return lst
 
 
@@ -175,15 +181,15 @@ def test_a_session_holds_the_segments_cut_from_begin_to_end(monkeypatch: Any) ->
     tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
 
     async def go() -> None:
-        assert await W._around_begin(_ok, tm, obj) == (True, "Success")
-        assert lst.events == ["cut"] and W.Session.open
+        assert await weight_hooks._around_begin(_ok, tm, obj) == (True, "Success")
+        assert lst.events == ["cut"] and weight_hooks.Session.open
         for _ in range(3):  # three buckets
-            assert await W._around_update_flushing(_ok, tm, obj) == (True, "Success")
+            assert await weight_hooks._around_update_flushing(_ok, tm, obj) == (True, "Success")
         assert lst.events == ["cut"]  # still held
-        await W._around_end(_ok, tm, obj)
-        assert lst.events == ["cut", "continue"] and not W.Session.open
-        assert W.Session.watchdog is None
-        await W._around_update_flushing(_ok, tm, obj)  # outside a session: its own cut
+        await weight_hooks._around_end(_ok, tm, obj)
+        assert lst.events == ["cut", "continue"] and not weight_hooks.Session.open
+        assert weight_hooks.Session.watchdog is None
+        await weight_hooks._around_update_flushing(_ok, tm, obj)  # outside a session: its own cut
         assert lst.events == ["cut", "continue", "cut", "continue"]
 
     asyncio.run(go())
@@ -191,16 +197,18 @@ def test_a_session_holds_the_segments_cut_from_begin_to_end(monkeypatch: Any) ->
 
 def test_a_refused_begin_holds_nothing_and_a_forgotten_session_expires(monkeypatch: Any) -> None:
     lst = _with_listener(monkeypatch)
-    monkeypatch.setattr(W, "SESSION_LIMIT_S", 0.01)
+    monkeypatch.setattr(weight_hooks, "SESSION_LIMIT_S", 0.01)
     tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
 
     async def go() -> None:
-        await W._around_begin(_refused, tm, obj)
-        assert lst.events == ["cut", "continue"] and not W.Session.open
-        await W._around_begin(_ok, tm, obj)  # never ended
-        assert W.Session.open
+        await weight_hooks._around_begin(_refused, tm, obj)
+        assert lst.events == ["cut", "continue"] and not weight_hooks.Session.open
+        await weight_hooks._around_begin(_ok, tm, obj)  # never ended
+        assert weight_hooks.Session.open
         await asyncio.sleep(0.1)
-        assert lst.events == ["cut", "continue", "cut", "continue"] and not W.Session.open
+        assert (
+            lst.events == ["cut", "continue", "cut", "continue"] and not weight_hooks.Session.open
+        )
 
     asyncio.run(go())
 
@@ -225,14 +233,14 @@ def test_a_flush_behind_requests_paused_in_place_gives_up_instead_of_wedging() -
     tm = FakeTm(busy_flushes=0, model_update_lock=HeldByPausedRequests())  # type: ignore[arg-type]
 
     async def go() -> tuple[bool, str, int]:
-        W.FLUSH_DEADLINE_S, old = 0.2, W.FLUSH_DEADLINE_S
+        weight_hooks.FLUSH_DEADLINE_S, old = 0.2, weight_hooks.FLUSH_DEADLINE_S
         try:
-            return await asyncio.wait_for(W._around_update_flushing(raced, tm, Obj()), 5)
+            return await asyncio.wait_for(weight_hooks._around_update_flushing(raced, tm, Obj()), 5)
         finally:
-            W.FLUSH_DEADLINE_S = old
+            weight_hooks.FLUSH_DEADLINE_S = old
 
     ok, msg, _ = asyncio.run(go())  # before the fix: TimeoutError (waited for good)
-    assert not ok and msg.startswith(W.UPDATED_BUT_NOT_FLUSHED)
+    assert not ok and msg.startswith(weight_hooks.UPDATED_BUT_NOT_FLUSHED)
     assert tm.version == "v2"
 
 
@@ -252,11 +260,11 @@ def test_a_second_begin_or_a_racing_push_does_not_release_a_session(monkeypatch:
             await answer.wait()
             return True, "Success"
 
-        first = asyncio.ensure_future(W._around_begin(slow_ok, tm, obj))
+        first = asyncio.ensure_future(weight_hooks._around_begin(slow_ok, tm, obj))
         await asyncio.sleep(0.01)
-        assert await W._around_begin(_refused, tm, obj) == (False, _refused_msg)
+        assert await weight_hooks._around_begin(_refused, tm, obj) == (False, _refused_msg)
         answer.set()
-        assert (await first)[0] and W.Session.open
+        assert (await first)[0] and weight_hooks.Session.open
         assert lst.events == ["cut"]  # held: the refused second begin released nothing
         pushed = gate()
 
@@ -264,17 +272,20 @@ def test_a_second_begin_or_a_racing_push_does_not_release_a_session(monkeypatch:
             await pushed.wait()
             return True, "Success"
 
-        await W._around_end(_ok, tm, obj)
+        await weight_hooks._around_end(_ok, tm, obj)
         assert lst.events == ["cut", "continue"]
-        push = asyncio.ensure_future(W._around_update_flushing(slow_push, tm, obj))
+        push = asyncio.ensure_future(weight_hooks._around_update_flushing(slow_push, tm, obj))
         await asyncio.sleep(0.01)  # the push cut its segments ...
-        assert await W._around_begin(_ok, tm, obj) == (True, "Success")  # ... a session began
+        assert await weight_hooks._around_begin(_ok, tm, obj) == (
+            True,
+            "Success",
+        )  # ... a session began
         pushed.set()
         await push
         # Still held (cut by the push, and by the begin), by the session now.
         assert lst.events == ["cut", "continue", "cut", "cut"]
-        await W._around_end(_ok, tm, obj)
-        assert lst.events[4:] == ["continue", "continue"] and not W.Session.open
+        await weight_hooks._around_end(_ok, tm, obj)
+        assert lst.events[4:] == ["continue", "continue"] and not weight_hooks.Session.open
 
     asyncio.run(go())
 

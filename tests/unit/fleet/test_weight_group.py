@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-import april_server.fleet.weight_group as wg
 from april_server.engine.base import SegmentCall
+from april_server.fleet import weight_group
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.weight_group import FleetWeights, rank_offsets
 from april_server.fleet.wire import EngineInfo, encoder
@@ -166,7 +166,7 @@ def test_the_session_holds_new_segments_until_its_end_or_its_time_limit(
         assert (await asyncio.wait_for(seg, 5)).result.output_ids == [7]
         assert cut.events == ["cut", "continue"]
         # A trainer that never ends its session does not wedge the owner.
-        monkeypatch.setattr(wg, "SESSION_LIMIT_S", 0.05)
+        monkeypatch.setattr(weight_group, "SESSION_LIMIT_S", 0.05)
         await weights.begin({})
         seg = asyncio.ensure_future(fleet.run_segment(call))
         assert (await asyncio.wait_for(seg, 5)).result.output_ids == [7]

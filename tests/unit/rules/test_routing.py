@@ -17,11 +17,10 @@ from hypothesis import strategies as st
 
 from april_client import routing as decode
 from april_client.protocol import GroupSpec, Routing, Sample
-from april_server.rules import routing as R
-from april_server.rules import samples as S
+from april_server.rules import routing, samples
 
 LAYERS, TOP_K = 2, 2
-ROW = R.row_bytes(LAYERS, TOP_K, "uint8")
+ROW = routing.row_bytes(LAYERS, TOP_K, "uint8")
 
 
 def truth(p: int, version: int) -> bytes:
@@ -31,23 +30,23 @@ def truth(p: int, version: int) -> bytes:
 def sample(prompt_len: int = 5, budget: int = 200) -> Sample:
     spec = GroupSpec(group_id="g", input_ids=list(range(prompt_len)), return_routed_experts=True)
     spec = msgspec.structs.replace(spec, sampling_params={"max_new_tokens": budget})
-    return S.build_group(spec, spec.input_ids or [], 4096, None).samples[0]
+    return samples.build_group(spec, spec.input_ids or [], 4096, None).samples[0]
 
 
 def run_segment(s: Sample, new: int, start: int, cached: int, version: int) -> None:
     """What SGLang answers a request for `s`'s context + `new` tokens, rows from `start`."""
-    fed_after = len(S.context_ids(s)) + new - 1
+    fed_after = len(samples.context_ids(s)) + new - 1
     rows = b"".join(truth(p, version) for p in range(start, fed_after))
-    result = S.SegmentResult(
+    result = samples.SegmentResult(
         output_ids=[7] * new,
         output_logprobs=[0.0] * new,
         finish_reason="abort",
         weight_version=str(version),
         cached_tokens=cached,
         routing_asked=start,
-        routing=R.RoutingRows(start, rows, LAYERS, TOP_K, "uint8"),
+        routing=routing.RoutingRows(start, rows, LAYERS, TOP_K, "uint8"),
     )
-    S.apply_segment(s, result, "recomputed")
+    samples.apply_segment(s, result, "recomputed")
 
 
 def test_one_uninterrupted_segment_records_every_fed_position() -> None:
@@ -70,8 +69,8 @@ def test_not_asked_records_nothing() -> None:
 def test_missing_rows_are_flagged_and_filled() -> None:
     s = sample()
     run_segment(s, new=3, start=0, cached=0, version=0)
-    result = S.SegmentResult([7, 7], [0.0, 0.0], "abort", "1", routing_asked=0, routing=None)
-    S.apply_segment(s, result, "recomputed")
+    result = samples.SegmentResult([7, 7], [0.0, 0.0], "abort", "1", routing_asked=0, routing=None)
+    samples.apply_segment(s, result, "recomputed")
     r = s.routing
     assert r is not None and r.num_positions == 5 + 5 - 1
     assert r.spans[-1].missing and (r.spans[-1].start, r.spans[-1].end) == (7, 9)
@@ -81,7 +80,7 @@ def test_missing_rows_are_flagged_and_filled() -> None:
 def test_reset_forgets_routing_but_keeps_the_setting() -> None:
     s = sample()
     run_segment(s, new=3, start=0, cached=0, version=0)
-    S.reset_output(s)
+    samples.reset_output(s)
     assert s.routing is None and s.return_routed_experts
 
 
@@ -108,8 +107,8 @@ def test_interruptions_keep_first_routing_and_flag_recomputation(
     newest_recompute: dict[int, int] = {}
     for i, (new, restored, hit, push) in enumerate(plan):
         version += push
-        known = R.known_positions(s)
-        fed_after = len(S.context_ids(s)) + new - 1
+        known = routing.known_positions(s)
+        fed_after = len(samples.context_ids(s)) + new - 1
         if i > 0 and restored:
             start = cached = known  # a snapshot covers every fed position
         else:
@@ -121,7 +120,7 @@ def test_interruptions_keep_first_routing_and_flag_recomputation(
         run_segment(s, new, start, cached, version)
     r = s.routing
     assert r is not None
-    assert r.num_positions == len(first) == len(S.context_ids(s)) - 1
+    assert r.num_positions == len(first) == len(samples.context_ids(s)) - 1
     assert r.experts == b"".join(truth(p, first[p]) for p in range(r.num_positions))
     assert decode.versions(r) == [str(first[p]) for p in range(r.num_positions)]
     rows, mask = decode.recomputed(r)
@@ -151,10 +150,10 @@ def test_asking_routing_of_a_dense_model_is_a_400() -> None:
     from april_server.wire.errors import ApiError
 
     with pytest.raises(ApiError) as err:
-        R.check_wanted(True, None, "group 'g'")
+        routing.check_wanted(True, None, "group 'g'")
     assert err.value.status == 400
-    R.check_wanted(True, (2, 2, "uint8"), "group 'g'")
-    R.check_wanted(False, None, "group 'g'")
+    routing.check_wanted(True, (2, 2, "uint8"), "group 'g'")
+    routing.check_wanted(False, None, "group 'g'")
 
 
 def test_routing_crosses_the_owner_engine_wire() -> None:
@@ -171,8 +170,8 @@ def test_routing_crosses_the_owner_engine_wire() -> None:
 
     call = SegmentCall("r", "g/0", [1, 2], {"max_new_tokens": 3}, Slot("e:1", 0), routing_start=0)
     assert segment_call.decode(encoder.encode(call)) == call
-    rows = R.RoutingRows(4, bytes(range(8)), LAYERS, TOP_K, "uint8")
-    res = S.SegmentResult([1], [0.0], "abort", "v", routing_asked=4, routing=rows)
+    rows = routing.RoutingRows(4, bytes(range(8)), LAYERS, TOP_K, "uint8")
+    res = samples.SegmentResult([1], [0.0], "abort", "v", routing_asked=4, routing=rows)
     out = SegmentOutcome(res, Slot("e:1", 0))
     assert segment_outcome.decode(encoder.encode(out)) == out
     info = EngineInfo(8, 448, 1, "v", False, True, routing_format=(LAYERS, TOP_K, "uint8"))

@@ -7,7 +7,7 @@ import pytest
 
 from april_client.protocol import Sample, Segment
 from april_server.engine.segment_runner import SegmentRunner
-from april_server.rules import snapshots as K
+from april_server.rules import snapshots
 from april_server.rules.placement import LOCAL, Slot
 from tests.unit.fake_engine import FakeEngine
 
@@ -35,8 +35,9 @@ def test_version_policy(
     allow_stale: bool, snap_v: str, current: str, max_staleness: int | None, expected: bool
 ) -> None:
     s = sample(100, snap_v)
-    assert K.usable(s, current, ["a", "b"], max_staleness, allow_stale) is expected
-    assert K.usable(sample(0, current), current, [], None, allow_stale) is False  # none kept
+    assert snapshots.usable(s, current, ["a", "b"], max_staleness, allow_stale) is expected
+    # none kept
+    assert snapshots.usable(sample(0, current), current, [], None, allow_stale) is False
 
 
 def test_engine_without_snapshots_disables_the_policy() -> None:
@@ -50,15 +51,15 @@ def test_engine_without_snapshots_disables_the_policy() -> None:
 
 def test_a_snapshot_lives_where_its_segment_ran() -> None:
     s = sample(0, None)
-    assert K.held_at(s) is None
+    assert snapshots.held_at(s) is None
     s.segments = [Segment(0, 1, "7", "fresh", engine=LOCAL, dp_rank=1)]
-    K.record(s, 640, Slot(LOCAL, 1))
+    snapshots.record(s, 640, Slot(LOCAL, 1))
     assert (s.snapshot_bytes, s.snapshot_weight_version) == (640, "7")
-    assert K.held_at(s) == Slot(LOCAL, 1)
-    K.clear(s)
-    assert K.held_at(s) is None and s.snapshot_dp_rank is None
+    assert snapshots.held_at(s) == Slot(LOCAL, 1)
+    snapshots.clear(s)
+    assert snapshots.held_at(s) is None and s.snapshot_dp_rank is None
     # A sample recorded before placement existed: its snapshot is on the local rank 0.
-    assert K.held_at(sample(10, "0")) == Slot()
+    assert snapshots.held_at(sample(10, "0")) == Slot()
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_after_segment(
     restored: bool,
     verdict: str,
 ) -> None:
-    assert K.after_segment(nbytes, interrupted, wanted, marked, restored) == verdict
+    assert snapshots.after_segment(nbytes, interrupted, wanted, marked, restored) == verdict
 
 
 def test_a_snapshot_over_restored_stale_kv_stays_stale() -> None:
@@ -91,11 +92,11 @@ def test_a_snapshot_over_restored_stale_kv_stays_stale() -> None:
     shared namespace where any request with that prefix would match old-weights KV."""
     s = sample(100, "2")
     s.segments = [Segment(0, 1, "3", "restored", "abort")]
-    K.record(s, 200, Slot(LOCAL, 0), restored=True)
+    snapshots.record(s, 200, Slot(LOCAL, 0), restored=True)
     assert s.snapshot_weight_version == "2"
-    assert not K.usable(s, "3", ["2", "3"], None, True)  # stale: the caller must allow it
-    assert K.cache_namespace(s, "3") == "april-stale/g/0"
+    assert not snapshots.usable(s, "3", ["2", "3"], None, True)  # stale: the caller must allow it
+    assert snapshots.cache_namespace(s, "3") == "april-stale/g/0"
     fresh = sample(100, "2")
     fresh.segments = [Segment(0, 1, "3", "recomputed", "abort")]
-    K.record(fresh, 200, Slot(LOCAL, 0))  # re-prefilled under "3": all of it is "3"
-    assert fresh.snapshot_weight_version == "3" and K.cache_namespace(fresh, "3") is None
+    snapshots.record(fresh, 200, Slot(LOCAL, 0))  # re-prefilled under "3": all of it is "3"
+    assert fresh.snapshot_weight_version == "3" and snapshots.cache_namespace(fresh, "3") is None

@@ -16,8 +16,8 @@ from april_client.protocol import GroupSpec, InputReq, RolloutReq, Sample, Turns
 from april_server.buffer.store import BufferStore
 from april_server.calls.rollout import rollout
 from april_server.operations.inputs import post_input
-from april_server.rules import turns as T
 from april_server.rules.stops import reached_stop
+from april_server.rules.turns import awaiting
 from april_server.runtime.manager import RolloutManager
 from tests.unit.calls.test_turns_in_call import BUDGET, PROMPT, STOPS, answer, episode
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
@@ -71,7 +71,7 @@ def run_episode(
                 return resp.groups[0].samples[0], calls
             (g,) = mgr.idle_groups()
             s = g.samples[0]
-            if T.awaiting(s):
+            if awaiting(s):
                 await post_input(mgr, s.sample_id, InputReq(append_ids=answer_of[s.turn]))
             req = RolloutReq(groups=[], target_groups=1)
         raise AssertionError("the episode never ended")
