@@ -1,5 +1,5 @@
 """The HTTP-process side of the door to SGLang (`door/` as a whole is the only package that
-imports `sglang`: tests/unit/test_structure.py; the scheduler-process side is
+imports `sglang`: tests/unit/project/test_structure.py; the scheduler-process side is
 `scheduler_hooks.py`).
 
 - `SGLangEngine` drives the in-process TokenizerManager (`generate_request`, `abort_request`).
@@ -387,7 +387,8 @@ def _eos_ids(tm: Any) -> frozenset[int]:
 
 # What the layers above add to SGLang's app: given the app, a factory for the engine (called
 # once SGLang's server runs) and the auth policy, mount the /april/v1 routes. The door takes it as
-# an argument so that it imports nothing from the layers above it (tests/unit/test_layers.py).
+# an argument so that it imports nothing from the layers above it
+# (tests/unit/project/test_layers.py).
 MountRoutes = Callable[[Any, Callable[[], BaseEngine], AuthPolicy], None]
 
 

@@ -16,7 +16,7 @@ from april_client.protocol import (
     SampleAwaitingEvent,
     StreamEvent,
 )
-from april_server.rules import turns as turn_rules
+from april_server.rules import turns
 from april_server.rules.idempotency import is_attempt
 from april_server.wire.errors import ApiError
 from tests.sim.base import WorldBase
@@ -243,7 +243,7 @@ class CallClients(WorldBase):
             if not self.mgr.buffer.known(gid):
                 return
             g = await self.mgr.buffer.read_group(gid)
-            awaiting = next((s for s in g.samples if turn_rules.awaiting(s)), None)
+            awaiting = next((s for s in g.samples if turns.awaiting(s)), None)
             if awaiting is not None:
                 break
         if awaiting is None:

@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable
 from april_client.protocol import (
     AbortReq,
 )
-from april_server.rules import samples as sample_rules
-from april_server.rules import turns as turn_rules
+from april_server.rules import samples, turns
 from tests.sim.call_clients import CallClients
 from tests.sim.ledger import require
 from tests.sim.operation_clients import OperationClients
@@ -75,7 +74,7 @@ class World(CallClients, OperationClients):
             e = idle.get(gid)
             finished = e is not None and e.unfinished == 0
             g = self.mgr.buffer.claimed.get(gid)
-            finished = finished or (g is not None and sample_rules.group_finished(g))
+            finished = finished or (g is not None and samples.group_finished(g))
             require(finished, f"the background forgot {gid} (nobody aborted or took it)")
 
     async def drain(self) -> None:
@@ -109,5 +108,5 @@ class World(CallClients, OperationClients):
         for g in [*mgr.buffer.load_idle(), *led.bodies]:
             for s in g.samples:
                 led.check_sample(s)
-                if turn_rules.awaiting(s):
+                if turns.awaiting(s):
                     require(g.group_id in buffered, f"{s.sample_id} awaits outside the buffer")

@@ -35,9 +35,9 @@ from april_server.buffer.store import BufferStore
 from april_server.buffer.synthetic import fill
 from april_server.engine.base import BaseEngine
 from april_server.http.app import create_router
+from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import EngineCapacity
 from april_server.rules.samples import SegmentResult
-from april_server.root.manager import RolloutManager
 
 R = "/april/v1"
 BIG_CALLS, SMALL_CALLS = 3, 10  # end to end: enough polls for a p99

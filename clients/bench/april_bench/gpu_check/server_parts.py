@@ -99,7 +99,7 @@ def configs(ctx: Context) -> dict[str, Any]:
 
     from transformers import AutoConfig
 
-    from april_bench.cli import parse_args as bench_parse_args
+    from april_bench.options import parse_args as bench_parse_args
     from april_server.cli import april_parser
 
     cfg = AutoConfig.from_pretrained(MODEL_DIR)

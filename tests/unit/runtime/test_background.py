@@ -1,0 +1,410 @@
+"""Background generation (#19): `on_quota: continue`, `POST /groups`, and how the background
+gives way to calls, aborts, deletes and restarts (weight updates and staleness:
+`test_background_versions.py`). Fake engine (its tokens are a hash of the context, so an
+interrupted + continued sample equals an uninterrupted one)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from april_client.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
+from april_server.buffer.store import BufferStore
+from april_server.root.manager import RolloutManager
+from april_server.wire.errors import ApiError
+from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token
+
+PROMPT = [1, 2, 3]
+
+
+def spec(gid: str, budget: int, n: int = 1) -> GroupSpec:
+    params = {"max_new_tokens": budget, "ignore_eos": True, "temperature": 0.0}
+    return GroupSpec(gid, n=n, input_ids=PROMPT, sampling_params=params)
+
+
+def reference(budget: int) -> list[int]:
+    ctx, out = list(PROMPT), []
+    for _ in range(budget):
+        out.append(next_token(ctx, 64))
+        ctx.append(out[-1])
+    return out
+
+
+async def until(cond: Any, timeout: float = 30.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def make(path: Path, delay_s: float = 0.002) -> RolloutManager:
+    return RolloutManager(FakeEngine(delay_s=delay_s), BufferStore(path / "b.sqlite"))
+
+
+async def listed_state(mgr: RolloutManager, gid: str) -> str | None:
+    return mgr.partials.listed(await mgr.buffer.read_group(gid)).state
+
+
+def test_continue_keeps_generating_after_the_answer(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path)
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 300)], on_quota="continue")
+        r = await mgr.rollout(req)
+        assert [g.group_id for g in r.groups] == ["quick"]
+        assert r.buffered_group_ids == ["long"]
+        # The call has answered; the straggler goes on, listed as buffered and running.
+        await until(lambda: "long" in mgr.background.running_groups())
+        assert await listed_state(mgr, "long") == "running"
+        assert len(mgr.buffer.idle) == 1  # still counted as buffered
+        await until(lambda: not mgr.background.running_groups())
+        assert await listed_state(mgr, "long") == "finished"
+        (s,) = (await mgr.buffer.read_group("long")).samples
+        assert s.status == "truncated" and s.output_ids == reference(300)
+        # Handed over in place: the segment the call started never stopped (no snapshot, no
+        # restore, no second segment).
+        assert len(s.segments) == 1 and mgr.background.pauses == 0
+        # The next call gets it at once, without generating anything.
+        calls = len(mgr.engine.calls)  # type: ignore[attr-defined]
+        r2 = await mgr.rollout(RolloutReq(groups=[], target_groups=1))
+        assert [g.group_id for g in r2.groups] == ["long"]
+        assert len(mgr.engine.calls) == calls  # type: ignore[attr-defined]
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_call_takes_over_a_group_still_generating(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.004)
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
+        await mgr.rollout(req)
+        await until(lambda: "long" in mgr.background.running_groups())
+        await asyncio.sleep(0.2)
+        # A call claims it mid-generation: its segment keeps generating, now the call's, and
+        # counts toward its quota (nothing stops, nothing restores).
+        r = await mgr.rollout(RolloutReq(groups=[spec("new", 500)], target_groups=1))
+        assert [g.group_id for g in r.groups] == ["long"]
+        (s,) = r.groups[0].samples
+        assert s.output_ids == reference(400)  # nothing lost or generated twice
+        # One segment: the first call's, handed to the background at its answer, then to this
+        # call, without ever stopping.
+        assert len(s.segments) == 1 and s.segments[0].end == 400
+        assert mgr.background.pauses == 0
+        # ... and "new", which that call started, went back to the buffer idle (snapshot).
+        assert not mgr.background.wanted
+        # The taken-over segment counts in the call's figures, whole, and not the background's.
+        (new,) = (await mgr.buffer.read_group("new")).samples
+        assert r.stats.output_tokens == 400 + len(new.output_ids)
+        assert mgr.background.tally.output_tokens == 0
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_call_takes_over_what_its_running_target_holds_and_the_rest_gives_way(
+    tmp_path: Path,
+) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.003)
+        await mgr.add_groups(GroupsReq(groups=[spec(f"g{i}", 300) for i in range(3)]))
+        await until(lambda: len(mgr.background.running_groups()) == 3)
+        await asyncio.sleep(0.05)
+        req = RolloutReq(groups=[], target_groups=1, max_inflight_groups=1)
+        r = await mgr.rollout(req)
+        # The oldest passed to the call generating: one segment, never stopped.
+        assert [g.group_id for g in r.groups] == ["g0"]
+        (s,) = r.groups[0].samples
+        assert len(s.segments) == 1 and s.output_ids == reference(300)
+        # The two it had no room for stopped (one pause) and went on after the call.
+        assert mgr.background.pauses == 1
+        await until(lambda: not mgr.background.wanted and not mgr.buffer.holders)
+        for gid in ("g1", "g2"):
+            (x,) = (await mgr.buffer.read_group(gid)).samples
+            assert x.output_ids == reference(300) and len(x.segments) == 2
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_continue_call_ending_beside_another_call_stops_its_stragglers(tmp_path: Path) -> None:
+    """Only where nothing else holds the background do stragglers pass to it generating.
+    Here a second call arrives while the first persists its answer: the straggler stops with
+    what it generated persisted again (the first persist predates it), and goes on in the
+    background once both calls have ended."""
+
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.003)
+        persist = mgr.persister.persist
+        second: list[asyncio.Task[Any]] = []
+
+        async def persist_while_a_call_arrives(*args: Any, **kw: Any) -> None:
+            if not second:
+                req = RolloutReq(groups=[spec("other", 30)], target_groups=1, resume_first=False)
+                second.append(asyncio.create_task(mgr.rollout(req)))
+                await until(lambda: len(mgr.calls) == 2)
+            await persist(*args, **kw)
+
+        mgr.persister.persist = persist_while_a_call_arrives  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
+        r = await mgr.rollout(req)
+        assert r.buffered_group_ids == ["long"]
+        (x,) = (await mgr.buffer.read_group("long")).samples
+        assert 0 < len(x.output_ids) < 400  # stopped, and what it made is durable
+        assert len(x.segments) == 1
+        await second[0]
+        await until(lambda: not mgr.background.wanted and not mgr.buffer.holders)
+        (x,) = (await mgr.buffer.read_group("long")).samples
+        assert x.output_ids == reference(400) and len(x.segments) == 2
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_an_abort_while_a_continue_call_persists_keeps_what_it_asked_for(tmp_path: Path) -> None:
+    """An abort (keep: tokens) arrives while the call persists its answer: the straggler is
+    the abort's, not handed over; it stops for good with its tokens, persisted."""
+
+    async def go() -> None:
+        eng = SnapshotFakeEngine(delay_s=0.003)
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
+        persist = mgr.persister.persist
+        aborts: list[asyncio.Task[Any]] = []
+
+        async def persist_while_aborted(*args: Any, **kw: Any) -> None:
+            if not aborts:
+                aborts.append(asyncio.create_task(mgr.abort(AbortReq(all=True, keep="tokens"))))
+                stopping = lambda: any(r.stopping for r in mgr.segments.running.values())  # noqa: E731
+                await until(lambda: aborts[0].done() or stopping())
+            await persist(*args, **kw)
+
+        mgr.persister.persist = persist_while_aborted  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
+        r = await mgr.rollout(req)
+        assert r.buffered_group_ids == ["long"]
+        await aborts[0]
+        (x,) = (await mgr.buffer.read_group("long")).samples
+        assert 0 < len(x.output_ids) < 400 and x.status == "partial"
+        assert x.output_ids == reference(400)[: len(x.output_ids)]
+        # The abort's keep (tokens), not the snapshot the call's stop would have taken.
+        assert x.snapshot_bytes == 0 and not eng.snaps
+        await asyncio.sleep(0.1)
+        assert not mgr.segments.running and not mgr.background.wanted
+        assert await listed_state(mgr, "long") == "idle"
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_prefetched_groups_generate_before_any_call(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path)
+        resp = await mgr.add_groups(GroupsReq(groups=[spec("p1", 50, n=2), spec("p2", 60)]))
+        assert resp.group_ids == ["p1", "p2"] and resp.started_samples == 3
+        await until(lambda: all(mgr.buffer.idle.get(g).unfinished == 0 for g in ("p1", "p2")))
+        await until(lambda: not mgr.segments.running and not mgr.background.running_groups())
+        for gid, budget in (("p1", 50), ("p2", 60)):
+            g = await mgr.buffer.read_group(gid)
+            assert mgr.partials.listed(g).state == "finished"
+            assert all(s.output_ids == reference(budget) for s in g.samples)
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=2))
+        assert sorted(g.group_id for g in r.groups) == ["p1", "p2"]
+        # start: idle only buffers; bad input adds nothing; a retry returns the same answer.
+        idle = GroupsReq(groups=[spec("i1", 5)], start="idle", request_id="pre-1")
+        assert (await mgr.add_groups(idle)).started_samples == 0
+        assert await mgr.add_groups(idle) == (await mgr.add_groups(idle))
+        await asyncio.sleep(0.1)
+        assert await listed_state(mgr, "i1") == "idle" and not mgr.segments.running
+        with pytest.raises(ApiError):
+            await mgr.add_groups(GroupsReq(groups=[spec("i2", 5), spec("i1", 5)]))
+        assert not mgr.buffer.known("i2")
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_abort_and_delete_stop_background_samples_for_good(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.005)
+        await mgr.add_groups(GroupsReq(groups=[spec("a", 450), spec("d", 450)]))
+        await until(lambda: len(mgr.background.running_groups()) == 2)
+        await asyncio.sleep(0.1)
+        await mgr.delete("d")
+        assert not mgr.buffer.known("d")
+        out = await mgr.abort(AbortReq(all=True, keep="tokens"))
+        assert [s.sample_id for s in out.samples] == ["a/0"]
+        assert 0 < len(out.samples[0].output_ids) < 450
+        await asyncio.sleep(0.2)
+        assert not mgr.segments.running and not mgr.background.wanted  # not restarted later
+        r = await mgr.rollout(RolloutReq(groups=[spec("x", 2)], target_groups=1))
+        await asyncio.sleep(0.1)
+        assert [g.group_id for g in r.groups] == ["x"] and not mgr.segments.running
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_restart_keeps_what_was_persisted(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.005)
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 480)], on_quota="continue")
+        await mgr.rollout(req)
+        (stored,) = mgr.store.load_all()  # what the answer acknowledged
+        acknowledged = len(stored.samples[0].output_ids)
+        await until(lambda: "long" in mgr.background.running_groups())
+        await asyncio.sleep(0.1)
+        # A crash now: the store holds what the call's answer acknowledged (the process dies
+        # without handing anything back).
+        mgr.store.close()
+        again = make(tmp_path)
+        (s,) = (await again.buffer.read_group("long")).samples
+        assert s.status == "partial" and len(s.output_ids) >= acknowledged
+        assert s.output_ids == reference(480)[: len(s.output_ids)]
+        assert not again.background.wanted  # a restart treats them like any buffered group
+        again.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_aborting_a_finished_call_stops_what_it_left_in_the_background(tmp_path: Path) -> None:
+    async def go() -> None:
+        mgr = make(tmp_path, delay_s=0.005)
+        req = RolloutReq(groups=[spec("q", 3), spec("left", 450)], on_quota="continue")
+        r = await mgr.rollout(req)
+        await until(lambda: "left" in mgr.background.running_groups())
+        out = await mgr.abort(AbortReq(batch_id=r.batch_id, keep="tokens"))
+        assert [s.sample_id for s in out.samples] == ["left/0"]
+        await asyncio.sleep(0.1)
+        assert not mgr.segments.running and not mgr.background.wanted
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+# ---- review of 2026-12-06 ------------------------------------------------------------------
+
+
+def test_a_round_does_not_rewrite_the_groups_that_found_no_room(tmp_path: Path) -> None:
+    """Found by review: each background round read every wanted group, started what fit, and
+    persisted each of the others unchanged, one fsynced commit per group, every round (and a
+    call arriving meanwhile waited for all of it)."""
+    from tests.unit.buffer.test_buffer import CapacityEngine
+
+    async def go() -> None:
+        eng = CapacityEngine(max_running=2, total_tokens=100_000)  # admits 2 + a queue of 8
+        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        await mgr.segments.admission_ready()
+        real, written = mgr.buffer.persist, []
+
+        async def counting(put: Any, delete: Any, call: Any = None) -> None:
+            written.extend(g.group_id for g in put if not any(s.output_ids for s in g.samples))
+            await real(put, delete, call)
+
+        groups = [spec(f"g{i}", 40) for i in range(20)]
+        await mgr.add_groups(GroupsReq(groups=groups))  # the new groups' own first write
+        mgr.buffer.persist = counting  # type: ignore[method-assign]
+        await until(lambda: all(mgr.buffer.idle.get(f"g{i}").unfinished == 0 for i in range(20)))
+        await until(lambda: not mgr.background.running_groups())
+        assert written == []  # before the fix: every group that waited, once per round
+        for i in range(20):
+            assert len((await mgr.buffer.read_group(f"g{i}")).samples[0].output_ids) == 40
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_store_that_fails_leaves_no_group_held_by_the_background(tmp_path: Path) -> None:
+    """Found by review: a background round whose commit failed tried to hand its groups back
+    with another commit; when that failed too, they stayed held by the background for the
+    server's life (409 group_busy for every call, resume and delete naming them)."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        await mgr.add_groups(GroupsReq(groups=[spec("a", 200), spec("b", 200)]))
+        await until(lambda: mgr.background.running_groups() == {"a", "b"})
+        real = mgr.buffer.persist
+
+        async def full_disk(*args: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        mgr.buffer.persist = full_disk  # type: ignore[method-assign]
+        await until(lambda: not mgr.background.running_groups())
+        assert mgr.buffer.owner_of("a") is None and mgr.buffer.owner_of("b") is None
+        mgr.buffer.persist = real  # type: ignore[method-assign]
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=2))  # the disk is back
+        assert sorted(g.group_id for g in r.groups) == ["a", "b"]
+        assert all(g.samples[0].output_ids == reference(200) for g in r.groups)
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_group_handed_on_generating_is_stored_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a `continue` call persists its stragglers while they go on generating,
+    and the store's thread summarized a group, then encoded its body later: a segment that
+    ended in between left a row whose summary and body disagree (or a body caught half-way
+    through recording the segment), there to be read after a crash. The store thread is
+    slowed between the two here so that the straggler's segment ends inside the window."""
+    import threading
+
+    import april_server.buffer.store as store_mod
+    from april_server.buffer.buffer_index import summarize
+
+    real_encode = store_mod.encode_group
+
+    def slow_on_the_store_thread(g: Any) -> bytes:
+        if threading.current_thread() is not threading.main_thread():
+            import time
+
+            time.sleep(0.3)  # the loop records the straggler's end meanwhile
+        return real_encode(g)
+
+    monkeypatch.setattr(store_mod, "encode_group", slow_on_the_store_thread)
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        torn: list[str] = []
+        real_commit = mgr.store.commit
+
+        async def checked(*args: Any) -> Any:
+            out = await real_commit(*args)
+            bodies = await mgr.store.read_groups([e.group_id for e in mgr.store.load_index()])
+            for e in mgr.store.load_index():
+                if summarize(bodies[e.group_id], e.seq) != e:
+                    torn.append(e.group_id)
+            return out
+
+        mgr.store.commit = checked  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 3), spec("long", 60)], on_quota="continue")
+        r = await mgr.rollout(req)
+        assert r.buffered_group_ids == ["long"]
+        await until(lambda: not mgr.background.running_groups())
+        assert torn == []  # before the fix: ["long"], after the call's own commit
+        (s,) = (await mgr.buffer.read_group("long")).samples
+        assert s.output_ids == reference(60)
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_request_id_names_a_hand_in_and_a_call_apart(tmp_path: Path) -> None:
+    """Found by review: `/groups` and `/rollouts` remembered their answers under one key, so
+    a step naming both "step-18" got a 500 (the stored answer of the other route failed to
+    decode), or overwrote the record a rollout's retry needed."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        pre = GroupsReq(groups=[spec("p", 5)], start="idle", request_id="step-18")
+        first = await mgr.add_groups(pre)
+        call = RolloutReq(groups=[spec("c", 5)], target_groups=2, request_id="step-18")
+        r = await mgr.rollout(call)  # before the fix: msgspec ValidationError (a 500)
+        assert sorted(g.group_id for g in r.groups) == ["c", "p"]
+        assert await mgr.add_groups(pre) == first  # each still idempotent
+        assert await mgr.rollout(call) == r
+        mgr.check_integrity()
+
+    asyncio.run(go())
