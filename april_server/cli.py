@@ -308,7 +308,7 @@ def mount_routes(
 
     holder = ManagerHolder(config, make_engine)
     # Weight pushes cut our running segments at the version boundary (door/weight_hooks.py).
-    listen(lambda: None if (m := holder.peek()) is None else m.segments)
+    listen(lambda: None if (m := holder.peek()) is None else m.weight_cut)
     app.include_router(create_router(holder.get, config, auth))
     app.include_router(create_engine_router(lambda: holder.get().engine, auth))
     extend_app(app)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import BaseEngine
+from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import Counters
 from april_server.engine.versions import WeightVersions
@@ -24,6 +25,7 @@ class CallParts:
     store: BufferStore  # a `request_id`'s earlier answer
     buffer: PartialBuffer
     segments: SegmentRunner
+    planner: SegmentPlanner  # the admission bound; whether snapshots are kept
     background: Background
     calls: LiveCalls
     persister: Persister

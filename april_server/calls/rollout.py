@@ -69,6 +69,7 @@ class RolloutCall:
         self.engine = parts.engine
         self.buffer = parts.buffer
         self.segments = parts.segments
+        self.planner = parts.planner
         self.background = parts.background
         self.calls = parts.calls
         self.turns = TurnsInCall(state, parts.engine, parts.buffer, parts.segments)
@@ -227,7 +228,7 @@ class RolloutCall:
             # acknowledged), so a cancellation even here must wind down and keep them.
             limit, sample_target = await refill.inflight_limits()
             await refill.take_over_background(limit, sample_target)
-            await self.segments.admission_ready()
+            await self.planner.admission_ready()
             while True:
                 if state.quota.met:
                     # Streamed calls may wait `reject_grace_s` for late rejects (DAPO

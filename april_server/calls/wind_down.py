@@ -150,7 +150,7 @@ class WindDown:
         groups = [claimed[g] for g in returned]
         notes = list(state.tally.notes)
         on_quota = req.on_quota
-        if on_quota == "snapshot" and not self.segments.snapshots_enabled:
+        if on_quota == "snapshot" and self.segments.snap is None:
             on_quota = "tokens"
             notes.append("on_quota=snapshot ran as tokens: this engine keeps no KV snapshots")
         stats = RolloutStats(

@@ -21,7 +21,7 @@ Weight pushes never wait for our stragglers (AROUND every `update_weights_from_*
 session's `begin_weight_update`, held until its `end_weight_update`: `Session`): SGLang's
 update takes a writer lock that waits until every request has finished. Without
 `abort_all_requests`, the rollout manager first cuts its running segments at the version
-boundary (`SegmentRunner.before_update`: abort; their tokens are kept, with the old version),
+boundary (`WeightCut.before_update`: abort; their tokens are kept, with the old version),
 so the lock is free within a decode step; once the update is done they continue under the new
 weights as new segments (`after_update`). Requests of other clients are not ours to cut.
 """

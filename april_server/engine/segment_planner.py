@@ -1,10 +1,10 @@
 """Where segments run: what runs on which slot, the admission bound, and a segment's plan.
 
-`SegmentPlanner` holds what the segment runner knows of the engine's load (the running
-samples, each slot's count and KV need, the admission bound sized from the engine's
-capacity, the predicted lengths) and plans a segment without I/O: its slot and what the
-engine does first (`placement.plan_segment`: the snapshot's slot, else the least loaded one).
-The weight cut (`weight_cut.py`) and the runner (`segment_runner.py`) build on it.
+`SegmentPlanner` holds what the segment runner knows of the engine's load (each slot's
+running samples and KV need, the admission bound sized from the engine's capacity) and plans
+a segment without I/O: its slot and what the engine does first (`placement.plan_segment`: the
+snapshot's slot, else the least loaded one). The runner (`segment_runner.py`) and the weight
+cut (`weight_cut.py`) are handed it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from april_client.protocol import Sample
 from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
-from april_server.engine.segment_state import CallTally, Counters, Running
-from april_server.engine.versions import WeightVersions
+from april_server.engine.segment_state import CallTally, Counters
 from april_server.rules import samples as sample_rules
 from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.inflight import Admission
@@ -33,8 +33,7 @@ class SegmentPlanner:
         counters: Counters,
         admission: Admission,
         allow_stale: bool,
-        versions: WeightVersions | None = None,
-        lengths: LengthModel | None = None,
+        lengths: LengthModel,
     ) -> None:
         self.engine = engine
         self.snap: SnapshotEngine | None = None
@@ -43,13 +42,9 @@ class SegmentPlanner:
         self.counters = counters
         self.admission = admission
         self.allow_stale = allow_stale
-        self.running: dict[str, Running] = {}  # sample_id -> its engine request
+        self.lengths = lengths  # the tail placement asks which samples are long
         self.load: dict[Slot, list[float]] = {}  # slot -> [running samples, KV need]
-        # The weight version new segments run under, and the versions seen.
-        self.versions = versions if versions is not None else WeightVersions(engine)
         self._capacity_key: object = ()  # what the admission bound was sized for
-        # Predicted lengths: written on each member as its group starts, scored as it ends.
-        self.lengths = lengths if lengths is not None else LengthModel()
 
     @property
     def snapshots_enabled(self) -> bool:
@@ -69,16 +64,29 @@ class SegmentPlanner:
             out.append(SlotLoad(slot, int(running), kv, self.engine.healthy(slot)))
         return out
 
-    def _add_load(self, slot: Slot, samples: int, kv: float) -> None:
+    def add_load(self, slot: Slot, samples: int, kv: float) -> None:
         acc = self.load.setdefault(slot, [0, 0.0])
         acc[0] += samples
         # KV needs are floats taken back in another order than added: an idle slot would
         # keep a residue (~1e-14) that tips placement's ties. Nothing running needs nothing.
         acc[1] = acc[1] + kv if acc[0] else 0.0
 
+    def by_slot(self) -> list[dict[str, Any]]:
+        """What this server runs where, for /stats."""
+        return [
+            {
+                "engine": x.slot.engine,
+                "dp_rank": x.slot.dp_rank,
+                "running_samples": x.running,
+                "kv_need_tokens": int(x.kv_tokens),
+                "healthy": x.healthy,
+            }
+            for x in self.loads()
+        ]
+
     async def admission_ready(self) -> Admission:
         """The admission bound, sized from what the engine can run: once for one server, again
-        whenever an owner's pool of healthy engines changes (#23: it follows the pool)."""
+        whenever an owner's pool of healthy engines changes (it follows the pool)."""
         key = self.engine.capacity_key()
         if key != self._capacity_key:
             capacity = await self.engine.capacity()
@@ -93,7 +101,7 @@ class SegmentPlanner:
         self.counters.staleness_restarts += 1
         tally.notes.append(f"{sample.sample_id}: restarted from its prompt (max_staleness)")
 
-    def _plan(
+    def plan(
         self,
         sample: Sample,
         owner: str,
@@ -125,8 +133,8 @@ class SegmentPlanner:
             0 if sample.return_routed_experts else None,  # a restore moves it (base.py)
         )
 
-    async def _drop_unexecuted(self, call: SegmentCall) -> None:
-        """The plan gave up the sample's old snapshot (`_plan` cleared its figures) and left
+    async def drop_unexecuted(self, call: SegmentCall) -> None:
+        """The plan gave up the sample's old snapshot (`plan` cleared its figures) and left
         freeing it to the engine at the segment's start, but the segment failed, maybe before
         it got there: free it now (a no-op where it was freed). Otherwise nobody knows of it."""
         if call.drop is None or self.snap is None:

@@ -8,9 +8,10 @@ performs the whole plan in one `run_segment` call (free an unused snapshot, rest
 pinned to the slot, release). Its end is recorded by `samples.apply_segment`, and
 `snapshots.after_segment` says whether the snapshot the engine holds is kept or freed.
 
-The runner is built in three layers: `SegmentPlanner` (segment_planner.py: the load, the
-admission bound, a segment's plan), `WeightCut` over it (weight_cut.py: what a weight push
-does to running segments) and `SegmentRunner` over both (this file: start, run, record, stop).
+The runner has two parts of its own, built with it: `planner` (`SegmentPlanner`,
+segment_planner.py: the load, the admission bound, a segment's plan) and `weight_cut`
+(`WeightCut`, weight_cut.py: what a weight push does to running segments); this file starts,
+runs, records and stops segments.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from dataclasses import replace
 from typing import Any
 
 from april_client.protocol import Group, Keep, KvMode, Sample
-from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
-from april_server.engine.segment_state import BACKGROUND, CallTally, Running
+from april_server.engine.base import BaseEngine, EngineUnavailable, SegmentCall, SegmentOutcome
+from april_server.engine.segment_planner import SegmentPlanner
+from april_server.engine.segment_state import BACKGROUND, CallTally, Counters, Running
+from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import (
     ABORT_POLL_S,
     ABORT_RESEND_S,
@@ -35,7 +38,8 @@ from april_server.engine.weight_cut import (
 from april_server.rules import samples as sample_rules
 from april_server.rules import snapshots as snapshot_rules
 from april_server.rules import turns as turn_rules
-from april_server.rules.inflight import kv_need
+from april_server.rules.inflight import Admission, kv_need
+from april_server.rules.lengths import LengthModel
 from april_server.rules.placement import Slot
 from april_server.rules.stops import reached_stop
 from april_server.wire.errors import conflict
@@ -45,9 +49,30 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5  # how often a segment waiting for a healthy engine plans again
 
 
-class SegmentRunner(WeightCut):
-    """Starts, runs, records and stops segments; where they run is `SegmentPlanner`'s plan,
-    and what a weight push does to them is `WeightCut`'s."""
+class SegmentRunner:
+    """Starts, runs, records and stops segments; where they run is its planner's plan, and
+    what a weight push does to them is its weight cut's."""
+
+    def __init__(
+        self,
+        engine: BaseEngine,
+        counters: Counters,
+        admission: Admission,
+        allow_stale: bool,
+        versions: WeightVersions | None = None,
+        lengths: LengthModel | None = None,
+    ) -> None:
+        self.engine = engine
+        self.counters = counters
+        self.admission = admission
+        self.running: dict[str, Running] = {}  # sample_id -> its engine request
+        # The weight version new segments run under, and the versions seen.
+        self.versions = versions if versions is not None else WeightVersions(engine)
+        # Predicted lengths: written on each member as its group starts, scored as it ends.
+        self.lengths = lengths if lengths is not None else LengthModel()
+        self.planner = SegmentPlanner(engine, counters, admission, allow_stale, self.lengths)
+        self.snap = self.planner.snap  # None: this engine keeps no KV snapshots
+        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner)
 
     # ---- start ---------------------------------------------------------------------------
 
@@ -90,7 +115,7 @@ class SegmentRunner(WeightCut):
         version, history = self.versions.now(), self.versions.history
         if sample.sample_id in self.running:
             raise conflict("sample_running", f"sample {sample.sample_id!r} is generating")
-        usable = self.usable(sample, version, history, max_staleness)
+        usable = self.planner.usable(sample, version, history, max_staleness)
         # Where its snapshot lives, read before planning: a staleness restart clears the
         # sample's figures, and the snapshot it makes useless must still be freed.
         held = snapshot_rules.held_at(sample) if self.snap is not None else None
@@ -98,14 +123,14 @@ class SegmentRunner(WeightCut):
             sample, version, max_staleness, history, override_params, owner == BACKGROUND
         )
         if cont.restarted:
-            self.count_restart(sample, tally)
+            self.planner.count_restart(sample, tally)
         restore = cont.kv == "recomputed" and snapshot_rules.wants_restore(
             kv_mode, usable, cont.restarted
         )
         need = kv_need(len(cont.input_ids), int(cont.sampling_params["max_new_tokens"]))
         if restore:
             cont = replace(cont, cache_ns=snapshot_rules.cache_namespace(sample, version))
-        call = self._plan(sample, owner, cont, restore, held)  # None: nothing healthy now
+        call = self.planner.plan(sample, owner, cont, restore, held)  # None: nothing healthy now
         # The task starts at the next loop turn, once its `Running` entry is in place.
         task = asyncio.get_running_loop().create_task(
             self._run(sample.sample_id, cont, restore, call, need)
@@ -119,7 +144,7 @@ class SegmentRunner(WeightCut):
         run.planned_version = version
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
-            self._add_load(call.slot, 1, need)
+            self.planner.add_load(call.slot, 1, need)
         self.running[sample.sample_id] = run
         self.admission.take(1, need)
         task.add_done_callback(lambda _: self.admission.give_back(1, need))
@@ -133,7 +158,7 @@ class SegmentRunner(WeightCut):
         deadline = time.monotonic() + ENGINE_WAIT_S
         while not run.stopping and time.monotonic() < deadline:
             held = run.unplanned_drop or (snapshot_rules.held_at(run.sample) if self.snap else None)
-            call = self._plan(run.sample, run.owner, cont, restore, held)
+            call = self.planner.plan(run.sample, run.owner, cont, restore, held)
             if call is not None:
                 run.unplanned_drop = None
                 return call
@@ -180,7 +205,7 @@ class SegmentRunner(WeightCut):
             try:
                 outcome = await self._one_segment(run, cont, restore, call, need)
             except PlannedBeforeUpdate as moved:
-                cont, call, restore = self._plan_after_update(run, need, moved.call)
+                cont, call, restore = self.weight_cut.plan_after_update(run, need, moved.call)
                 continue
             out = self._classified(sample, cont, outcome)
             ended = out
@@ -196,7 +221,7 @@ class SegmentRunner(WeightCut):
             # rule instead of the one it was cut under.
             run.resuming = True
             try:
-                await self._until_updated(run)
+                await self.weight_cut.until_updated(run)
                 if run.stopping:
                     break
                 self._record(sample, out, cont, run.tally)
@@ -205,7 +230,7 @@ class SegmentRunner(WeightCut):
                 if sample_rules.is_finished(sample) or turn_rules.awaiting(sample):
                     ended = None
                     break
-                cont, call, restore = self._continue_after_cut(run, need)
+                cont, call, restore = self.weight_cut.continue_after_cut(run, need)
             finally:
                 run.resuming = False
         if run.unplanned_drop is not None and self.snap is not None:
@@ -254,13 +279,13 @@ class SegmentRunner(WeightCut):
                     why = "stopped" if run.stopping else f"no healthy engine in {ENGINE_WAIT_S} s"
                     return self._failed(sample, run.slot, f"engine unavailable ({why})", run.tally)
                 run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
-                self._add_load(call.slot, 1, need)
-            if not self.updated.is_set():
-                held = await self._held_for_update(run, call)
+                self.planner.add_load(call.slot, 1, need)
+            if not self.weight_cut.updated.is_set():
+                held = await self.weight_cut.held_for_update(run, call)
                 if held is not None:
                     return held
                 if self.versions.now() != run.planned_version:
-                    self._add_load(call.slot, -1, -need)
+                    self.planner.add_load(call.slot, -1, -need)
                     raise PlannedBeforeUpdate(call)
             try:
                 return await self.engine.run_segment(call)
@@ -269,14 +294,14 @@ class SegmentRunner(WeightCut):
                 # had and, unless it is being stopped, its segment runs again elsewhere.
                 self.counters.engine_failovers += 1
                 run.tally.notes.append(f"{sample.sample_id}: {exc}; its segment runs again")
-                await self._drop_unexecuted(call)
+                await self.planner.drop_unexecuted(call)
                 call = None
             except Exception as exc:  # an engine failure must not lose the sample
                 logger.exception("engine error on %s", call.rid)
-                await self._drop_unexecuted(call)
+                await self.planner.drop_unexecuted(call)
                 return self._failed(sample, call.slot, f"engine error: {exc}", run.tally)
             finally:
-                self._add_load(run.slot, -1, -need)
+                self.planner.add_load(run.slot, -1, -need)
 
     def _classified(
         self, sample: Sample, cont: sample_rules.Continuation, out: SegmentOutcome
@@ -394,16 +419,3 @@ class SegmentRunner(WeightCut):
             slot = snapshot_rules.held_at(s)
             if slot is not None and await self.snap.snapshot_info(s.sample_id, slot) is None:
                 snapshot_rules.clear(s)
-
-    def by_slot(self) -> list[dict[str, Any]]:
-        """What this server runs where, for /stats."""
-        return [
-            {
-                "engine": x.slot.engine,
-                "dp_rank": x.slot.dp_rank,
-                "running_samples": x.running,
-                "kv_need_tokens": int(x.kv_tokens),
-                "healthy": x.healthy,
-            }
-            for x in self.loads()
-        ]

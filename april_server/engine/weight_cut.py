@@ -3,9 +3,10 @@
 `before_update` aborts every running segment (SGLang's update waits for them to leave, so the
 push waits for one decode step, not for the longest straggler); what the old weights made is
 kept as its own segment, and `after_update` lets each go on as a new segment planned under the
-new version (`_continue_after_cut`). A segment about to start while an update runs is held
-until its end (`_held_for_update`), and one planned under the old weights is planned again
-(`_plan_after_update`). The runner's loop (`segment_runner.py`) calls these.
+new version (`continue_after_cut`). A segment about to start while an update runs is held
+until its end (`held_for_update`), and one planned under the old weights is planned again
+(`plan_after_update`). The runner's loop (`segment_runner.py`) calls these; a weight update's
+hooks call `before_update`/`after_update` (the composition root hands them this part).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import asyncio
 
 from april_server.engine.base import BaseEngine, SegmentCall, SegmentOutcome
 from april_server.engine.segment_planner import SegmentPlanner
-from april_server.engine.segment_state import BACKGROUND, Counters, Running
+from april_server.engine.segment_state import BACKGROUND, Running
 from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as sample_rules
 from april_server.rules import snapshots as snapshot_rules
-from april_server.rules.inflight import Admission
-from april_server.rules.lengths import LengthModel
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 
@@ -42,17 +41,18 @@ class PlannedBeforeUpdate(Exception):
         self.call = call
 
 
-class WeightCut(SegmentPlanner):
+class WeightCut:
     def __init__(
         self,
         engine: BaseEngine,
-        counters: Counters,
-        admission: Admission,
-        allow_stale: bool,
-        versions: WeightVersions | None = None,
-        lengths: LengthModel | None = None,
+        running: dict[str, Running],
+        versions: WeightVersions,
+        planner: SegmentPlanner,
     ) -> None:
-        super().__init__(engine, counters, admission, allow_stale, versions, lengths)
+        self.engine = engine
+        self.running = running  # the segment runner's: sample id -> its engine request
+        self.versions = versions
+        self.planner = planner  # plans a cut segment's continuation
         self.updated = asyncio.Event()  # clear while a weight update holds cut segments
         self.updated.set()
         self._resend_cuts: asyncio.Future[None] | None = None
@@ -74,7 +74,7 @@ class WeightCut(SegmentPlanner):
     async def _resend_cut_aborts(self, cut: list[Running]) -> None:
         for wait_s in (*ABORT_RESEND_S, *[ABORT_POLL_S] * int(ENGINE_WAIT_S / ABORT_POLL_S)):
             await asyncio.sleep(wait_s)
-            cut = [r for r in cut if r.cut and not r.task.done()]  # `_run` clears it on landing
+            cut = [r for r in cut if r.cut and not r.task.done()]  # the runner clears it on landing
             if not cut or self.updated.is_set():
                 return
             for r in cut:
@@ -89,7 +89,7 @@ class WeightCut(SegmentPlanner):
             self._resend_cuts.cancel()
             self._resend_cuts = None
 
-    async def _until_updated(self, run: Running) -> None:
+    async def until_updated(self, run: Running) -> None:
         if self.updated.is_set():
             return
         waits = [asyncio.ensure_future(e.wait()) for e in (self.updated, run.stop_requested)]
@@ -99,19 +99,19 @@ class WeightCut(SegmentPlanner):
             for w in waits:
                 w.cancel()
 
-    async def _held_for_update(self, run: Running, call: SegmentCall) -> SegmentOutcome | None:
+    async def held_for_update(self, run: Running, call: SegmentCall) -> SegmentOutcome | None:
         """A segment about to start while a weight update holds the running ones (a push, or
         a whole begin..end session) waits for its end, as they do: SGLang releases its lock
         between a session's messages, so it would otherwise generate on half-loaded weights.
         Stopped meanwhile: it ends having generated nothing (None: it may run now)."""
-        await self._until_updated(run)
+        await self.until_updated(run)
         if not run.stopping:
             return None
-        await self._drop_unexecuted(call)  # never reached an engine
+        await self.planner.drop_unexecuted(call)  # never reached an engine
         result = SegmentResult([], [], "abort", self.versions.now())
         return SegmentOutcome(result, call.slot)
 
-    def _plan_after_update(
+    def plan_after_update(
         self, run: Running, need: float, old: SegmentCall
     ) -> tuple[sample_rules.Continuation, SegmentCall | None, bool]:
         """A segment planned under the weights before an update and held until its end, not
@@ -123,9 +123,9 @@ class WeightCut(SegmentPlanner):
         if old.restore:
             run.restore_planned = False
             snapshot_rules.clear(run.sample)
-        return self._continue_after_cut(run, need, held)
+        return self.continue_after_cut(run, need, held)
 
-    def _continue_after_cut(
+    def continue_after_cut(
         self, run: Running, need: float, held: Slot | None = None
     ) -> tuple[sample_rules.Continuation, SegmentCall | None, bool]:
         """The next segment of a sample cut by a weight update, under the version now.
@@ -141,12 +141,12 @@ class WeightCut(SegmentPlanner):
             run.owner == BACKGROUND,
         )
         if cont.restarted:
-            self.count_restart(sample, run.tally)
-        call = self._plan(sample, run.owner, cont, False, held)
+            self.planner.count_restart(sample, run.tally)
+        call = self.planner.plan(sample, run.owner, cont, False, held)
         run.planned_version = version
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
-            self._add_load(call.slot, 1, need)
+            self.planner.add_load(call.slot, 1, need)
         elif held is not None:
             run.unplanned_drop = held
         return cont, call, False

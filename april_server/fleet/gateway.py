@@ -203,17 +203,17 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         mgr = holder.peek()
         cut = mgr is not None and not body.get("abort_all_requests", False)
         if mgr is not None and cut:
-            await mgr.segments.before_update()
+            await mgr.weight_cut.before_update()
         try:
             out = await fleet.update_weights(body)
         finally:
             if mgr is not None and cut:
-                mgr.segments.after_update()
+                mgr.weight_cut.after_update()
         return JSONResponse(out, status_code=200 if out["success"] else 502)
 
     def listener() -> Any:
         mgr = holder.peek()
-        return None if mgr is None else mgr.segments
+        return None if mgr is None else mgr.weight_cut
 
     weights = FleetWeights(fleet, listener)
 

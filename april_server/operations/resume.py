@@ -15,6 +15,7 @@ import uuid
 from april_client.protocol import ResumeReq, Sample
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.base import BaseEngine
+from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import CallTally, Counters
 from april_server.engine.versions import WeightVersions
@@ -35,6 +36,7 @@ class Resume:
         buffer: PartialBuffer,
         background: Background,
         segments: SegmentRunner,
+        planner: SegmentPlanner,
         versions: WeightVersions,
         persister: Persister,
         counters: Counters,
@@ -43,6 +45,7 @@ class Resume:
         self.buffer = buffer
         self.background = background
         self.segments = segments
+        self.planner = planner  # whether a snapshot is usable for `kv: restore`
         self.versions = versions  # which snapshots a `kv: restore` may use
         self.persister = persister
         self.counters = counters
@@ -127,7 +130,7 @@ class Resume:
                     "awaiting_input",
                     f"sample {s.sample_id!r} awaits input: give its answer in append_ids",
                 )
-            if req.kv == "restore" and not self.segments.usable(
+            if req.kv == "restore" and not self.planner.usable(
                 s, self.versions.now(), self.versions.history, req.max_staleness
             ):
                 raise conflict(

@@ -77,7 +77,11 @@ class RolloutManager:
         self.policy = InflightPolicy(engine)
         self.persister = Persister(self.buffer, store, self.segments.running, length_model.history)
         # Groups generating between calls: it gets what it works with, not the manager.
-        self.background = Background(self.buffer, self.segments, self.calls)
+        self.planner = self.segments.planner
+        self.weight_cut = self.segments.weight_cut  # what a weight update's hooks call
+        self.background = Background(
+            self.buffer, self.segments, self.planner, self.weight_cut, self.calls
+        )
         self.loop_lag = loop_lag
         self.sweep: SnapshotSweep | None = None
         snap = self.segments.snap
@@ -92,6 +96,7 @@ class RolloutManager:
                 store=store,
                 buffer=self.buffer,
                 segments=self.segments,
+                planner=self.planner,
                 background=self.background,
                 calls=self.calls,
                 persister=self.persister,
@@ -109,6 +114,7 @@ class RolloutManager:
             self.buffer,
             self.background,
             self.segments,
+            self.planner,
             self.versions,
             self.persister,
             self.counters,
@@ -186,7 +192,7 @@ class RolloutManager:
             ),
             **({} if self.loop_lag is None else self.loop_lag.figures()),
             "running_samples": len(running),
-            "running_by_slot": self.segments.by_slot(),
+            "running_by_slot": self.segments.planner.by_slot(),
             "active_calls": len(self.calls),
             "background_groups": len(self.background.wanted),
             "background_running_groups": len(self.background.running_groups()),

@@ -54,8 +54,10 @@ from contextlib import asynccontextmanager
 from april_client.protocol import Group, Sample
 from april_server.buffer.buffer_index import open_footprint
 from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import BACKGROUND, CallTally, Running
+from april_server.engine.weight_cut import WeightCut
 from april_server.rules import samples as sample_rules
 from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.inflight import kv_need
@@ -66,10 +68,19 @@ OWNER = BACKGROUND
 
 
 class Background:
-    def __init__(self, buffer: PartialBuffer, segments: SegmentRunner, calls: LiveCalls) -> None:
+    def __init__(
+        self,
+        buffer: PartialBuffer,
+        segments: SegmentRunner,
+        planner: SegmentPlanner,
+        weight_cut: WeightCut,
+        calls: LiveCalls,
+    ) -> None:
         """`calls`: read only here: the background runs only while no call does."""
         self.buffer = buffer
         self.segments = segments
+        self.planner = planner  # the admission bound; counts staleness restarts
+        self.weight_cut = weight_cut  # whether a weight update holds running segments
         self.calls = calls
         self.wanted: dict[str, int | None] = {}  # group id -> the max_staleness it runs under
         self.handed_by: dict[str, str] = {}  # group id -> the call that handed it in
@@ -134,7 +145,7 @@ class Background:
                 if self._past_bound(s, bound):
                     useless.append((s.sample_id, snapshot_rules.held_at(s)))
                     sample_rules.restart_for_staleness(s)
-                    self.segments.count_restart(s, tally)
+                    self.planner.count_restart(s, tally)
                     rested = self.resting.pop(g.group_id, None)
                     if rested is not None:
                         self.wanted[g.group_id], self.handed_by[g.group_id] = rested
@@ -156,7 +167,7 @@ class Background:
         """Whether the ending call `owner` may hand its groups still generating over in place:
         no other call or operation holds the background, and no weight update holds cut
         segments (those continue under their owner's rule after it)."""
-        return self._holds == 1 and list(self.calls) == [owner] and self.segments.updated.is_set()
+        return self._holds == 1 and list(self.calls) == [owner] and self.weight_cut.updated.is_set()
 
     def adopt(self, owner: str, going: dict[str, list[Running]]) -> list[str]:
         """The ending call `owner`'s groups (with the runs it started) pass here generating,
@@ -203,7 +214,7 @@ class Background:
     def hand_over(self, owner: str, take: Callable[[Group, int], bool]) -> list[Group]:
         """Running groups pass to the call `owner`, oldest first, while `take(group, running
         members)` accepts them; their segments keep generating, now the call's."""
-        if not self.segments.updated.is_set():
+        if not self.weight_cut.updated.is_set():
             # A weight update holds cut segments: they continue after it under the rule of
             # whoever owns them; stopped and claimed instead, they are judged by their bound.
             return []
@@ -307,7 +318,7 @@ class Background:
         waiting: list[str] = []
         ends, left = self._ends, self._left
         try:
-            await self.segments.admission_ready()
+            await self.planner.admission_ready()
             while True:
                 if self._fill_due and not self._holds and not self.calls:
                     self._fill_due = False

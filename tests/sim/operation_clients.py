@@ -164,7 +164,7 @@ class OperationClients(WorldBase):
         self.check()
 
     async def op_push(self) -> None:
-        seg = self.mgr.segments
+        seg = self.mgr.weight_cut
         if not seg.updated.is_set():
             return  # one weight update at a time, as the server's weight hooks ensure
         self.note(f"push to {self.version() + 1} begins")

@@ -136,13 +136,13 @@ def test_a_stream_cancelled_right_after_it_started_keeps_its_groups(tmp_path: Pa
         path = tmp_path / "b.sqlite"
         mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
         gate = asyncio.Event()
-        real = mgr.segments.admission_ready
+        real = mgr.segments.planner.admission_ready
 
         async def slow_admission() -> Any:
             await gate.wait()  # e.g. the engine busy answering a control message
             return await real()
 
-        mgr.segments.admission_ready = slow_admission  # type: ignore[method-assign]
+        mgr.segments.planner.admission_ready = slow_admission  # type: ignore[method-assign]
         req = RolloutReq(groups=[spec("a", 50)], target_groups=1, stream=True, request_id="s-1")
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         call = asyncio.ensure_future(mgr.rollout(req, asyncio.Queue(), ready))

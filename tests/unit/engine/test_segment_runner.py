@@ -52,11 +52,11 @@ def test_admission_is_sized_again_when_the_pool_changes() -> None:
         await fleet.probe_all()
         mgr = RolloutManager(fleet, BufferStore(None))
         one = EngineCapacity(10, 1000)
-        await mgr.segments.admission_ready()
+        await mgr.segments.planner.admission_ready()
         two = mgr.admission.max_samples
         servers.gone.add("b:1")
         await fleet.probe_all()  # b leaves the pool
-        await mgr.segments.admission_ready()
+        await mgr.segments.planner.admission_ready()
         alone = mgr.admission.max_samples
         assert alone < two  # before the fix: sized once, for two engines, for good
         check = type(mgr.admission)()
@@ -144,15 +144,15 @@ def test_a_group_runs_every_member_to_its_budget_and_gives_back_what_it_took() -
         tally, tasks = start_group(runner, g)
         assert len(tasks) == 3 and set(runner.running) == {"g/0", "g/1", "g/2"}
         assert runner.admission.samples == 3 and runner.admission.tokens > 0
-        assert runner.by_slot()[0]["running_samples"] == 3
+        assert runner.planner.by_slot()[0]["running_samples"] == 3
         await asyncio.gather(*tasks)
         assert all(s.output_ids == uninterrupted(10) for s in g.samples)
         assert {(s.status, s.finish_reason) for s in g.samples} == {("truncated", "length")}
         assert tally.output_tokens == runner.counters.output_tokens == 30
         assert not runner.running
         assert (runner.admission.samples, runner.admission.tokens) == (0, 0.0)
-        assert runner.by_slot()[0]["running_samples"] == 0
-        assert runner.by_slot()[0]["kv_need_tokens"] == 0
+        assert runner.planner.by_slot()[0]["running_samples"] == 0
+        assert runner.planner.by_slot()[0]["kv_need_tokens"] == 0
 
     asyncio.run(go())
 
@@ -304,13 +304,13 @@ def test_a_weight_update_cuts_a_segment_holds_it_and_continues_it_under_the_new_
         tally, (task,) = start_group(runner, g)
         await until(lambda: len(eng.calls) == 1)
         await asyncio.sleep(0.03)
-        await runner.before_update()
+        await runner.weight_cut.before_update()
         run = runner.running["g/0"]
         await until(lambda: run.resuming)  # cut, and held until the update ends
         await asyncio.sleep(0.03)
         assert len(eng.calls) == 1 and not task.done()
         eng.version = "1"
-        runner.after_update()
+        runner.weight_cut.after_update()
         await task
         assert s.output_ids == uninterrupted(300)
         assert [seg.weight_version for seg in s.segments] == ["0", "1"]
@@ -324,7 +324,7 @@ def test_a_segment_planned_before_an_update_waits_for_it_and_runs_under_the_new_
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         runner = runner_over(eng)
-        await runner.before_update()  # nothing running: the update is under way
+        await runner.weight_cut.before_update()  # nothing running: the update is under way
         g = group("g", 20)
         (s,) = g.samples
         _, (task,) = start_group(runner, g)
@@ -332,7 +332,7 @@ def test_a_segment_planned_before_an_update_waits_for_it_and_runs_under_the_new_
         await asyncio.sleep(0.05)
         assert eng.calls == []  # held: nothing generates on half-loaded weights
         eng.version = "1"
-        runner.after_update()
+        runner.weight_cut.after_update()
         await task
         assert s.output_ids == uninterrupted(20)
         assert [seg.weight_version for seg in s.segments] == ["1"] and len(eng.calls) == 1
@@ -344,7 +344,7 @@ def test_a_segment_stopped_while_an_update_holds_it_ends_having_generated_nothin
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         runner = runner_over(eng)
-        await runner.before_update()
+        await runner.weight_cut.before_update()
         g = group("g", 20)
         (s,) = g.samples
         _, (task,) = start_group(runner, g)
@@ -352,7 +352,7 @@ def test_a_segment_stopped_while_an_update_holds_it_ends_having_generated_nothin
         await asyncio.wait_for(runner.stop(list(runner.running.values())), 2.0)
         assert task.done() and not runner.running
         assert eng.calls == [] and (s.output_ids, s.segments, s.status) == ([], [], "partial")
-        runner.after_update()
+        runner.weight_cut.after_update()
 
     asyncio.run(go())
 
@@ -366,7 +366,7 @@ def test_a_cut_segment_stopped_during_the_update_keeps_what_the_old_weights_made
         start_group(runner, g)
         await until(lambda: len(eng.calls) == 1)
         await asyncio.sleep(0.03)
-        await runner.before_update()
+        await runner.weight_cut.before_update()
         run = runner.running["g/0"]
         await until(lambda: run.resuming)
         await asyncio.wait_for(runner.stop([run], keep="tokens"), 2.0)
@@ -374,7 +374,7 @@ def test_a_cut_segment_stopped_during_the_update_keeps_what_the_old_weights_made
         assert 0 < kept < 300 and s.output_ids == uninterrupted(kept)
         assert [seg.weight_version for seg in s.segments] == ["0"] and s.status == "partial"
         assert len(eng.calls) == 1 and not runner.running
-        runner.after_update()
+        runner.weight_cut.after_update()
 
     asyncio.run(go())
 

@@ -90,7 +90,7 @@ def test_a_dead_engines_segments_run_again_elsewhere_and_the_quota_holds() -> No
         failed_over = [n for n in r.stats.notes if "runs again" in n]
         assert failed_over and mgr.counters.engine_failovers == len(failed_over)
         assert mgr.segments.running == {} and not any(
-            x["running_samples"] for x in mgr.segments.by_slot()
+            x["running_samples"] for x in mgr.segments.planner.by_slot()
         )
         mgr.check_integrity()
 

@@ -228,7 +228,7 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
         ]
         await mgr.rollout(RolloutReq(groups=groups, target_groups=2, max_inflight_groups=6))
         await mgr.abort(AbortReq(all=True))
-        loads = mgr.segments.loads()
+        loads = mgr.segments.planner.loads()
         assert [(x.running, x.kv_tokens) for x in loads] == [(0, 0.0), (0, 0.0)]
         assert (mgr.admission.samples, mgr.admission.tokens) == (0, 0.0)
         eng.ran.clear()

@@ -45,8 +45,8 @@ def test_engine_without_snapshots_disables_the_policy() -> None:
     from april_server.rules.inflight import Admission
 
     runner = SegmentRunner(FakeEngine(), Counters(), Admission(), allow_stale=True)
-    assert not runner.snapshots_enabled
-    assert not runner.usable(sample(100, "0"), "0", [], None)
+    assert not runner.planner.snapshots_enabled
+    assert not runner.planner.usable(sample(100, "0"), "0", [], None)
 
 
 def test_a_snapshot_lives_where_its_segment_ran() -> None:

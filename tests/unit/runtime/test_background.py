@@ -295,7 +295,7 @@ def test_a_round_does_not_rewrite_the_groups_that_found_no_room(tmp_path: Path) 
     async def go() -> None:
         eng = CapacityEngine(max_running=2, total_tokens=100_000)  # admits 2 + a queue of 8
         mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
-        await mgr.segments.admission_ready()
+        await mgr.segments.planner.admission_ready()
         real, written = mgr.buffer.persist, []
 
         async def counting(put: Any, delete: Any, call: Any = None) -> None:

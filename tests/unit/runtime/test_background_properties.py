@@ -108,10 +108,10 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
                     await mgr.delete(gid)
                     gone.add(gid)
                 elif op == "push":
-                    await mgr.segments.before_update()
+                    await mgr.segments.weight_cut.before_update()
                     await asyncio.sleep(0.01)
                     eng.version = str(int(eng.version) + 1)
-                    mgr.segments.after_update()
+                    mgr.segments.weight_cut.after_update()
             except ApiError as exc:
                 # Ids are unique and targets never exceed what a call sends: only a delete
                 # that raced a call (it holds the group, or delivered it) may be refused.

@@ -25,10 +25,10 @@ def test_a_weight_update_cuts_background_segments_at_the_version_boundary(
         await mgr.add_groups(GroupsReq(groups=[spec("w", 300)]))
         await until(lambda: bool(mgr.segments.running))
         await asyncio.sleep(0.2)
-        await mgr.segments.before_update()
+        await mgr.segments.weight_cut.before_update()
         await until(lambda: not mgr.engine.active)  # type: ignore[attr-defined]
         mgr.engine.version = "1"  # type: ignore[attr-defined]
-        mgr.segments.after_update()
+        mgr.segments.weight_cut.after_update()
         # Handed back too (not only done generating): the integrity check compares the store
         # with the index, which differ while the background persists the finished group.
         await until(lambda: not mgr.segments.running and not mgr.buffer.holders)
@@ -50,10 +50,10 @@ def test_a_background_sample_restarts_when_its_oldest_token_gets_too_stale(
         for version in ("1", "2"):  # two pushes while it generates
             await until(lambda: bool(mgr.segments.running))
             await asyncio.sleep(0.15)
-            await mgr.segments.before_update()
+            await mgr.segments.weight_cut.before_update()
             await until(lambda: not mgr.engine.active)  # type: ignore[attr-defined]
             mgr.engine.version = version  # type: ignore[attr-defined]
-            mgr.segments.after_update()
+            mgr.segments.weight_cut.after_update()
         await until(lambda: not mgr.segments.running and not mgr.buffer.holders)
         (s,) = (await mgr.buffer.read_group("o")).samples
         # After the second push its oldest token would be 2 versions old (> 1): it restarted
@@ -192,12 +192,12 @@ def test_a_weight_update_resends_its_cut_to_a_segment_not_registered_yet(tmp_pat
         await until(lambda: bool(mgr.segments.running))
         run = mgr.segments.running["w/0"]
         eng.known.discard(run.rid)  # not registered yet: the first cut is dropped
-        await mgr.segments.before_update()
+        await mgr.segments.weight_cut.before_update()
         await asyncio.sleep(0.03)
         eng.known.add(run.rid)
         await until(lambda: not eng.active)  # the segment left: the update may run
         eng.version = "1"
-        mgr.segments.after_update()
+        mgr.segments.weight_cut.after_update()
         await until(lambda: not mgr.segments.running and not mgr.buffer.holders)
         (s,) = (await mgr.buffer.read_group("w")).samples
         assert [x.weight_version for x in s.segments] == ["0", "1"]  # cut, not run to its end
@@ -235,14 +235,14 @@ def test_a_segment_started_during_a_weight_update_waits_for_its_end(tmp_path: Pa
         await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
         calls = len(eng.calls)
-        await mgr.segments.before_update()  # a push (or a session) begins
+        await mgr.segments.weight_cut.before_update()  # a push (or a session) begins
         new = RolloutReq(groups=[spec("new", 20)], resume_first=False)
         fresh = asyncio.ensure_future(mgr.rollout(new))
         resumed = asyncio.ensure_future(mgr.resume(ResumeReq(sample_ids=["long/0"])))
         await asyncio.sleep(0.2)
         assert len(eng.calls) == calls and not fresh.done()  # before the fix: generating
         eng.version = "1"
-        mgr.segments.after_update()
+        mgr.segments.weight_cut.after_update()
         await asyncio.wait_for(fresh, 30)
         (s,) = await asyncio.wait_for(resumed, 30)
         assert eng.restored == []  # planned under "0": re-prefilled under "1" instead
@@ -266,9 +266,9 @@ def test_every_pushed_version_counts_toward_staleness(tmp_path: Path) -> None:
             RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="tokens")
         )
         for v in ("s2", "s3"):  # two pushes, nothing running
-            await mgr.segments.before_update()
+            await mgr.segments.weight_cut.before_update()
             eng.version = v
-            mgr.segments.after_update()
+            mgr.segments.weight_cut.after_update()
         r = await mgr.rollout(RolloutReq(groups=[], target_groups=1, max_staleness=1))
         (s,) = r.groups[0].samples
         assert [seg.weight_version for seg in s.segments] == ["s3"]  # restarted from its prompt
