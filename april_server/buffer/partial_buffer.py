@@ -61,6 +61,9 @@ class PartialBuffer:
         # look free to a call sending the same id as new.
         return group_id in self.holders or group_id in self.idle
 
+    def holder(self, group_id: str) -> Holder | None:
+        return self.holders.get(group_id)
+
     def owner_of(self, group_id: str) -> str | None:
         h = self.holders.get(group_id)
         return None if h is None else h.owner

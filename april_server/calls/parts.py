@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from april_server.buffer.partial_buffer import PartialBuffer
-from april_server.buffer.store import BufferStore
 from april_server.engine.base import BaseEngine
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import Counters
 from april_server.engine.versions import WeightVersions
 from april_server.rules.inflight import Admission
+from april_server.rules.lengths import LengthModel
 from april_server.runtime.background import Background
 from april_server.runtime.inflight_policy import InflightPolicy
 from april_server.runtime.live_calls import LiveCalls
@@ -22,7 +22,6 @@ from april_server.runtime.persister import Persister
 @dataclass(frozen=True)
 class CallParts:
     engine: BaseEngine  # checks a request's prompts and params; shows a turn as text
-    store: BufferStore  # a `request_id`'s earlier answer
     buffer: PartialBuffer
     segments: SegmentRunner
     planner: SegmentPlanner  # the admission bound; whether snapshots are kept
@@ -30,6 +29,7 @@ class CallParts:
     calls: LiveCalls
     persister: Persister
     versions: WeightVersions
+    lengths: LengthModel  # predicted lengths: the order new groups start in, pool advice
     policy: InflightPolicy
     admission: Admission
     counters: Counters

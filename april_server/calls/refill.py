@@ -4,7 +4,7 @@ finish."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
 from april_client.protocol import Group, GroupFinishedEvent
 from april_server.buffer.buffer_index import BufferEntry, open_footprint
@@ -91,9 +91,10 @@ class Refill:
             for g in groups:
                 gid = g.group_id
                 state.started.add(gid)
-                runs = [r for r in self.segments.running.values() if r.sample.group_id == gid]
-                for r in runs:  # from now on planned, and counted, as this call's
-                    r.max_staleness, r.tally = state.req.max_staleness, state.tally
+                runs = self.segments.runs_in(gid)
+                # From now on planned, and counted, as this call's.
+                self.segments.judge_runs(runs, state.tally, state.req.max_staleness)
+                for r in runs:
                     state.tasks[r.task] = gid
                 n = len(runs) + self._start_group(gid)
                 if n:
@@ -192,7 +193,7 @@ class Refill:
         state.inflight_target = decision.running_target
         return 1 << 30, decision.running_target
 
-    def collect(self, done: set[Any]) -> None:
+    def collect(self, done: set[asyncio.Task[None]]) -> None:
         """Account for finished segment tasks; a group counts once all its members ended."""
         state, claimed = self.state, self.buffer.claimed
         for t in done:
@@ -208,10 +209,12 @@ class Refill:
     def _start_group(self, gid: str) -> int:
         state = self.state
         group, limit = self.buffer.claimed[gid], state.req.max_staleness
-        n = self.segments.start_group(group, state.batch_id, state.tally, limit, state.tasks)
-        if n:
+        started = self.segments.start_group(group, state.batch_id, state.tally, limit)
+        for task in started:
+            state.tasks[task] = gid
+        if started:
             state.started.add(gid)
-        return n
+        return len(started)
 
     def _emit_finished(self, gid: str) -> None:
         state = self.state

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from typing import cast
 
 import msgspec
 
@@ -36,14 +37,17 @@ from april_client.protocol import (
     Sample,
     StreamEvent,
 )
+from april_server.buffer.store import BufferStore
 from april_server.calls.new_groups import new_groups
 from april_server.calls.parts import CallParts
 from april_server.calls.refill import Refill
-from april_server.calls.state import CallState
+from april_server.calls.state import CallState, QuotaGrace
 from april_server.calls.turns_in_call import TurnsInCall
 from april_server.calls.wind_down import WindDown
-from april_server.engine.segment_state import BACKGROUND
+from april_server.engine.segment_state import BACKGROUND, Counters
 from april_server.rules.idempotency import handed_in_by, is_attempt
+from april_server.runtime.background import Background
+from april_server.runtime.live_calls import LiveCalls
 from april_server.runtime.run_to_end import run_to_end
 from april_server.wire.errors import bad_request, conflict
 from april_server.wire.ids import check_id
@@ -70,6 +74,7 @@ class RolloutCall:
         self.buffer = parts.buffer
         self.segments = parts.segments
         self.planner = parts.planner
+        self.lengths = parts.lengths
         self.background = parts.background
         self.calls = parts.calls
         self.turns = TurnsInCall(state, parts.engine, parts.buffer, parts.segments)
@@ -87,9 +92,11 @@ class RolloutCall:
             self.turns,
             parts.buffer,
             parts.segments,
+            parts.planner,
             parts.background,
             parts.persister,
             parts.versions,
+            parts.lengths,
             parts.policy,
             parts.admission,
             parts.counters,
@@ -187,7 +194,7 @@ class RolloutCall:
         entries = buffer.take(again, state.batch_id, busy_code="group_busy")
         # New groups start in the call's length order (predicted longest first: the tail
         # begins early and short ones fill the batch; docs/api.md, Length prediction).
-        lengths = self.segments.lengths
+        lengths = self.lengths
         order = lengths.order(fresh, req.length_order or lengths.default_order)
         state.fresh = deque(g.group_id for g in order)
         if again:  # claimed whole now, started before anything else
@@ -204,7 +211,7 @@ class RolloutCall:
         own = [s.group_id for s in state.req.groups if s.group_id in state.handed_in]
         gave_way = False
         while own:
-            holders = [h for gid in own if (h := buf.holders.get(gid)) is not None]
+            holders = [h for gid in own if (h := buf.holder(gid)) is not None]
             busy = [h for h in holders if h.owner not in self.calls and h.owner != BACKGROUND]
             if busy:
                 await busy[0].released.wait()
@@ -215,54 +222,33 @@ class RolloutCall:
                 return
 
     async def run(self) -> RolloutResp:
-        """Steps 2-6. `prepare()` must have succeeded."""
+        """Steps 3-10 of the README's request lifecycle; `prepare()` (step 2) must have
+        succeeded."""
         state, refill = self.state, self.refill
-        req, tasks = state.req, state.tasks
         t0 = time.perf_counter()
-        time_to_quota = None
+        grace = QuotaGrace(t0, state.req.reject_grace_s if state.req.stream else 0.0)
         cancelled = False
         failure: Exception | None = None
-        grace_until: float | None = None
         try:
             # Inside the try: the caller may already hold a started stream (its groups are
             # acknowledged), so a cancellation even here must wind down and keep them.
-            limit, sample_target = await refill.inflight_limits()
+            limit, sample_target = await refill.inflight_limits()  # 3: the running target
             await refill.take_over_background(limit, sample_target)
-            await self.planner.admission_ready()
+            await self.planner.admission_ready()  # 3: the engine's admission bound
             while True:
-                if state.quota.met:
-                    # Streamed calls may wait `reject_grace_s` for late rejects (DAPO
-                    # filtering); generation goes on meanwhile.
-                    now = time.perf_counter()
-                    if time_to_quota is None:
-                        time_to_quota = now - t0
-                    if grace_until is None:
-                        grace_until = now + (req.reject_grace_s if req.stream else 0.0)
-                    if now >= grace_until:
+                if state.quota.met:  # 6: met; a streamed call may still take late rejects
+                    left = grace.left()
+                    if left <= 0:
                         break
-                    state.wakeup.clear()
-                    waiter = asyncio.ensure_future(state.wakeup.wait())
-                    done, _ = await asyncio.wait(
-                        [*tasks, waiter],
-                        timeout=grace_until - now,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    waiter.cancel()
-                    refill.collect(done - {waiter})
+                    await self._wait_for_segments(left)
                     continue
-                grace_until = None  # a reject re-opened the quota
-                time_to_quota = None
-                await refill.refill(limit, sample_target)
+                grace.reopen()  # a reject re-opened the quota
+                await refill.refill(limit, sample_target)  # 4-5: start groups whole
                 if state.quota.met:
                     continue
-                if not tasks and not self.turns.waits_for_input():
+                if not state.tasks and not self.turns.waits_for_input():
                     break  # nothing generating and nothing left: the quota is out of reach
-                # Woken by a segment's end, or by an answer that started one (turns_in_call.py).
-                state.wakeup.clear()
-                waiter = asyncio.ensure_future(state.wakeup.wait())
-                done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                refill.collect(done - {waiter})
+                await self._wait_for_segments()  # 6: count groups as they finish
         except asyncio.CancelledError:
             cancelled = True  # the caller went away: keep everything, acknowledge nothing
         except Exception as exc:  # a bug: the caller gets a 500, its groups stay buffered
@@ -270,16 +256,28 @@ class RolloutCall:
                 "april: rollout %s failed; its groups go back to the buffer", state.batch_id
             )
             failure = exc
-        # Steps 4-6 run to the end even if we are cancelled again meanwhile (a client that
+        # Steps 7-10 run to the end even if we are cancelled again meanwhile (a client that
         # disconnects can cancel more than once): half a wind-down would leave requests
         # generating or a buffer that differs from the disk.
         delivered = not cancelled and failure is None
-        resp = await run_to_end(self.wind_down.wind_down(t0, time_to_quota, delivered))
+        resp = await run_to_end(self.wind_down.wind_down(t0, grace.time_to_quota, delivered))
         if failure is not None:
             raise failure
         if cancelled:
             raise asyncio.CancelledError
         return resp
+
+    async def _wait_for_segments(self, timeout: float | None = None) -> None:
+        """Until a segment ends, an answer starts one (`turns_in_call.py`), or `timeout`;
+        then account for the segments that ended."""
+        state = self.state
+        state.wakeup.clear()
+        waiter = asyncio.ensure_future(state.wakeup.wait())
+        done, _ = await asyncio.wait(
+            [*state.tasks, waiter], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        waiter.cancel()
+        self.refill.collect(cast(set[asyncio.Task[None]], done - {waiter}))
 
     def close(self) -> None:
         self.calls.end(self.batch_id)
@@ -292,8 +290,19 @@ class Rollout:
     response of the attempt that delivered one; if none did (its caller went away, or it
     failed), the retry runs again, on the groups the earlier attempt handed in."""
 
-    def __init__(self, parts: CallParts) -> None:
-        self.parts = parts  # handed to each call whole: its steps take what they use
+    def __init__(
+        self,
+        store: BufferStore,
+        calls: LiveCalls,
+        background: Background,
+        counters: Counters,
+        call_parts: CallParts,
+    ) -> None:
+        self.store = store  # a `request_id`'s earlier answer
+        self.calls = calls
+        self.background = background  # gives way to every call
+        self.counters = counters
+        self.call_parts = call_parts  # handed to each call whole: its steps take what they use
 
     async def __call__(
         self,
@@ -301,15 +310,14 @@ class Rollout:
         events: asyncio.Queue[StreamEvent | None] | None = None,
         ready: asyncio.Future[None] | None = None,
     ) -> RolloutResp:
-        parts = self.parts
-        calls, background = parts.calls, parts.background
-        parts.counters.rollout_calls += 1
+        calls = self.calls
+        self.counters.rollout_calls += 1
         rid = req.request_id
         handed_in: frozenset[str] = frozenset()
         if rid is not None:
             check_id("request_id", rid)
             while True:
-                stored = await parts.store.load_call(rid)
+                stored = await self.store.load_call(rid)
                 if stored is not None and not is_attempt(stored):
                     _set(ready)
                     return _resp_dec.decode(stored)
@@ -321,7 +329,7 @@ class Rollout:
                 if earlier is not None:
                     _set(ready)
                     return _resp_dec.decode(earlier)
-        call = RolloutCall(req, parts, handed_in, events)
+        call = RolloutCall(req, self.call_parts, handed_in, events)
         fut: asyncio.Future[bytes | None] | None = None
         if rid is not None:  # from here on, a retry waits for this attempt
             fut = asyncio.get_running_loop().create_future()
@@ -330,7 +338,7 @@ class Rollout:
         try:
             # The background gives way to every call: the groups still generating that the
             # call takes over keep generating, the rest are buffered again, claimable.
-            async with background.yielding():
+            async with self.background.yielding():
                 try:
                     await call.prepare()
                     _set(ready)

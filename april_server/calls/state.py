@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import deque
 
@@ -50,3 +51,27 @@ class CallState:
         """To the caller's stream, if it has one."""
         if self.events is not None:
             self.events.put_nowait(event)
+
+
+class QuotaGrace:
+    """Once the quota is met, a streamed call waits `reject_grace_s` for late rejects (DAPO
+    filtering) while generation goes on; a reject re-opens the quota, and the wait with it."""
+
+    def __init__(self, t0: float, grace_s: float) -> None:
+        self.t0 = t0
+        self.grace_s = grace_s
+        self.time_to_quota: float | None = None  # for the answer's stats
+        self.until: float | None = None
+
+    def left(self) -> float:
+        """Seconds of grace left (the quota is met now)."""
+        now = time.perf_counter()
+        if self.time_to_quota is None:
+            self.time_to_quota = now - self.t0
+        if self.until is None:
+            self.until = now + self.grace_s
+        return self.until - now
+
+    def reopen(self) -> None:
+        self.until = None
+        self.time_to_quota = None

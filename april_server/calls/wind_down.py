@@ -17,12 +17,14 @@ from april_client.protocol import Keep, RolloutResp, RolloutStats
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.calls.state import CallState
 from april_server.calls.turns_in_call import TurnsInCall
+from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import Counters, Running
 from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as sample_rules
 from april_server.rules.idempotency import attempt_record
 from april_server.rules.inflight import Admission, choose_running_target
+from april_server.rules.lengths import LengthModel
 from april_server.runtime.background import Background
 from april_server.runtime.inflight_policy import InflightPolicy
 from april_server.runtime.persister import Persister
@@ -38,9 +40,11 @@ class WindDown:
         turns: TurnsInCall,
         buffer: PartialBuffer,
         segments: SegmentRunner,
+        planner: SegmentPlanner,
         background: Background,
         persister: Persister,
         versions: WeightVersions,
+        lengths: LengthModel,
         policy: InflightPolicy,
         admission: Admission,
         counters: Counters,
@@ -49,9 +53,11 @@ class WindDown:
         self.turns = turns
         self.buffer = buffer
         self.segments = segments
+        self.planner = planner  # whether this engine keeps snapshots
         self.background = background
         self.persister = persister
         self.versions = versions
+        self.lengths = lengths  # what the buffered groups have left, for the pool advice
         self.policy = policy
         self.admission = admission  # its size caps the pool advice's running target
         self.counters = counters
@@ -60,7 +66,7 @@ class WindDown:
         state = self.state
         state.stopped = True
         # Step 4: nothing of this call may keep generating.
-        runs = [r for r in list(self.segments.running.values()) if r.owner == state.batch_id]
+        runs = self.segments.runs_of(state.batch_id)
         # `continue`: the stragglers the background can take as they are keep generating
         # (handed over in `_finish`); the rest stop with a snapshot, which it restores.
         going = self._going_on_in_place(runs)
@@ -150,7 +156,7 @@ class WindDown:
         groups = [claimed[g] for g in returned]
         notes = list(state.tally.notes)
         on_quota = req.on_quota
-        if on_quota == "snapshot" and self.segments.snap is None:
+        if on_quota == "snapshot" and not self.planner.snapshots_enabled:
             on_quota = "tokens"
             notes.append("on_quota=snapshot ran as tokens: this engine keeps no KV snapshots")
         stats = RolloutStats(
@@ -220,9 +226,9 @@ class WindDown:
             return None
         size = round(sum(len(claimed[g].samples) for g in state.group_ids) / len(state.group_ids))
         target = choose_running_target(curve, req.target_groups * size, self.admission.max_samples)
-        lengths = self.segments.lengths
+        lengths = self.lengths
         carried = [lengths.remaining(claimed[g]) for g in buffered]
-        return self.policy.pool_advisor.advise(
+        return self.policy.advise(
             req.target_groups,
             target.running_target,
             version,

@@ -8,10 +8,10 @@ performs the whole plan in one `run_segment` call (free an unused snapshot, rest
 pinned to the slot, release). Its end is recorded by `samples.apply_segment`, and
 `snapshots.after_segment` says whether the snapshot the engine holds is kept or freed.
 
-The runner has two parts of its own, built with it: `planner` (`SegmentPlanner`,
-segment_planner.py: the load, the admission bound, a segment's plan) and `weight_cut`
-(`WeightCut`, weight_cut.py: what a weight push does to running segments); this file starts,
-runs, records and stops segments.
+The runner is handed two parts (the composition root builds them): `planner`
+(`SegmentPlanner`, segment_planner.py: the load, the admission bound, a segment's plan) and
+`weight_cut` (`WeightCut`, weight_cut.py: what a weight push does to running segments); this
+file starts, runs, records and stops segments.
 """
 
 from __future__ import annotations
@@ -58,35 +58,54 @@ class SegmentRunner:
         engine: BaseEngine,
         counters: Counters,
         admission: Admission,
-        allow_stale: bool,
-        versions: WeightVersions | None = None,
-        lengths: LengthModel | None = None,
+        versions: WeightVersions,
+        lengths: LengthModel,
+        running: dict[str, Running],
+        planner: SegmentPlanner,
+        weight_cut: WeightCut,
     ) -> None:
+        """`running`: sample id -> its engine request, shared with `weight_cut` (which cuts
+        them) and read by the rest of the server; `lengths`: predictions written on each
+        member as its group starts, scored as it ends."""
         self.engine = engine
         self.counters = counters
         self.admission = admission
-        self.running: dict[str, Running] = {}  # sample_id -> its engine request
-        # The weight version new segments run under, and the versions seen.
-        self.versions = versions if versions is not None else WeightVersions(engine)
-        # Predicted lengths: written on each member as its group starts, scored as it ends.
-        self.lengths = lengths if lengths is not None else LengthModel()
-        self.planner = SegmentPlanner(engine, counters, admission, allow_stale, self.lengths)
-        self.snap = self.planner.snap  # None: this engine keeps no KV snapshots
-        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner)
+        self.versions = versions  # the weight version new segments run under, and those seen
+        self.lengths = lengths
+        self.running = running
+        self.planner = planner
+        self.snap = planner.snap  # None: this engine keeps no KV snapshots
+        self.weight_cut = weight_cut
+
+    # ---- who runs what ---------------------------------------------------------------------
+
+    def is_running(self, sample_id: str) -> bool:
+        return sample_id in self.running
+
+    def runs_of(self, owner: str) -> list[Running]:
+        return [r for r in self.running.values() if r.owner == owner]
+
+    def runs_in(self, group_id: str) -> list[Running]:
+        return [r for r in self.running.values() if r.sample.group_id == group_id]
+
+    def pass_runs(self, runs: list[Running], owner: str) -> None:
+        """These runs keep generating, for `owner` now (their group passed to it)."""
+        for r in runs:
+            r.owner = owner
+
+    def judge_runs(self, runs: list[Running], tally: CallTally, max_staleness: int | None) -> None:
+        """From now on these runs are planned under `max_staleness` and counted in `tally`."""
+        for r in runs:
+            r.max_staleness, r.tally = max_staleness, tally
 
     # ---- start ---------------------------------------------------------------------------
 
     def start_group(
-        self,
-        group: Group,
-        owner: str,
-        tally: CallTally,
-        max_staleness: int | None,
-        tasks: dict[asyncio.Task[None], str],
-    ) -> int:
+        self, group: Group, owner: str, tally: CallTally, max_staleness: int | None
+    ) -> list[asyncio.Task[None]]:
         """Start every unfinished member of held `group` (one out of budget is marked
-        truncated instead); their tasks go into `tasks`. Returns how many started."""
-        n = 0
+        truncated instead); returns their tasks."""
+        started = []
         self.lengths.mark(group)
         for s in group.samples:
             if sample_rules.is_finished(s) or turn_rules.awaiting(
@@ -98,9 +117,8 @@ class SegmentRunner:
             if sample_rules.remaining_budget(s) <= 0:
                 s.status, s.finish_reason = "truncated", "length"
                 continue
-            tasks[self.start(s, owner, tally, max_staleness)] = group.group_id
-            n += 1
-        return n
+            started.append(self.start(s, owner, tally, max_staleness))
+        return started
 
     def start(
         self,

@@ -6,7 +6,8 @@ kept as its own segment, and `after_update` lets each go on as a new segment pla
 new version (`continue_after_cut`). A segment about to start while an update runs is held
 until its end (`held_for_update`), and one planned under the old weights is planned again
 (`plan_after_update`). The runner's loop (`segment_runner.py`) calls these; a weight update's
-hooks call `before_update`/`after_update` (the composition root hands them this part).
+hooks call `before_update`/`after_update` (the process registers this part as their listener:
+`cli.py`, and the owner's `fleet/gateway.py`).
 """
 
 from __future__ import annotations

@@ -222,14 +222,14 @@ def create_router(
     async def partials(request: Request) -> Response:
         """The idle buffer, a page at a time, oldest first (`?limit`, `?cursor`, filters)."""
         start, limit, where = partials_query(request)
-        return json_response(await get_manager().partials.page(start, limit, where))
+        return json_response(await get_manager().list_partials(start, limit, where))
 
     # `:path`, so a group id from before the contract's identifier rule (one with a "/") is
     # still reachable, URL-encoded; new ids cannot contain "/".
     @router.get(PREFIX + "/partials/{group_id:path}")
     @guarded
     async def partial(group_id: str, request: Request) -> Response:
-        return json_response(await get_manager().partials.one(group_id))
+        return json_response(await get_manager().show_partial(group_id))
 
     @router.delete(PREFIX + "/partials/{group_id:path}")
     @guarded
@@ -241,7 +241,7 @@ def create_router(
     @guarded
     async def weight_group(request: Request) -> Response:
         """What a trainer's weight-update group needs here (docs/api.md)."""
-        return json_response(get_manager().engine.weight_group())
+        return json_response(get_manager().weight_group())
 
     @router.delete(PREFIX + "/lengths")
     @guarded

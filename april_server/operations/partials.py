@@ -13,12 +13,16 @@ from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import BACKGROUND
 from april_server.rules import samples as sample_rules
 from april_server.rules import turns as turn_rules
+from april_server.rules.lengths import LengthModel
 
 
 class Partials:
-    def __init__(self, buffer: PartialBuffer, segments: SegmentRunner) -> None:
+    def __init__(
+        self, buffer: PartialBuffer, segments: SegmentRunner, lengths: LengthModel
+    ) -> None:
         self.buffer = buffer
-        self.segments = segments  # who runs; snapshot states; length predictions
+        self.segments = segments  # who runs; which snapshots the store still holds
+        self.lengths = lengths  # what a group would start under now
 
     async def page(self, start: int, limit: int, where: PartialsFilter) -> PartialsResp:
         entries, next_seq = self.buffer.idle.page(start, limit, where, time.time())
@@ -33,14 +37,13 @@ class Partials:
 
     def listed(self, g: Group) -> Group:
         g.age_s = round(time.time() - g.created_at, 3)
-        running = self.segments.running
         if self.buffer.owner_of(g.group_id) == BACKGROUND or any(
-            s.sample_id in running for s in g.samples
+            self.segments.is_running(s.sample_id) for s in g.samples
         ):
             g.state = "running"
         elif sample_rules.group_finished(g):
             g.state = "finished"
         else:
             g.state = "awaiting" if any(turn_rules.awaiting(s) for s in g.samples) else "idle"
-            self.segments.lengths.mark(g)  # what it would start under now (running: as it did)
+            self.lengths.mark(g)  # what it would start under now (running: as it did)
         return g

@@ -23,9 +23,11 @@ from april_server.calls.parts import CallParts
 from april_server.calls.rollout import Rollout
 from april_server.engine.base import BaseEngine
 from april_server.engine.clock import idle_shares
+from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
-from april_server.engine.segment_state import Counters
+from april_server.engine.segment_state import Counters, Running
 from april_server.engine.versions import WeightVersions
+from april_server.engine.weight_cut import WeightCut
 from april_server.operations.abort import Abort
 from april_server.operations.delete import Delete
 from april_server.operations.groups import AddGroups
@@ -69,43 +71,57 @@ class RolloutManager:
         self.counters = Counters()
         self.admission = Admission()  # shared by every call: what the engine is given
         self.versions = WeightVersions(engine)
-        length_model = LengthModel(lengths, default_order=length_order, placement=placement)
+        self.lengths = LengthModel(lengths, default_order=length_order, placement=placement)
+        self.running: dict[str, Running] = {}  # sample id -> its engine request
+        self.planner = SegmentPlanner(
+            engine, self.counters, self.admission, allow_stale_kv, self.lengths
+        )
+        # What a weight update's hooks call (the process registers it as their listener).
+        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner)
         self.segments = SegmentRunner(
-            engine, self.counters, self.admission, allow_stale_kv, self.versions, length_model
+            engine,
+            self.counters,
+            self.admission,
+            self.versions,
+            self.lengths,
+            self.running,
+            self.planner,
+            self.weight_cut,
         )
         self.calls = LiveCalls()
         self.policy = InflightPolicy(engine)
-        self.persister = Persister(self.buffer, store, self.segments.running, length_model.history)
-        # Groups generating between calls: it gets what it works with, not the manager.
-        self.planner = self.segments.planner
-        self.weight_cut = self.segments.weight_cut  # what a weight update's hooks call
+        self.persister = Persister(self.buffer, store, self.running, self.lengths.history)
         self.background = Background(
-            self.buffer, self.segments, self.planner, self.weight_cut, self.calls
+            self.buffer,
+            self.segments,
+            self.planner,
+            self.weight_cut,
+            self.versions,
+            self.admission,
+            self.calls,
         )
         self.loop_lag = loop_lag
         self.sweep: SnapshotSweep | None = None
-        snap = self.segments.snap
-        if sweep_s > 0 and snap is not None:
-            self.sweep = SnapshotSweep(snap, self.segments.running, self.buffer, sweep_s)
+        if sweep_s > 0 and self.planner.snap is not None:
+            self.sweep = SnapshotSweep(self.planner.snap, self.running, self.buffer, sweep_s)
             self.sweep.start()
 
         # ---- the operations the routes call ---------------------------------------------------
-        self.rollout = Rollout(
-            CallParts(
-                engine=engine,
-                store=store,
-                buffer=self.buffer,
-                segments=self.segments,
-                planner=self.planner,
-                background=self.background,
-                calls=self.calls,
-                persister=self.persister,
-                versions=self.versions,
-                policy=self.policy,
-                admission=self.admission,
-                counters=self.counters,
-            )
+        call_parts = CallParts(
+            engine=engine,
+            buffer=self.buffer,
+            segments=self.segments,
+            planner=self.planner,
+            background=self.background,
+            calls=self.calls,
+            persister=self.persister,
+            versions=self.versions,
+            lengths=self.lengths,
+            policy=self.policy,
+            admission=self.admission,
+            counters=self.counters,
         )
+        self.rollout = Rollout(store, self.calls, self.background, self.counters, call_parts)
         self.reject = self.calls.reject
         self.abort = Abort(self.calls, self.buffer, self.background, self.segments, self.counters)
         self.delete = Delete(self.buffer, self.background, self.segments, self.persister)
@@ -123,8 +139,11 @@ class RolloutManager:
             engine, self.calls, self.buffer, self.background, self.persister
         )
         self.add_groups = AddGroups(engine, store, self.buffer, self.background, self.persister)
-        self.partials = Partials(self.buffer, self.segments)
-        self.forget_lengths = ForgetLengths(length_model, store, self.policy)
+        partials = Partials(self.buffer, self.segments, self.lengths)
+        self.list_partials = partials.page
+        self.show_partial = partials.one
+        self.forget_lengths = ForgetLengths(self.lengths, store, self.policy)
+        self.weight_group = engine.weight_group
 
     async def close(self) -> None:
         """Stop the timers this root started (the snapshot sweep)."""
@@ -137,7 +156,7 @@ class RolloutManager:
         """Raise AssertionError if an invariant is broken. Valid at any moment between two
         callbacks (the simulator checks it there, `tests/sim`): the holder map is the one
         word on who holds a group, and every other view of it agrees with it."""
-        buf, running, claimed = self.buffer, self.segments.running, self.buffer.claimed
+        buf, running, claimed = self.buffer, self.running, self.buffer.claimed
         for gid, g in claimed.items():
             assert all(s.group_id == gid for s in g.samples), gid
             assert [s.index for s in g.samples] == list(range(len(g.samples))), gid
@@ -164,11 +183,11 @@ class RolloutManager:
         buf.check(in_place=BACKGROUND)
 
     async def stats(self) -> dict[str, Any]:
-        idle, claimed, running = self.buffer.idle, self.buffer.claimed, self.segments.running
+        idle, claimed, running = self.buffer.idle, self.buffer.claimed, self.running
         c = self.counters
         kv: dict[str, Any] = {"kv_snapshots": "disabled"}
         clock = await self.engine.engine_clock()
-        snap_engine = self.segments.snap
+        snap_engine = self.planner.snap
         if snap_engine is not None:
             kv = {"kv_snapshots": "enabled", **await snap_engine.snapshot_stats()}
             kv.update({} if self.sweep is None else self.sweep.stats())
@@ -192,7 +211,7 @@ class RolloutManager:
             ),
             **({} if self.loop_lag is None else self.loop_lag.figures()),
             "running_samples": len(running),
-            "running_by_slot": self.segments.planner.by_slot(),
+            "running_by_slot": self.planner.by_slot(),
             "active_calls": len(self.calls),
             "background_groups": len(self.background.wanted),
             "background_running_groups": len(self.background.running_groups()),
@@ -206,5 +225,5 @@ class RolloutManager:
             "engine_time": clock,
             **idle_shares(clock),
             "inflight_policy": self.policy.stats(),
-            "length_prediction": self.segments.lengths.figures(),
+            "length_prediction": self.lengths.figures(),
         }

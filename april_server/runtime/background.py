@@ -57,10 +57,11 @@ from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import BACKGROUND, CallTally, Running
+from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
 from april_server.rules import samples as sample_rules
 from april_server.rules import snapshots as snapshot_rules
-from april_server.rules.inflight import kv_need
+from april_server.rules.inflight import Admission, kv_need
 from april_server.runtime.live_calls import LiveCalls
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Background:
         segments: SegmentRunner,
         planner: SegmentPlanner,
         weight_cut: WeightCut,
+        versions: WeightVersions,
+        admission: Admission,
         calls: LiveCalls,
     ) -> None:
         """`calls`: read only here: the background runs only while no call does."""
@@ -81,6 +84,8 @@ class Background:
         self.segments = segments
         self.planner = planner  # the admission bound; counts staleness restarts
         self.weight_cut = weight_cut  # whether a weight update holds running segments
+        self.versions = versions  # how far behind a group's tokens are
+        self.admission = admission  # whether a group fits beside what runs
         self.calls = calls
         self.wanted: dict[str, int | None] = {}  # group id -> the max_staleness it runs under
         self.handed_by: dict[str, str] = {}  # group id -> the call that handed it in
@@ -140,7 +145,7 @@ class Background:
             if bound is None:  # not put here, or put here without a bound
                 continue
             for s in g.samples:
-                if s.sample_id in self.segments.running:  # taken over: judged at every cut
+                if self.segments.is_running(s.sample_id):  # taken over: judged at every cut
                     continue
                 if self._past_bound(s, bound):
                     useless.append((s.sample_id, snapshot_rules.held_at(s)))
@@ -190,8 +195,10 @@ class Background:
                 refused.append(gid)
                 continue
             self.buffer.pass_in_place(gid, OWNER)
-            for r in pending:  # planned from now on under the background's bound (5.)
-                r.owner, r.tally, r.max_staleness = OWNER, self.tally, self.wanted[gid]
+            self.segments.pass_runs(pending, OWNER)
+            # Planned from now on under the background's bound (5.).
+            self.segments.judge_runs(pending, self.tally, self.wanted[gid])
+            for r in pending:
                 self._ends[r.task] = gid
             self._left[gid] = len(pending)
         if len(refused) < len(going):
@@ -205,7 +212,7 @@ class Background:
         """Whether the sample's oldest kept token is more than `bound` versions behind now."""
         if bound is None or not sample.segments:
             return False
-        versions = self.segments.versions
+        versions = self.versions
         lag = sample_rules.version_lag(
             sample.segments[0].weight_version, versions.now(), versions.history
         )
@@ -227,7 +234,7 @@ class Background:
         taken = []
         for _, gid in running:
             group = self.buffer.claimed[gid]
-            runs = [r for r in self.segments.running.values() if r.sample.group_id == gid]
+            runs = self.segments.runs_in(gid)
             # An abort is stopping it, or a push cut it and its continuation is not planned
             # yet under the background's bound (the cut may not even have landed): not the
             # call's.
@@ -236,8 +243,7 @@ class Background:
             if not take(group, len(runs)):
                 break
             self.buffer.pass_held(gid, owner)
-            for r in runs:
-                r.owner = owner
+            self.segments.pass_runs(runs, owner)
             for t in [t for t, g in self._ends.items() if g == gid]:
                 del self._ends[t]
             del self._left[gid]
@@ -296,9 +302,8 @@ class Background:
         assert set(self._ends.values()) <= set(self._left), "a segment of a group not running"
         for gid in self.wanted:
             assert buf.known(gid), f"the background wants {gid}, which the server does not hold"
-        for r in self.segments.running.values():
-            if r.owner == OWNER:
-                assert r.sample.group_id in held, f"{r.sample.sample_id} runs, group not held"
+        for r in self.segments.runs_of(OWNER):
+            assert r.sample.group_id in held, f"{r.sample.sample_id} runs, group not held"
 
     # ---- one round: hold, run, hand back ----------------------------------------------------
 
@@ -307,7 +312,7 @@ class Background:
         if task is None:
             return
         t0 = time.perf_counter()
-        runs = [r for r in self.segments.running.values() if r.owner == OWNER]
+        runs = self.segments.runs_of(OWNER)
         await self.segments.stop(runs, "snapshot")
         await asyncio.wait([task])
         if runs:
@@ -339,7 +344,7 @@ class Background:
                         await self._hand_back([gid])
         except Exception:  # the background must never take the server down
             logger.exception("april: background round failed; its groups stay buffered")
-            runs = [r for r in self.segments.running.values() if r.owner == OWNER]
+            runs = self.segments.runs_of(OWNER)
             await self.segments.stop(runs, "tokens")
             try:
                 await self._hand_back(list(self.running_groups()))
@@ -389,10 +394,13 @@ class Background:
         if (
             unfinished
             and others
-            and not self.segments.admission.fits(unfinished, kv_need(context, remaining))
+            and not self.admission.fits(unfinished, kv_need(context, remaining))
         ):
             return None
-        return self.segments.start_group(group, OWNER, self.tally, self.wanted.get(gid), ends)
+        started = self.segments.start_group(group, OWNER, self.tally, self.wanted.get(gid))
+        for task in started:
+            ends[task] = gid
+        return len(started)
 
     async def _hand_back(self, group_ids: list[str]) -> None:
         """Persist these held groups and return them to the idle buffer; finished ones leave

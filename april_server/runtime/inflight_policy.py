@@ -5,7 +5,7 @@ and for `/stats`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from april_server.engine.base import BaseEngine
@@ -34,6 +34,27 @@ class InflightPolicy:
     def last_curve(self) -> StepCurve | None:
         """The newest decision's curve (a call's own, or a later one's)."""
         return None if self.last is None else self.last[1]
+
+    def advise(
+        self,
+        target_groups: int,
+        running_target: int,
+        version: str,
+        carried: Sequence[Sequence[float]],
+        fresh_lengths: Sequence[int],
+        group_size: int,
+        max_staleness: int | None,
+    ) -> int | None:
+        """`groups_wanted` for the next call (`rules/pool_size.py`), remembered across calls."""
+        return self.pool_advisor.advise(
+            target_groups,
+            running_target,
+            version,
+            carried,
+            fresh_lengths,
+            group_size,
+            max_staleness,
+        )
 
     def forget(self) -> None:
         """The lengths were forgotten: the next advice starts afresh."""

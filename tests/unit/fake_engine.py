@@ -12,6 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from april_server.engine.base import BaseEngine, SnapshotEngine
+from april_server.engine.segment_planner import SegmentPlanner
+from april_server.engine.segment_runner import SegmentRunner
+from april_server.engine.segment_state import Counters, Running
+from april_server.engine.versions import WeightVersions
+from april_server.engine.weight_cut import WeightCut
+from april_server.rules.inflight import Admission
+from april_server.rules.lengths import LengthModel
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 from april_server.rules.stops import stop_strings
@@ -146,3 +153,13 @@ class SnapshotFakeEngine(FakeEngine, SnapshotEngine):
 
     async def snapshot_stats(self) -> dict[str, Any]:
         return {"snapshot_bytes": 100 * len(self.snaps)}
+
+
+def segment_runner_over(engine: BaseEngine, allow_stale: bool = False) -> SegmentRunner:
+    """A segment runner with its parts, wired as the composition root wires them."""
+    counters, admission = Counters(), Admission()
+    versions, lengths = WeightVersions(engine), LengthModel()
+    running: dict[str, Running] = {}
+    planner = SegmentPlanner(engine, counters, admission, allow_stale, lengths)
+    cut = WeightCut(engine, running, versions, planner)
+    return SegmentRunner(engine, counters, admission, versions, lengths, running, planner, cut)

@@ -208,7 +208,7 @@ def test_answer_after_the_call_is_durable_and_the_next_call_goes_on(tmp_path: Pa
         assert [g.group_id for g in first.groups] == ["filler"]
         (s,) = (await mgr.buffer.read_group("a")).samples
         assert s.status == "awaiting_input"
-        assert mgr.partials.listed(await mgr.buffer.read_group("a")).state == "awaiting"
+        assert (await mgr.show_partial("a")).state == "awaiting"
         assert (await mgr.stats())["awaiting_input_samples"] == 1
         with pytest.raises(ApiError) as exc:  # nothing to run: a call cannot use it
             await mgr.rollout(RolloutReq(groups=[], target_groups=1))

@@ -21,15 +21,15 @@ from april_server.buffer.store import BufferStore
 from april_server.engine import segment_runner
 from april_server.engine.base import EngineUnavailable
 from april_server.engine.segment_runner import SegmentRunner
-from april_server.engine.segment_state import CallTally, Counters
+from april_server.engine.segment_state import CallTally
 from april_server.fleet.wire import encoder
 from april_server.root.manager import RolloutManager
 from april_server.rules import samples, snapshots
-from april_server.rules.inflight import Admission, EngineCapacity
+from april_server.rules.inflight import EngineCapacity
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 from april_server.wire.errors import ApiError
-from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token
+from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token, segment_runner_over
 from tests.unit.fleet.test_fleet import FakeServers, fleet_over
 from tests.unit.group_specs import spec
 
@@ -117,16 +117,14 @@ def group(gid: str, budget: int, n: int = 1) -> Group:
 
 
 def runner_over(engine: FakeEngine) -> SegmentRunner:
-    return SegmentRunner(engine, Counters(), Admission(), allow_stale=False)
+    return segment_runner_over(engine)
 
 
 def start_group(
     runner: SegmentRunner, g: Group, max_staleness: int | None = None
 ) -> tuple[CallTally, list[asyncio.Task[None]]]:
     tally: CallTally = CallTally()
-    tasks: dict[asyncio.Task[None], str] = {}
-    runner.start_group(g, "call-1", tally, max_staleness, tasks)
-    return tally, list(tasks)
+    return tally, runner.start_group(g, "call-1", tally, max_staleness)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:

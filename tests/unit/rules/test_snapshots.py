@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from april_client.protocol import Sample, Segment
-from april_server.engine.segment_runner import SegmentRunner
 from april_server.rules import snapshots
 from april_server.rules.placement import LOCAL, Slot
-from tests.unit.fake_engine import FakeEngine
+from tests.unit.fake_engine import FakeEngine, segment_runner_over
 
 
 def sample(bytes_: int, version: str | None) -> Sample:
@@ -41,10 +40,7 @@ def test_version_policy(
 
 
 def test_engine_without_snapshots_disables_the_policy() -> None:
-    from april_server.engine.segment_state import Counters
-    from april_server.rules.inflight import Admission
-
-    runner = SegmentRunner(FakeEngine(), Counters(), Admission(), allow_stale=True)
+    runner = segment_runner_over(FakeEngine(), allow_stale=True)
     assert not runner.planner.snapshots_enabled
     assert not runner.planner.usable(sample(100, "0"), "0", [], None)
 

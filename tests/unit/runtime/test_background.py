@@ -45,7 +45,7 @@ def make(path: Path, delay_s: float = 0.002) -> RolloutManager:
 
 
 async def listed_state(mgr: RolloutManager, gid: str) -> str | None:
-    return mgr.partials.listed(await mgr.buffer.read_group(gid)).state
+    return (await mgr.show_partial(gid)).state
 
 
 def test_continue_keeps_generating_after_the_answer(tmp_path: Path) -> None:
@@ -207,7 +207,7 @@ def test_prefetched_groups_generate_before_any_call(tmp_path: Path) -> None:
         await until(lambda: not mgr.segments.running and not mgr.background.running_groups())
         for gid, budget in (("p1", 50), ("p2", 60)):
             g = await mgr.buffer.read_group(gid)
-            assert mgr.partials.listed(g).state == "finished"
+            assert (await mgr.show_partial(gid)).state == "finished"
             assert all(s.output_ids == reference(budget) for s in g.samples)
         r = await mgr.rollout(RolloutReq(groups=[], target_groups=2))
         assert sorted(g.group_id for g in r.groups) == ["p1", "p2"]
