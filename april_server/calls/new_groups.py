@@ -1,4 +1,4 @@
-"""Step 1 of a call (and of `POST /groups`): validate the sent groups and build them; nothing
+"""Step 2 of a call (and of `POST /groups`): validate the sent groups and build them; nothing
 is added on bad input."""
 
 from __future__ import annotations

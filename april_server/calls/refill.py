@@ -1,10 +1,11 @@
-"""Steps 2-3 of a call: start groups whole, in order, under the running target and the
-engine's admission bound; claim buffered groups only as they start; count groups as they
-finish."""
+"""Steps 3-6 of a call: size the running set; start groups whole, in order, under the
+running target and the engine's admission bound; claim buffered groups only as they start;
+count groups as they finish."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from april_client.protocol import Group, GroupFinishedEvent
 from april_server.buffer.buffer_index import BufferEntry, open_footprint
@@ -18,24 +19,15 @@ from april_server.runtime.background import Background
 from april_server.runtime.inflight_policy import InflightPolicy
 
 
+@dataclass(eq=False)
 class Refill:
-    def __init__(
-        self,
-        state: CallState,
-        turns: TurnsInCall,
-        buffer: PartialBuffer,
-        segments: SegmentRunner,
-        background: Background,
-        admission: Admission,
-        policy: InflightPolicy,
-    ) -> None:
-        self.state = state
-        self.turns = turns
-        self.buffer = buffer
-        self.segments = segments
-        self.background = background
-        self.admission = admission
-        self.policy = policy
+    state: CallState
+    turns: TurnsInCall
+    buffer: PartialBuffer
+    segments: SegmentRunner
+    background: Background
+    admission: Admission
+    policy: InflightPolicy
 
     async def arrive(self, entries: list[BufferEntry]) -> list[Group]:
         """Groups just taken for this call (`PartialBuffer.take*`): counted as its own at once,
@@ -53,7 +45,7 @@ class Refill:
         return groups
 
     async def refill(self, limit: int, sample_target: int) -> None:
-        """Step 2: start groups whole, in order, while under the running target, the groups
+        """Step 4: start groups whole, in order, while under the running target, the groups
         limit and the engine's admission bound."""
         state = self.state
         while len(state.active) < limit and not state.quota.met:
@@ -70,7 +62,7 @@ class Refill:
                 self.turns.announce_awaiting(gid)
 
     async def take_over_background(self, limit: int, sample_target: int) -> None:
-        """Before step 2: the background groups still generating pass to this call, oldest
+        """Before step 4: the background groups still generating pass to this call, oldest
         first, as many as its running target takes; they keep generating and count toward its
         quota. The rest of the background stops (`background.py`, 1)."""
         state = self.state
@@ -167,7 +159,7 @@ class Refill:
             await self.background.restart_stale(groups, state.tally)
 
     async def inflight_limits(self) -> tuple[int, int]:
-        """(max groups, max running samples) for this call. An integer pins the groups;
+        """Step 3: (max groups, max running samples) for this call. An integer pins the groups;
         "auto" sizes the running batch from the engine's measured step-time curve."""
         state, claimed, idle = self.state, self.buffer.claimed, self.buffer.idle
         req = state.req
@@ -194,7 +186,8 @@ class Refill:
         return 1 << 30, decision.running_target
 
     def collect(self, done: set[asyncio.Task[None]]) -> None:
-        """Account for finished segment tasks; a group counts once all its members ended."""
+        """Step 6: account for finished segment tasks; a group counts once all its members
+        ended."""
         state, claimed = self.state, self.buffer.claimed
         for t in done:
             gid = state.tasks.pop(t)

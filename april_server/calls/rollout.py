@@ -1,23 +1,26 @@
-"""One APRIL step: `POST /april/v1/rollouts`.
+"""One APRIL step: `POST /april/v1/rollouts`. The steps are the README's request lifecycle:
 
-1. Validate the request and build its new groups (nothing is started on bad input).
-2. Start groups whole, in order: buffered ones first (oldest first, when `resume_first`),
-   claimed from the buffer only as the call starts them, then the new ones; under the
-   running target (`max_inflight_groups`) and the engine's admission bound, refilled as
+2. Validate the request and build its new groups (nothing is started on bad input).
+3. Size the running set: the running target (`max_inflight_groups`) and the engine's
+   admission bound.
+4. Start groups whole, in order: buffered ones first (oldest first, when `resume_first`),
+   claimed from the buffer only as the call starts them, then the new ones; refilled as
    groups end.
-3. Count whole groups as they finish, in finish order; stop at `target_groups` accepted.
-4. Abort every sample of this call still generating, and wait until none is.
-5. Answer exactly `target_groups` finished groups; surplus finished groups and unfinished ones
+5. Each unfinished member runs as segments (`engine/segment_runner.py`).
+6. Count whole groups as they finish, in finish order; stop at `target_groups` accepted.
+7. Abort every sample of this call still generating, and wait until none is.
+8. Answer exactly `target_groups` finished groups; surplus finished groups and unfinished ones
    go to the buffer (`on_quota: drop` discards the unfinished ones that had started).
-6. Persist the buffer and the response (one fsynced commit, off the event loop) before
+9. Persist the buffer and the response (one fsynced commit, off the event loop) before
    answering.
-7. With `on_quota: continue`, the unfinished groups it started go on generating in the
-   background (`background.py`): in place, never stopped at 4, where nothing else holds it.
+10. With `on_quota: continue`, the unfinished groups it started go on generating in the
+    background (`background.py`): in place, never stopped at 7, where nothing else holds it.
 
-Where each step lives: 1 and the run loop here; 2-3 in `refill.py`; 4-7 in `wind_down.py`,
-where a call ends and the background begins; turns within a call in `turns_in_call.py`. Each
-is a part that acts on the call's `CallState` (`state.py`) with the collaborators it names.
-The quota: `rules/quota.py`; `request_id` retries: `rules/idempotency.py`.
+Where each step lives: 2 in `new_groups.py` and `RolloutCall.prepare`; the run loop (`run`)
+here; 3, 4 and 6 in `refill.py`; 7-10 in `wind_down.py`, where a call ends and the background
+begins; turns within a call in `turns_in_call.py`. Each is a part that acts on the call's
+`CallState` (`state.py`) with the collaborators it names. The quota: `rules/quota.py`;
+`request_id` retries: `rules/idempotency.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import cast
 
 import msgspec
@@ -142,7 +146,7 @@ class RolloutCall:
     # ---- the lifecycle ----------------------------------------------------------------------
 
     async def prepare(self) -> None:
-        """Step 1: validation. Raises ApiError before anything starts."""
+        """Step 2: validation. Raises ApiError before anything starts."""
         state, buffer = self.state, self.buffer
         req = state.req
         if req.target_groups < 1:
@@ -285,24 +289,17 @@ class RolloutCall:
         self.state.closed.set()
 
 
+@dataclass(eq=False)
 class Rollout:
     """`POST /april/v1/rollouts`, honouring `request_id` idempotency: a retry gets the
     response of the attempt that delivered one; if none did (its caller went away, or it
     failed), the retry runs again, on the groups the earlier attempt handed in."""
 
-    def __init__(
-        self,
-        store: BufferStore,
-        calls: LiveCalls,
-        background: Background,
-        counters: Counters,
-        call_parts: CallParts,
-    ) -> None:
-        self.store = store  # a `request_id`'s earlier answer
-        self.calls = calls
-        self.background = background  # gives way to every call
-        self.counters = counters
-        self.call_parts = call_parts  # handed to each call whole: its steps take what they use
+    store: BufferStore  # a `request_id`'s earlier answer
+    calls: LiveCalls
+    background: Background  # gives way to every call
+    counters: Counters
+    call_parts: CallParts  # handed to each call whole: its steps take what they use
 
     async def __call__(
         self,

@@ -8,6 +8,8 @@ a turn are `rules/turns.py`'s."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from april_client.protocol import Sample, SampleAwaitingEvent, SampleInterruptedEvent
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.calls.state import CallState
@@ -18,18 +20,12 @@ from april_server.rules import samples as sample_rules
 from april_server.rules import turns as turn_rules
 
 
+@dataclass(eq=False)
 class TurnsInCall:
-    def __init__(
-        self,
-        state: CallState,
-        engine: BaseEngine,
-        buffer: PartialBuffer,
-        segments: SegmentRunner,
-    ) -> None:
-        self.state = state
-        self.engine = engine  # to show an awaiting member's turn as text
-        self.buffer = buffer
-        self.segments = segments
+    state: CallState
+    engine: BaseEngine  # to show an awaiting member's turn as text
+    buffer: PartialBuffer
+    segments: SegmentRunner
 
     @property
     def takes_answers(self) -> bool:

@@ -1,4 +1,4 @@
-"""Steps 4-7 of a call, where it ends and the background begins: stop what still generates
+"""Steps 7-10 of a call, where it ends and the background begins: stop what still generates
 (with a snapshot for `snapshot` and `continue`), answer exactly `target_groups` finished groups,
 buffer the rest, persist before answering, and hand a `continue` call's stragglers to the
 background (`background.py`). Where no other call or operation holds the background, those
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 
@@ -33,39 +34,25 @@ _enc = msgspec.json.Encoder()
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class WindDown:
-    def __init__(
-        self,
-        state: CallState,
-        turns: TurnsInCall,
-        buffer: PartialBuffer,
-        segments: SegmentRunner,
-        planner: SegmentPlanner,
-        background: Background,
-        persister: Persister,
-        versions: WeightVersions,
-        lengths: LengthModel,
-        policy: InflightPolicy,
-        admission: Admission,
-        counters: Counters,
-    ) -> None:
-        self.state = state
-        self.turns = turns
-        self.buffer = buffer
-        self.segments = segments
-        self.planner = planner  # whether this engine keeps snapshots
-        self.background = background
-        self.persister = persister
-        self.versions = versions
-        self.lengths = lengths  # what the buffered groups have left, for the pool advice
-        self.policy = policy
-        self.admission = admission  # its size caps the pool advice's running target
-        self.counters = counters
+    state: CallState
+    turns: TurnsInCall
+    buffer: PartialBuffer
+    segments: SegmentRunner
+    planner: SegmentPlanner  # whether this engine keeps snapshots
+    background: Background
+    persister: Persister
+    versions: WeightVersions
+    lengths: LengthModel  # what the buffered groups have left, for the pool advice
+    policy: InflightPolicy
+    admission: Admission  # its size caps the pool advice's running target
+    counters: Counters
 
     async def wind_down(self, t0: float, time_to_quota: float | None, deliver: bool) -> RolloutResp:
         state = self.state
         state.stopped = True
-        # Step 4: nothing of this call may keep generating.
+        # Step 7: nothing of this call may keep generating.
         runs = self.segments.runs_of(state.batch_id)
         # `continue`: the stragglers the background can take as they are keep generating
         # (handed over in `_finish`); the rest stop with a snapshot, which it restores.
@@ -120,7 +107,7 @@ class WindDown:
     async def _hand_over_in_place(self, going: dict[str, list[Running]]) -> None:
         """After the answer was persisted: the background takes the groups still generating.
         Those it cannot take now (another call or operation came meanwhile, or a weight
-        update) stop with a snapshot, as they would have at step 4, and are persisted again
+        update) stop with a snapshot, as they would have at step 7, and are persisted again
         with what they generated since."""
         refused = self.background.adopt(self.state.batch_id, going)
         if not refused:
@@ -134,7 +121,7 @@ class WindDown:
     async def _finish(
         self, wall_s: float, time_to_quota: float | None, deliver: bool
     ) -> RolloutResp:
-        """Steps 5-6: split groups, persist, build the response. With `deliver=False` (the
+        """Steps 8-9: split groups, persist, build the response. With `deliver=False` (the
         caller is gone) nothing is returned and nothing dropped, so every group goes back to
         the buffer: `drop` and a rejection are the caller's decisions about a delivery, and a
         retry of the same `request_id` runs again on all the groups this attempt handed in."""

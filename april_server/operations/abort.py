@@ -15,6 +15,8 @@ background counts on a named group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from april_client.protocol import AbortReq, AbortResp, Group, Sample
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.segment_runner import SegmentRunner
@@ -25,20 +27,13 @@ from april_server.wire.errors import not_found
 from april_server.wire.ids import split_sample_id
 
 
+@dataclass(eq=False)
 class Abort:
-    def __init__(
-        self,
-        calls: LiveCalls,
-        buffer: PartialBuffer,
-        background: Background,
-        segments: SegmentRunner,
-        counters: Counters,
-    ) -> None:
-        self.calls = calls
-        self.buffer = buffer
-        self.background = background
-        self.segments = segments
-        self.counters = counters
+    calls: LiveCalls
+    buffer: PartialBuffer
+    background: Background
+    segments: SegmentRunner
+    counters: Counters
 
     async def __call__(self, req: AbortReq) -> AbortResp:
         calls, buffer, background = self.calls, self.buffer, self.background

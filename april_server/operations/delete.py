@@ -4,6 +4,7 @@ its KV snapshots); 409 `group_busy` while someone else holds it, 404 when unknow
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from april_client.protocol import DeleteResp
 from april_server.buffer.partial_buffer import PartialBuffer
@@ -13,18 +14,12 @@ from april_server.runtime.persister import Persister
 from april_server.runtime.run_to_end import run_to_end
 
 
+@dataclass(eq=False)
 class Delete:
-    def __init__(
-        self,
-        buffer: PartialBuffer,
-        background: Background,
-        segments: SegmentRunner,
-        persister: Persister,
-    ) -> None:
-        self.buffer = buffer
-        self.background = background
-        self.segments = segments  # frees the group's KV snapshots
-        self.persister = persister
+    buffer: PartialBuffer
+    background: Background
+    segments: SegmentRunner  # frees the group's KV snapshots
+    persister: Persister
 
     async def __call__(self, group_id: str) -> DeleteResp:
         async with self.background.paused():

@@ -9,6 +9,7 @@ call runs. A later call serves them like any buffered group. `request_id` makes 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 
@@ -31,20 +32,13 @@ _dec = msgspec.json.Decoder(GroupsResp)
 KEY_PREFIX = "groups/"
 
 
+@dataclass(eq=False)
 class AddGroups:
-    def __init__(
-        self,
-        engine: BaseEngine,
-        store: BufferStore,
-        buffer: PartialBuffer,
-        background: Background,
-        persister: Persister,
-    ) -> None:
-        self.engine = engine  # checks the prompts and params, like a call's
-        self.store = store  # a `request_id`'s earlier answer
-        self.buffer = buffer
-        self.background = background
-        self.persister = persister
+    engine: BaseEngine  # checks the prompts and params, like a call's
+    store: BufferStore  # a `request_id`'s earlier answer
+    buffer: PartialBuffer
+    background: Background
+    persister: Persister
 
     async def __call__(self, req: GroupsReq) -> GroupsResp:
         buffer = self.buffer

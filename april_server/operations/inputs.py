@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable
+from dataclasses import dataclass, field
 
 from april_client.protocol import InputReq, InputResp, Sample
 from april_server.buffer.buffer_index import BufferEntry
@@ -37,22 +38,15 @@ from april_server.wire.errors import ApiError, bad_request, not_found
 from april_server.wire.ids import split_sample_id
 
 
+@dataclass(eq=False)
 class PostInput:
-    def __init__(
-        self,
-        engine: BaseEngine,
-        calls: LiveCalls,
-        buffer: PartialBuffer,
-        background: Background,
-        persister: Persister,
-    ) -> None:
-        self.engine = engine  # tokenizes a text answer; the context and vocabulary bounds
-        self.calls = calls
-        self.buffer = buffer
-        self.background = background
-        self.persister = persister
-        # One answer per group at a time: group id -> [its lock, answers using it].
-        self.locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+    engine: BaseEngine  # tokenizes a text answer; the context and vocabulary bounds
+    calls: LiveCalls
+    buffer: PartialBuffer
+    background: Background
+    persister: Persister
+    # One answer per group at a time: group id -> [its lock, answers using it].
+    locks: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict, init=False)
 
     async def __call__(self, sample_id: str, req: InputReq) -> InputResp:
         if (req.append_ids is None) == (req.text is None):

@@ -4,16 +4,18 @@ afresh)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from april_server.buffer.store import BufferStore
 from april_server.rules.lengths import LengthModel
 from april_server.runtime.inflight_policy import InflightPolicy
 
 
+@dataclass(eq=False)
 class ForgetLengths:
-    def __init__(self, lengths: LengthModel, store: BufferStore, policy: InflightPolicy) -> None:
-        self.lengths = lengths
-        self.store = store
-        self.policy = policy
+    lengths: LengthModel
+    store: BufferStore
+    policy: InflightPolicy
 
     def __call__(self) -> int:
         """How many prompts it held."""

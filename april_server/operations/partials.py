@@ -5,6 +5,7 @@ with its state and what it would start under now."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from april_client.protocol import Group, PartialsResp
 from april_server.buffer.buffer_index import PartialsFilter
@@ -16,13 +17,11 @@ from april_server.rules import turns as turn_rules
 from april_server.rules.lengths import LengthModel
 
 
+@dataclass(eq=False)
 class Partials:
-    def __init__(
-        self, buffer: PartialBuffer, segments: SegmentRunner, lengths: LengthModel
-    ) -> None:
-        self.buffer = buffer
-        self.segments = segments  # who runs; which snapshots the store still holds
-        self.lengths = lengths  # what a group would start under now
+    buffer: PartialBuffer
+    segments: SegmentRunner  # who runs; which snapshots the store still holds
+    lengths: LengthModel  # what a group would start under now
 
     async def page(self, start: int, limit: int, where: PartialsFilter) -> PartialsResp:
         entries, next_seq = self.buffer.idle.page(start, limit, where, time.time())

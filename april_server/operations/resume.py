@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 
 from april_client.protocol import ResumeReq, Sample
 from april_server.buffer.partial_buffer import PartialBuffer
@@ -29,26 +30,16 @@ from april_server.wire.errors import bad_request, conflict, not_found
 from april_server.wire.ids import split_sample_id
 
 
+@dataclass(eq=False)
 class Resume:
-    def __init__(
-        self,
-        engine: BaseEngine,
-        buffer: PartialBuffer,
-        background: Background,
-        segments: SegmentRunner,
-        planner: SegmentPlanner,
-        versions: WeightVersions,
-        persister: Persister,
-        counters: Counters,
-    ) -> None:
-        self.engine = engine  # checks params, appends and budgets
-        self.buffer = buffer
-        self.background = background
-        self.segments = segments
-        self.planner = planner  # whether a snapshot is usable for `kv: restore`
-        self.versions = versions  # which snapshots a `kv: restore` may use
-        self.persister = persister
-        self.counters = counters
+    engine: BaseEngine  # checks params, appends and budgets
+    buffer: PartialBuffer
+    background: Background
+    segments: SegmentRunner
+    planner: SegmentPlanner  # whether a snapshot is usable for `kv: restore`
+    versions: WeightVersions  # which snapshots a `kv: restore` may use
+    persister: Persister
+    counters: Counters
 
     async def __call__(self, req: ResumeReq) -> list[Sample]:
         self.counters.resume_calls += 1

@@ -4,6 +4,7 @@ retries, and the lengths learned meanwhile, in one fsynced commit off the event 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from april_client.protocol import Group
 from april_server.buffer.partial_buffer import PartialBuffer
@@ -12,18 +13,12 @@ from april_server.engine.segment_state import Running
 from april_server.rules.lengths import LengthHistory
 
 
+@dataclass(eq=False)
 class Persister:
-    def __init__(
-        self,
-        buffer: PartialBuffer,
-        store: BufferStore,
-        running: Mapping[str, Running],
-        lengths: LengthHistory,
-    ) -> None:
-        self.buffer = buffer
-        self.store = store
-        self.running = running  # sample id -> its engine request (the segment runner's)
-        self.lengths = lengths
+    buffer: PartialBuffer
+    store: BufferStore
+    running: Mapping[str, Running]  # sample id -> its engine request (the segment runner's)
+    lengths: LengthHistory
 
     async def persist(
         self, put: list[Group], delete: list[str], call: tuple[str, bytes] | None = None
