@@ -13,9 +13,9 @@ connection lost mid-segment, take it out of the pool (`down`): its segments in f
 rejoins when it answers again with the fleet's weight version; with another version it is
 `stale` and is brought level by replaying the last weight update, if there was one.
 
-Weight updates (`update_weights`, `weight_push.py`) go to every reachable engine at once; new
-segments wait until all have answered, and the fleet's version changes only to one every engine
-in the pool reports.
+Weight updates go through the part the fleet holds for them (`weights`, a `WeightPush`:
+`weight_push.py`) to every reachable engine at once; new segments wait until all have answered,
+and the fleet's version changes only to one every engine in the pool reports.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ LEFT_REGISTRY = "left the registry"
 FORGET_AFTER_ROUNDS = 30  # probe rounds (1 s each) an engine may be missing before it is dropped
 
 
-class FleetEngine(WeightPush, SnapshotEngine):
+class FleetEngine(SnapshotEngine):
     def __init__(
         self,
         urls: Sequence[str] = (),
@@ -71,18 +71,12 @@ class FleetEngine(WeightPush, SnapshotEngine):
             self._add(url)
         self._static = set(self.members)  # given on the command line: never dropped
         self._absent: dict[str, int] = {}  # discovered engines: rounds missing from the registry
-        self.version: str | None = None  # the weights every engine in the pool runs
-        self.last_update: dict[str, Any] | None = None  # replayed to engines that rejoin
+        # the fleet's weight version, its pushes, and the new segments they hold back
+        self.weights = WeightPush(self.members)
         self.context_len = 0
         self.vocab_size = None
         self.tokenizer_path = tokenizer_path
         self._tokenizer: Any = None
-        self._open = asyncio.Event()  # closed while a weight update runs
-        self._open.set()
-        self.session_open = False  # a begin_weight_update ... end session keeps it closed
-        # `GET /april/v1/weights/group` (the owner's weight-update group: `weight_group.py`)
-        self.group_info: Callable[[], WeightGroupInfo] = self._no_group
-        self._update_lock = asyncio.Lock()
         self._first_lock = asyncio.Lock()
         self._syncing: set[str] = set()
         self._rids: dict[str, RemoteEngine] = {}  # segments in flight -> their engine
@@ -165,23 +159,26 @@ class FleetEngine(WeightPush, SnapshotEngine):
             return
         if m.unsent_drops:  # before it serves again: a new snapshot could reuse a key
             await m.resend_drops()
-        if self._update_lock.locked():
+        weights = self.weights
+        if weights.updating():
             return  # versions are in motion: the update itself settles every engine's state
-        if self.version is None:
-            self.version = info.weight_version
+        if weights.version is None:
+            weights.version = info.weight_version
         if not self.ready.is_set():
             await self._first_engine(m)
         self._fit_sizes()
-        if info.weight_version == self.version:
+        if info.weight_version == weights.version:
             m.set_state("healthy")
-        elif self.last_update is not None and m.name not in self._syncing:
-            m.set_state("stale", f"weights {info.weight_version!r}, the fleet's {self.version!r}")
+        elif weights.last_update is not None and m.name not in self._syncing:
+            m.set_state(
+                "stale", f"weights {info.weight_version!r}, the fleet's {weights.version!r}"
+            )
             self._syncing.add(m.name)
-            asyncio.get_running_loop().create_task(self._bring_level(m, self.last_update))
+            asyncio.get_running_loop().create_task(self._bring_level(m, weights.last_update))
         elif m.name not in self._syncing:
             m.set_state(
                 "stale",
-                f"weights {info.weight_version!r}, the fleet's {self.version!r}: push weights "
+                f"weights {info.weight_version!r}, the fleet's {weights.version!r}: push weights "
                 "(POST /update_weights_from_disk, or a broadcast to a weight-update group it "
                 "is in: GET /april/v1/weights/group) to bring them level",
             )
@@ -234,7 +231,7 @@ class FleetEngine(WeightPush, SnapshotEngine):
         return tuple(sorted(m.name for m in self.pool()))
 
     def weight_group(self) -> WeightGroupInfo:
-        return self.group_info()
+        return self.weights.group()
 
     # ---- BaseEngine ---------------------------------------------------------------------
 
@@ -246,7 +243,7 @@ class FleetEngine(WeightPush, SnapshotEngine):
         return m is not None and m.state == "healthy"
 
     def weight_version(self) -> str:
-        return self.version or ""
+        return self.weights.version or ""
 
     def detokenize(self, ids: list[int]) -> str | None:
         return None if self._tokenizer is None else str(self._tokenizer.decode(ids))
@@ -266,7 +263,7 @@ class FleetEngine(WeightPush, SnapshotEngine):
         check_sampling_params(params, self.vocab_size)
 
     async def run_segment(self, call: SegmentCall) -> SegmentOutcome:
-        if not self._open.is_set() and await self._held_until_updated(call.rid):
+        if self.weights.held() and await self._held_until_updated(call.rid):
             # Stopped while a weight update held it back: it never reached an engine, so
             # the old snapshot its plan gave up must be freed here (nobody else knows of it).
             if call.drop is not None:
@@ -296,7 +293,7 @@ class FleetEngine(WeightPush, SnapshotEngine):
         """Wait while a weight update reaches every engine; True if `rid` was aborted
         meanwhile (an abort or a quota wind-down never waits for weights, #23)."""
         stop = self._held[rid] = asyncio.Event()
-        waits = [asyncio.ensure_future(e.wait()) for e in (self._open, stop)]
+        waits = [asyncio.ensure_future(self.weights.released()), asyncio.ensure_future(stop.wait())]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -2,7 +2,8 @@
 `april-bench` calls, spread over the engines. It runs no model (`april-server --april-engines`).
 
 SGLang routes, as the owner answers them:
-- `POST /update_weights_from_disk`: every engine, then one version everywhere (`fleet.py`);
+- `POST /update_weights_from_disk`: every engine, then one version everywhere (the fleet's
+  `weights`: `weight_push.py`);
 - `POST /init_weights_update_group`, `/begin_weight_update`, `/update_weights_from_distributed`,
   `/end_weight_update`, `/destroy_weights_update_group`: one group over every engine, so a
   trainer broadcasts once (`weight_group.py`);
@@ -205,7 +206,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         if mgr is not None and cut:
             await mgr.weight_cut.before_update()
         try:
-            out = await fleet.update_weights(body)
+            out = await fleet.weights.update_weights(body)
         finally:
             if mgr is not None and cut:
                 mgr.weight_cut.after_update()
@@ -215,7 +216,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         mgr = holder.peek()
         return None if mgr is None else mgr.weight_cut
 
-    weights = FleetWeights(fleet, listener)
+    group = FleetWeights(fleet.weights, listener)
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:
@@ -228,11 +229,11 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
 
     # A broadcast over a weight-update group, through the owner (`weight_group.py`).
     for path, act in (
-        ("/init_weights_update_group", weights.init),
-        ("/destroy_weights_update_group", weights.destroy),
-        ("/begin_weight_update", weights.begin),
-        ("/update_weights_from_distributed", weights.update),
-        ("/end_weight_update", weights.end),
+        ("/init_weights_update_group", group.init),
+        ("/destroy_weights_update_group", group.destroy),
+        ("/begin_weight_update", group.begin),
+        ("/update_weights_from_distributed", group.update),
+        ("/end_weight_update", group.end),
     ):
 
         async def route(request: Request, act: Any = act) -> Response:

@@ -31,8 +31,8 @@ from typing import Any
 
 from april_client.protocol import WeightGroupInfo
 from april_server.door.weight_hooks import SESSION_LIMIT_S, UpdateListener
-from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import RemoteEngine
+from april_server.fleet.weight_push import WeightPush
 from april_server.wire.errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -55,16 +55,19 @@ def rank_offsets(engines: list[tuple[str, int]], first: int) -> dict[str, int]:
 
 
 class FleetWeights:
-    def __init__(self, fleet: FleetEngine, listener: Callable[[], UpdateListener | None]) -> None:
-        self.fleet = fleet
+    def __init__(self, push: WeightPush, listener: Callable[[], UpdateListener | None]) -> None:
+        """`push`: the fleet's weight push (`FleetEngine.weights`), whose engines the group
+        spans, whose version it pushes and whose new segments a session holds; `listener`: the
+        owner's weight cut, if its manager is up."""
+        self.push = push
         self.listener = listener
         self.group: Group | None = None
         self._cut: UpdateListener | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        fleet.group_info = self.info  # the fleet's `weight_group()` (`GET .../weights/group`)
+        push.answer_group_with(self.info)  # the fleet's `weight_group()` (`GET .../weights/group`)
 
     def live(self) -> list[RemoteEngine]:
-        return [m for m in self.fleet.members.values() if m.state != "down" and m.info]
+        return [m for m in self.push.members.values() if m.state != "down" and m.info]
 
     def members(self) -> list[RemoteEngine]:
         """The group's engines that are still in it (a restart leaves a group)."""
@@ -73,7 +76,7 @@ class FleetWeights:
             return []
         return [
             m
-            for m in self.fleet.members.values()
+            for m in self.push.members.values()
             if m.name in g.offsets and m.info is not None and m.info.weight_group == g.name
         ]
 
@@ -85,7 +88,7 @@ class FleetWeights:
         lost = g is not None and any(n not in inside for n in g.offsets)  # down or restarted
         return WeightGroupInfo(
             ranks=sum(m.info.tp_size for m in live if m.info is not None),
-            weight_version=self.fleet.version or "",
+            weight_version=self.push.version or "",
             group=None if g is None else g.name,
             world_size=None if g is None else g.world_size,
             in_sync=g is not None and not behind and not lost,
@@ -118,7 +121,7 @@ class FleetWeights:
         failed = {
             n: str(r) for n, r in zip(offsets, results, strict=True) if isinstance(r, Exception)
         }
-        await asyncio.gather(*(self.fleet.probe_quietly(m) for m in live))
+        await asyncio.gather(*(self.push.probe_quietly(m) for m in live))
         if failed:
             self.group = None
             # Those that joined leave the half-made group (best effort): the trainer's join
@@ -143,7 +146,7 @@ class FleetWeights:
             *(m.update_weights(body, "/destroy_weights_update_group") for m in inside),
             return_exceptions=True,
         )
-        await asyncio.gather(*(self.fleet.probe_quietly(m) for m in inside))
+        await asyncio.gather(*(self.push.probe_quietly(m) for m in inside))
         failed = {
             m.name: str(r) for m, r in zip(inside, results, strict=True) if isinstance(r, Exception)
         }
@@ -168,9 +171,9 @@ class FleetWeights:
 
     async def begin(self, body: dict[str, Any]) -> dict[str, Any]:
         names = self._targets()
-        opened = not self.fleet.session_open
+        opened = not self.push.session_open
         if opened:
-            self.fleet.hold_segments(session=True)  # new segments wait for the session's end
+            self.push.hold_segments(session=True)  # new segments wait for the session's end
             self._cut = self.listener()
             if self._cut is not None:
                 await self._cut.before_update()
@@ -188,7 +191,7 @@ class FleetWeights:
 
     async def update(self, body: dict[str, Any]) -> dict[str, Any]:
         names = self._targets()
-        if not self.fleet.session_open:
+        if not self.push.session_open:
             raise ApiError(
                 400,
                 "no_weight_session",
@@ -199,7 +202,7 @@ class FleetWeights:
             # As for a disk push (#23): an engine restarted with its first weights must not
             # report the pushed version.
             body["weight_version"] = f"owner-{uuid.uuid4().hex[:12]}"
-        return await self.fleet.update_weights(body, "/update_weights_from_distributed", names)
+        return await self.push.update_weights(body, "/update_weights_from_distributed", names)
 
     async def end(self, body: dict[str, Any]) -> dict[str, Any]:
         names = [m.name for m in self.members() if m.state != "down"]
@@ -218,7 +221,7 @@ class FleetWeights:
         self, names: list[str], path: str, body: dict[str, Any]
     ) -> tuple[dict[str, str], list[str]]:
         """(engine -> why it failed, the engines that answered) for `path` sent to all."""
-        ms = [self.fleet.members[n] for n in names]
+        ms = [self.push.members[n] for n in names]
         results = await asyncio.gather(
             *(m.update_weights(body, path) for m in ms), return_exceptions=True
         )
@@ -228,9 +231,9 @@ class FleetWeights:
         return failed, [m.name for m in ms if m.name not in failed]
 
     def _close_session(self) -> None:
-        if not self.fleet.session_open:
+        if not self.push.session_open:
             return
-        self.fleet.release_segments(session=True)
+        self.push.release_segments(session=True)
         if self._cut is not None:
             self._cut.after_update()
             self._cut = None

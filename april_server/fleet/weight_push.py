@@ -1,10 +1,12 @@
 """A weight push to the fleet: every reachable engine at once, new segments held meanwhile.
 
-`update_weights` loads new weights on every engine that is up (or on the ones named); new
-segments wait (`FleetEngine.run_segment`) until all have answered, and the fleet's version
-changes only to one every engine in the pool reports. An engine left behind is `stale` until a
-probe finds it level (a disk push is replayed to it: `last_update`). A weight-update session
-over a group (`weight_group.py`) holds new segments from its begin to its end.
+`FleetEngine` holds one `WeightPush` (`fleet.weights`) over its members. `update_weights` loads
+new weights on every engine that is up (or on the ones named); new segments wait
+(`FleetEngine.run_segment`, through `held`/`released`) until all have answered, and the fleet's
+`version` changes only to one every engine in the pool reports. An engine left behind is
+`stale` until a probe finds it level (a disk push is replayed to it: `last_update`). A
+weight-update session over a group (`weight_group.py`, handed this part) holds new segments from
+its begin to its end, and answers for the group (`answer_group_with`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,37 @@ DISK = "/update_weights_from_disk"
 
 
 class WeightPush:
-    """`FleetEngine`'s weight updates; the state they share with it is set by its `__init__`."""
+    """The fleet's weights: their version, the pushes that change it, the segments they hold."""
 
-    members: dict[str, RemoteEngine]
-    version: str | None  # the weights every engine in the pool runs
-    last_update: dict[str, Any] | None  # replayed to engines that rejoin
-    session_open: bool
-    group_info: Callable[[], WeightGroupInfo]
-    _open: asyncio.Event
-    _update_lock: asyncio.Lock
+    def __init__(self, members: dict[str, RemoteEngine]) -> None:
+        """`members`: the fleet's engines by name, shared with it (it adds and drops them)."""
+        self.members = members
+        self.version: str | None = None  # the weights every engine in the pool runs
+        self.last_update: dict[str, Any] | None = None  # replayed to engines that rejoin
+        self.session_open = False  # a begin_weight_update ... end session keeps segments held
+        self._open = asyncio.Event()  # closed while new segments are held
+        self._open.set()
+        self._update_lock = asyncio.Lock()
+        # `GET /april/v1/weights/group`: the owner's weight-update group once there is one
+        self._group_info: Callable[[], WeightGroupInfo] = self._no_group
+
+    def answer_group_with(self, info: Callable[[], WeightGroupInfo]) -> None:
+        """The weight-update group (`weight_group.py`) answers `group()` from now on."""
+        self._group_info = info
+
+    def group(self) -> WeightGroupInfo:
+        return self._group_info()
+
+    def updating(self) -> bool:
+        """A push is in flight: versions are in motion, it settles every engine's state."""
+        return self._update_lock.locked()
+
+    def held(self) -> bool:
+        """New segments wait (`released`) before they reach an engine."""
+        return not self._open.is_set()
+
+    async def released(self) -> None:
+        await self._open.wait()
 
     async def update_weights(
         self, body: dict[str, Any], path: str = DISK, names: Collection[str] | None = None
@@ -48,7 +72,7 @@ class WeightPush:
                 self.release_segments()
 
     def hold_segments(self, session: bool = False) -> None:
-        """New segments wait (`run_segment`) until `release_segments`; a weight-update
+        """New segments wait (`FleetEngine.run_segment`) until `release_segments`; a weight-update
         session (`weight_group.py`) holds them from its begin to its end."""
         self.session_open = self.session_open or session
         self._open.clear()

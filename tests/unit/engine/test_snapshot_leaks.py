@@ -51,7 +51,7 @@ def test_a_segment_stopped_while_a_weight_update_held_it_frees_the_old_snapshot(
         servers = DropServers(["a:1"])
         fleet = fleet_over(servers, ["a:1"])
         await fleet.probe_all()
-        fleet._open.clear()  # a weight update is reaching the engines: new segments wait
+        fleet.weights.hold_segments()  # a weight update is reaching the engines: new segments wait
         here = Slot("a:1", 0)
         call = SegmentCall("r1", "s/0", [1, 2], {"max_new_tokens": 1}, here, drop=here)
         seg = asyncio.ensure_future(fleet.run_segment(call))

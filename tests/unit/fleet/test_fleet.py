@@ -204,7 +204,7 @@ def test_weight_updates_reach_every_engine_and_a_returning_one_is_brought_level(
         servers = FakeServers(["a:1", "b:1"])
         fleet = fleet_over(servers, ["a:1", "b:1"])
         await fleet.probe_all()
-        out = await fleet.update_weights({"model_path": "/m", "weight_version": "1"})
+        out = await fleet.weights.update_weights({"model_path": "/m", "weight_version": "1"})
         assert out["success"] and out["engines"] == {"a:1": "1", "b:1": "1"}
         assert fleet.weight_version() == "1"
         # b restarts with its old weights: out of the pool until the update is replayed.
@@ -218,7 +218,7 @@ def test_weight_updates_reach_every_engine_and_a_returning_one_is_brought_level(
         # An engine unreachable during an update: the others move on, it stays out.
         servers.gone.add("a:1")
         await fleet.probe_all()
-        out = await fleet.update_weights({"model_path": "/m", "weight_version": "2"})
+        out = await fleet.weights.update_weights({"model_path": "/m", "weight_version": "2"})
         assert out["success"] and fleet.weight_version() == "2"
         assert fleet.members["a:1"].state == "down"
         servers.gone.clear()

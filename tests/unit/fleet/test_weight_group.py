@@ -84,7 +84,7 @@ def test_init_gives_each_engine_its_ranks_and_checks_the_world_size() -> None:
     async def go() -> None:
         servers, fleet = setup(["b:1", "a:1"], tp={"b:1": 2})
         await fleet.probe_all()
-        weights = FleetWeights(fleet, lambda: None)
+        weights = FleetWeights(fleet.weights, lambda: None)
         info = fleet.weight_group()
         assert (info.ranks, info.group, info.in_sync) == (3, None, False)
         body = {"master_address": "t", "master_port": 9, "rank_offset": 1, "world_size": 3,
@@ -107,7 +107,7 @@ def test_a_push_is_refused_while_an_engine_is_outside_the_group_and_reaches_it_a
     async def go() -> None:
         servers, fleet = setup(["a:1", "b:1"])
         await fleet.probe_all()
-        weights = FleetWeights(fleet, lambda: None)
+        weights = FleetWeights(fleet.weights, lambda: None)
         group = {"master_address": "t", "master_port": 9, "world_size": 3, "group_name": "g1"}
         await weights.init(group)
         update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g1"}
@@ -155,7 +155,7 @@ def test_the_session_holds_new_segments_until_its_end_or_its_time_limit(
         servers.hold_segments.set()
         await fleet.probe_all()
         cut = Cut()
-        weights = FleetWeights(fleet, lambda: cut)
+        weights = FleetWeights(fleet.weights, lambda: cut)
         await weights.init({"master_address": "t", "master_port": 9, "world_size": 2})
         await weights.begin({})
         call = SegmentCall("r1", "k", [1, 2], {"max_new_tokens": 1}, Slot("a:1", 0))
@@ -196,12 +196,12 @@ def test_a_begin_refused_by_one_engine_holds_nothing() -> None:
         fleet = fleet_over(servers, hosts)
         await fleet.probe_all()
         cut = Cut()
-        weights = FleetWeights(fleet, lambda: cut)
+        weights = FleetWeights(fleet.weights, lambda: cut)
         await weights.init({"master_address": "t", "master_port": 9, "world_size": 3})
         with pytest.raises(ApiError) as exc:
             await weights.begin({})
         assert exc.value.status == 502 and "b:1" in exc.value.message
-        assert not fleet.session_open and cut.events == ["cut", "continue"]
+        assert not fleet.weights.session_open and cut.events == ["cut", "continue"]
         ended = [h for h, p, _ in servers.calls if p == "/end_weight_update"]
         assert ended == ["a:1"]  # the engine that began leaves its session again
         call = SegmentCall("r1", "k", [1, 2], {"max_new_tokens": 1}, Slot("a:1", 0))
