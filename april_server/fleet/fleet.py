@@ -131,7 +131,7 @@ class FleetEngine(SnapshotEngine):
             if name not in self.members:
                 self._add(url).start()
             elif self.members[name].why == LEFT_REGISTRY:
-                # Registered again (#23): probed from now on, and serves once healthy.
+                # Registered again: probed from now on, and serves once healthy.
                 self.members[name].set_state("down", "back in the registry")
                 self.members[name].failures = 0
         for name, m in list(self.members.items()):
@@ -291,7 +291,7 @@ class FleetEngine(SnapshotEngine):
 
     async def _held_until_updated(self, rid: str) -> bool:
         """Wait while a weight update reaches every engine; True if `rid` was aborted
-        meanwhile (an abort or a quota wind-down never waits for weights, #23)."""
+        meanwhile (an abort or a quota wind-down never waits for weights)."""
         stop = self._held[rid] = asyncio.Event()
         waits = [asyncio.ensure_future(self.weights.released()), asyncio.ensure_future(stop.wait())]
         try:

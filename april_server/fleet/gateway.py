@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from april_server.door.engine import preload_sampling_params
+from april_server.door.weight_hooks import UpdateListener
 from april_server.engine.base import EngineUnavailable
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
@@ -93,8 +94,8 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         await fleet.close()
 
     def get_manager() -> RolloutManager:
-        # The buffer lives here: reading it, deleting from it and aborting need no engine
-        # (#23); the manager is built once the first engine said what the fleet serves.
+        # The buffer lives here: reading it, deleting from it and aborting need no engine;
+        # the root is built once the first engine said what the fleet serves.
         if not fleet.ready.is_set():
             raise ApiError(503, "no_engine", "no engine server has answered yet")
         return holder.get()
@@ -113,7 +114,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
     async def check_key(request: Request, call_next: Callable[[Request], Any]) -> Response:
         # SGLang's own middleware is not here: the same rule, the owner's routes included.
         # Routes that act on every engine need the admin key when there is one, as SGLang's
-        # ADMIN_OPTIONAL routes do on an engine server (#23: the user key got through).
+        # ADMIN_OPTIONAL routes do on an engine server (else the user key would get through).
         path = request.url.path
         header = request.headers.get("authorization")
         try:
@@ -195,24 +196,24 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
                 400, "invalid_request", "send {'model_path': ..., 'weight_version': ...}"
             )
         if body.get("weight_version") is None:
-            # Every update gets a version of its own (#23): without one, an engine restarted
+            # Every update gets a version of its own: without one, an engine restarted
             # with its first weights would report the same version and rejoin as up to date.
             body["weight_version"] = f"owner-{uuid.uuid4().hex[:12]}"
         # As on an engine server (door/weight_hooks.py): the segments this owner runs are cut
         # at the version boundary, so the engines' updates need not wait for stragglers, and
         # go on under the new weights afterwards. A caller that aborts everything gets that.
-        mgr = holder.peek()
-        cut = mgr is not None and not body.get("abort_all_requests", False)
-        if mgr is not None and cut:
-            await mgr.weight_cut.before_update()
+        cut = None if body.get("abort_all_requests", False) else listener()
+        if cut is not None:
+            await cut.before_update()
         try:
             out = await fleet.weights.update_weights(body)
         finally:
-            if mgr is not None and cut:
-                mgr.weight_cut.after_update()
+            if cut is not None:
+                cut.after_update()
         return JSONResponse(out, status_code=200 if out["success"] else 502)
 
-    def listener() -> Any:
+    def listener() -> UpdateListener | None:
+        """What a weight update cuts: the root's running segments, once it is built."""
         mgr = holder.peek()
         return None if mgr is None else mgr.weight_cut
 
@@ -269,7 +270,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
                 asyncio.ensure_future(sending.result().aclose())
             raise
 
-        async def done() -> None:  # once, however the stream ends (#23: it failed part-way)
+        async def done() -> None:  # once, however the stream ends (it may fail part-way)
             proxied[m.name] -= 1
             await resp.aclose()
 

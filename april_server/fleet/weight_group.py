@@ -1,4 +1,4 @@
-"""An owner's weight-update group: a trainer broadcasts once to every engine (issue #34).
+"""An owner's weight-update group: a trainer broadcasts once to every engine.
 
 SGLang's route set for a push over a torch.distributed group, as the owner answers it:
 - `POST /init_weights_update_group`: the trainer is rank 0 (`rank_offset`: where the engines
@@ -199,7 +199,7 @@ class FleetWeights:
                 "/end_weight_update (SGLang 0.5.23)",
             )
         if body.get("weight_version") is None:
-            # As for a disk push (#23): an engine restarted with its first weights must not
+            # As for a disk push: an engine restarted with its first weights must not
             # report the pushed version.
             body["weight_version"] = f"owner-{uuid.uuid4().hex[:12]}"
         return await self.push.update_weights(body, "/update_weights_from_distributed", names)

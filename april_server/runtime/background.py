@@ -1,4 +1,5 @@
-"""Background generation: groups that keep generating between calls (issue #19).
+"""Background generation: groups that keep generating between calls, so the engine is never
+idle while the trainer trains.
 
 A call with `on_quota: continue` hands the unfinished groups it started to the background
 when it answers; `POST /groups` with `start: background` hands in new ones. Here is where a

@@ -1,4 +1,4 @@
-"""Free KV snapshots that nobody refers to any more (#23 item 10: bytes held after a drain).
+"""Free KV snapshots that nobody refers to any more, so no bytes stay held after a drain.
 
 A snapshot is referenced while its sample runs (`SegmentRunner.running`: a mark may be about to make
 one, a restore holds one) and while its buffered sample records it (`snapshots.held_at`). The
