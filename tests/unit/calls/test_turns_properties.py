@@ -28,6 +28,7 @@ from april_client.protocol import (
 from april_server.buffer.store import BufferStore
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
+from april_server.wire.ids import split_sample_id
 from tests.unit.fake_engine import EOS, next_token
 from tests.unit.runtime.test_background_properties import Watch
 
@@ -104,7 +105,8 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
             except ApiError as exc:
                 # Deleted or delivered meanwhile (unknown now), or answered: nothing else.
                 if exc.code == "not_found":
-                    assert not mgr.buffer.known(sid.rpartition("/")[0]), exc
+                    gid, _ = split_sample_id(sid) or (sid, -1)
+                    assert not mgr.buffer.known(gid), exc
                 else:
                     assert exc.code in ("not_awaiting", "group_busy"), exc
                 return
