@@ -68,8 +68,7 @@ class Target:
             os.killpg(old.proc.pid, 9)
             old.proc.wait()
             old.proc = None
-        new = LaunchedServer(old.extra_args, keep_dir=True, env=old.env)
-        new.port, new.dir, new.log_path = port, state, state / "server.log"
+        new = LaunchedServer(old.extra_args, env=old.env, state_dir=state, port=port)
         new.start()
         self.engines[i] = new
         self.procs = [new if p is old else p for p in self.procs]
