@@ -1,5 +1,6 @@
-"""The partial buffer that scales to a million samples: index, store thread, migration,
-paging, ids, bounded admission beside a big buffer. Fake engine, real SQLite."""
+"""The partial buffer that scales to a million samples: the index (`buffer_index.py`), the store
+and its thread (`store.py`, `db_thread.py`), migration, paging, ids, bounded admission beside a
+big buffer. Fake engine, real SQLite."""
 
 from __future__ import annotations
 

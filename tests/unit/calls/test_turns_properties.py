@@ -1,10 +1,11 @@
-"""Property test of agent rollouts (#20): random interleavings of streamed calls whose members
-stop at turn stops, tool answers (late, repeated, after the call), aborts, deletes and
-background calls, run concurrently over the fake engine. Whatever the order: no group is lost
-or delivered twice, no member generates in two places at once, every answer the server took
-is in its sample exactly once and in order (none lost, none duplicated), a second answer for
-a turn is refused, and every generated token is the fake engine's continuation of its context
-(answers included), so nothing generated before an interruption was lost or changed."""
+"""Property test of agent rollouts (`turns_in_call.py` and the operations beside it): random
+interleavings of streamed calls whose members stop at turn stops, tool answers (late, repeated,
+after the call), aborts, deletes and background calls, run concurrently over the fake engine.
+Whatever the order: no group is lost or delivered twice, no member generates in two places at
+once, every answer the server took is in its sample exactly once and in order (none lost, none
+duplicated), a second answer for a turn is refused, and every generated token is the fake
+engine's continuation of its context (answers included), so nothing generated before an
+interruption was lost or changed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""How the client is imported: the package is `april_client` (sources in clients/), importing it
-needs only httpx and msgspec, and the folder name `clients` is not an import name (no alias)."""
+"""How the client is imported (`__init__.py`, `pyproject.toml`): the package is `april_client`
+(sources in clients/), importing it needs only httpx and msgspec, and the folder name `clients`
+is not an import name (no alias)."""
 
 from __future__ import annotations
 
