@@ -5,7 +5,9 @@ GPU check. It lives with the server (the entry layer, beside `cli.py`) because s
 april-server is the server distribution's business; none of its users depends on another.
 
 The server runs as `python -m april_server` (the caller's interpreter) on a free port with a
-temporary state dir, in its own session so stopping it reaches SGLang's children.
+temporary state dir, in its own session so stopping it reaches SGLang's children. A caller
+that restarts a server on the same state (a crash test, a restarted engine) names its folder
+and port: a named folder is the caller's, so `stop` leaves it.
 `cpus` pins it (and the SGLang processes it starts, which inherit the affinity) to those cores,
 e.g. to keep it off the cores a trainer in the same machine uses; by default it is not pinned.
 """
@@ -60,13 +62,16 @@ class LaunchedServer:
         keep_dir: bool = False,
         env: dict[str, str] | None = None,
         cpus: Sequence[int] | None = None,
+        state_dir: Path | None = None,
+        port: int | None = None,
     ) -> None:
         self.cpus = None if cpus is None else set(cpus)
         self.extra_args = list(extra_args or [])
         self.env = env  # added to this process's environment for the server
-        self.keep_dir = keep_dir
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="april-bench-"))
+        self.keep_dir = keep_dir or state_dir is not None
+        self.port = free_port() if port is None else port
+        # Holds the server's `--april-state-dir` (`state/`) and its log.
+        self.dir = Path(tempfile.mkdtemp(prefix="april-bench-")) if state_dir is None else state_dir
         self.log_path = self.dir / "server.log"
         self.proc: ServerProcess | None = None
 

@@ -48,7 +48,7 @@ with TRL pinned to 1.16.0; `rollout_func` is experimental there, set
    whole response with the answers in place and `env_mask` 0 on them, plus `april_tool_calls`
    (answers in the row). See `trl_tools.py`.
 
-`background=True` keeps the server generating while TRL trains (issue 19): training calls send
+`background=True` keeps the server generating while TRL trains: training calls send
 `on_quota: "continue"`, so the stragglers a call started and did not return keep generating
 after it answered, until a later call claims them. The adapter keeps `background_level` groups
 outstanding while the trainer trains: at least the next call's P (so that generation overlaps
@@ -146,7 +146,7 @@ class AprilRollout:
     # (`stats.groups_wanted`, from its step curve and predicted lengths), never fewer than
     # `over_provision` x P. Needs `max_inflight_groups="auto"`: a pinned batch gets no advice.
     # The server bounds the advice by `max_staleness + 1` quotas (the default 1: at most
-    # 2 x P), and `background=True` caps what is held by `background_level` as before.
+    # 2 x P), and with `background=True` what is held stays capped by `background_level`.
     size_pool: bool = False
     max_staleness: int | None = 1
     stale_tokens: StaleTokens = "mask"

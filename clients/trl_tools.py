@@ -1,4 +1,4 @@
-"""Agent rollouts for the TRL adapter (issue #20): a tool executor answers each turn.
+"""Agent rollouts for the TRL adapter: a tool executor answers each turn.
 
 `AprilRollout(client, tool=lookup, turns={"stop_token_ids": [CALL], "max_turns": 3})` makes
 each rollout call a streamed `/rollouts` call with `turns`: when a member's turn ends at a turn

@@ -1,4 +1,4 @@
-"""Weights over the wire, the trainer's side (issue #34): push a model's tensors to april-server,
+"""Weights over the wire, the trainer's side: push a model's tensors to april-server,
 or to an owner over many engines, by a torch.distributed broadcast instead of a checkpoint on a
 shared disk.
 

@@ -19,13 +19,11 @@ class ServerProc(LaunchedServer):
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         own_process: bool = False,
+        port: int | None = None,
     ) -> None:
-        super().__init__(extra_args, keep_dir=True, env=env)
+        super().__init__(extra_args, env=env, state_dir=state_dir, port=port)
         # `python -m april_server` as users start it, not forked from the suite's zygote
         self.own_process = own_process
-        os.rmdir(self.dir)  # the launcher's temp dir: tests give their own
-        self.dir = state_dir
-        self.log_path = state_dir / "server.log"
 
     def kill9(self) -> None:
         """Crash it: SIGKILL the whole process group (SGLang's children too), no shutdown."""

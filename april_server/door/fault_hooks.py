@@ -5,7 +5,8 @@ does; a production server never registers the hook). Then a request whose sampli
 carry `custom_params: {"april_abort_at_output_len": N}` is aborted in the step that produced
 its N-th output token, exactly as an `abort_request` that arrives during that step: SGLang's
 `Req.update_finish_state` takes `to_finish` before it looks at stop tokens or strings, so the
-request ends `abort` even when that token ended a stop (issue #36's race, made deterministic).
+request ends `abort` even when that token ended a stop: the race `rules/stops.py` reads through,
+made deterministic so a test can hit it every time.
 Hook: AROUND `schedule_batch.Req.update_finish_state`.
 """
 

@@ -11,7 +11,8 @@ copy runs on a side stream, after the work already queued on the current stream 
 pass that wrote the KV); ``save_snapshot`` returns only once the copy has finished, because
 SGLang frees the request's pool slots right after and may hand them to the next forward. A
 slab goes back to the pool when its snapshot is dropped or evicted, and is reused only once
-the copy that filled it is known complete. On CPU the copy allocates its own slab, as before.
+the copy that filled it is known complete. On CPU the copy allocates its own slab: nothing to
+pin, no stream to order after.
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ class HostKvStore:
         side stream). ``routing``: the tokens' routed experts (host memory, kept beside the KV
         and counted in the budget). False when the snapshot was not kept (too big for the
         budget)."""
-        if device.type != "cuda":  # CPU: as before: the copy allocates, then the store keeps it
+        if device.type != "cuda":  # CPU: nothing to pin; the copy allocates, the store keeps it
             t0 = time.perf_counter()
             slab = copy(None)
             snap = Snapshot(tokens=tokens, kv=slab, routing=routing)
@@ -304,7 +305,7 @@ class HostKvStore:
             return False
         if self.pool is None:
             self.pool = SlabPool(self.budget_bytes + self.budget_bytes // 4)
-        # None when the pool is exhausted: then `copy` pins a slab of its own, as before.
+        # None when the pool is exhausted: then `copy` pins a slab of its own (slow, but rare).
         buf = self.pool.acquire(nbytes)
         out = None if buf is None else buf[:nbytes].view(dtype).view(shape)
         side = self._side_stream(device)

@@ -9,7 +9,7 @@ a spawned child would get, a forked one gets too:
   process had when it started the server. `_run_in` gives the child the HTTP process's
   environment at the moment the child is started (SGLang sets variables in between).
 - its own start method: SGLang's `spawn`, so what a child starts (the DP controller's ranks) is
-  spawned as before.
+  spawned, just as without the fork server.
 - a parent that hears a crash: SGLang's children signal their parent (SIGQUIT) when they fail;
   their parent is the fork server here, which passes the signal on to the HTTP process.
 

@@ -219,7 +219,8 @@ class SchedulerKv:
             "protected_tokens": int(tree.protected_size()),
             "restore_locks": len(self.locks),
             "pending_marks": len(self.marked),
-            # What admission may submit at once (the rollout manager's bound).
+            # What the engine runs at once: the admission bound is sized from it
+            # (`rules/inflight.py`, `Admission`).
             "max_running_requests": int(self.sched.max_running_requests),
             "max_total_tokens": int(self.sched.max_total_num_tokens),
         }
@@ -321,7 +322,7 @@ class SchedulerKv:
         k_bufs, v_bufs = mha_kv_buffers(tree_cache.token_to_kv_pool_allocator.get_kvcache())
         tokens = (list(req.origin_input_ids) + list(req.output_ids))[:n]
         # CUDA: into a pooled pinned slab on a side stream ordered after the forward that wrote
-        # this KV, finished before SGLang frees the slots (kv_store.py). CPU: as before.
+        # this KV, finished before SGLang frees the slots (kv_store.py). CPU: a plain copy.
         self.store.save_snapshot(
             key,
             tokens,

@@ -20,10 +20,11 @@ flush cannot race and the hook passes the answer through.
 Weight pushes never wait for our stragglers (AROUND every `update_weights_from_*`, and the
 session's `begin_weight_update`, held until its `end_weight_update`: `Session`): SGLang's
 update takes a writer lock that waits until every request has finished. Without
-`abort_all_requests`, the rollout manager first cuts its running segments at the version
-boundary (`WeightCut.before_update`: abort; their tokens are kept, with the old version),
-so the lock is free within a decode step; once the update is done they continue under the new
-weights as new segments (`after_update`). Requests of other clients are not ours to cut.
+`abort_all_requests`, the segment runner's weight cut first cuts our running segments at the
+version boundary (`engine/weight_cut.py`, `WeightCut.before_update`: abort; their tokens are
+kept, with the old version), so the lock is free within a decode step; once the update is done
+they continue under the new weights as new segments (`after_update`). Requests of other
+clients are not ours to cut.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def register_weight_hooks() -> None:
         )
     # SGLang's weight-update session (`/begin_weight_update` ... `/end_weight_update`, which
     # 0.5.23 requires around `update_weights_from_distributed`): each takes the writer lock for
-    # its message, so it too would wait for every running request (issue #34: 72-92 s behind
-    # background generation). Our segments are cut for it and continue once it has answered.
+    # its message, so it too would wait for every running request (72-92 s behind background
+    # generation, measured). Our segments are cut for it and continue once it has answered.
     # A session holds them cut from its begin to its end (`Session`).
     HookRegistry.register(_TM + "begin_weight_update", _around_begin, HookType.AROUND)
     HookRegistry.register(_TM + "end_weight_update", _around_end, HookType.AROUND)

@@ -1,4 +1,5 @@
-"""What the rollout manager needs from an inference engine; `engine.py` is the SGLang one.
+"""What the server needs from an inference engine (the segment runner drives it; the inflight
+policy reads its capacity and step curve); `door/engine.py` is the SGLang one.
 
 Tests plug in a fake with the same interface, so the bookkeeping is tested without SGLang.
 """
@@ -127,7 +128,7 @@ class BaseEngine(ABC):
         return await self.generate(call.rid, call.input_ids, call.sampling_params)
 
     async def run_segment(self, call: SegmentCall) -> SegmentOutcome:
-        """Perform a planned segment: one call from the manager, whatever it takes."""
+        """Perform a planned segment: one call from the segment runner, whatever it takes."""
         result = await self.generate_on(call.slot, call)
         return SegmentOutcome(result, ran_on(call.slot, result))
 

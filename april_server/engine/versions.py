@@ -1,6 +1,6 @@
 """The weight versions a server has served, in order: one small object shared by the segment
-runner (what a continuation runs under), the background and the calls (staleness), instead of
-a manager method patched into each of them."""
+runner (what a continuation runs under), the background and the calls (staleness), so all
+three read the same history and none needs the others to ask what version is current."""
 
 from __future__ import annotations
 

@@ -94,8 +94,8 @@ class StepCurve:
     points: dict[int, float]
     context: ContextModel | None = None  # how `smoothed` evened out the measured contexts
     # The sorted sizes and the line past the largest, computed once: a policy decision asks
-    # for every size up to twice the largest measured, and each used to re-sort the sizes
-    # and refit the line (O(P^2) per size: seconds on the event loop at ~500 sizes).
+    # for every size up to twice the largest measured, and re-sorting the sizes and refitting
+    # the line for each would be O(P^2) per size (seconds on the event loop at ~500 sizes).
     _sizes_memo: list[int] = field(default_factory=list, compare=False, repr=False)
     _line_memo: list[tuple[float, float]] = field(default_factory=list, compare=False, repr=False)
 

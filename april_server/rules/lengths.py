@@ -1,4 +1,4 @@
-"""Predicted response lengths (#35): who will run long, from what the server already saw.
+"""Predicted response lengths: who will run long, from what the server already saw.
 
 Two kinds of evidence, both free to a rollout server:
 - a group's finished siblings (same prompt, same weights, same moment: Seer's signal);

@@ -15,7 +15,8 @@ SGLang data-parallel rank on it (0 without DP). The rules:
   while it runs at most `2 x least + 2` samples (`least`: the least loaded healthy slot).
   Samples without a prediction are placed by load alone.
 
-No I/O: the manager gathers the inputs, the engine (`door/`) performs the plan.
+No I/O: the segment planner (`engine/segment_planner.py`) gathers the inputs, the engine
+(`door/`) performs the plan.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class SlotLoad:
-    """What one slot is running for this server, as the manager counts it."""
+    """What one slot is running for this server, as the segment planner counts it."""
 
     slot: Slot
     running: int = 0  # samples generating there

@@ -1,4 +1,4 @@
-"""How many groups a call should have in play (`stats.groups_wanted`, #35). Pure Python.
+"""How many groups a call should have in play (`stats.groups_wanted`). Pure Python.
 
 APRIL's over-provisioning is a client's fixed factor (slime's `over_sampling_batch_size`,
 2 x the quota by default). A call can only run what it holds: as its groups finish the running

@@ -1,4 +1,4 @@
-"""How a segment ended, read from what it produced (issue #36). Pure: no I/O, no SGLang.
+"""How a segment ended, read from what it produced. Pure: no I/O, no SGLang.
 
 SGLang names a request's end by why it stopped, and an abort wins over everything else in its
 step (`Req.update_finish_state` looks at `to_finish` first): when a call's quota, an `/abort`,

@@ -36,6 +36,7 @@ import httpx
 
 from april_client._base import LIMITS
 from april_server.launcher import LaunchedServer, start_all
+from april_server.wire.ids import split_sample_id
 from tests.chaos.ledger import ChaosLedger
 
 R = "/april/v1"
@@ -67,8 +68,7 @@ class Target:
             os.killpg(old.proc.pid, 9)
             old.proc.wait()
             old.proc = None
-        new = LaunchedServer(old.extra_args, keep_dir=True, env=old.env)
-        new.port, new.dir, new.log_path = port, state, state / "server.log"
+        new = LaunchedServer(old.extra_args, env=old.env, state_dir=state, port=port)
         new.start()
         self.engines[i] = new
         self.procs = [new if p is old else p for p in self.procs]
@@ -246,7 +246,7 @@ class Client:
         if how == "twice":  # the same turn again: 409 not_awaiting (404 once delivered)
             await self.answer(sid, turn, again=True)
         if how in ("late", "never"):  # the call would wait for it: stop waiting first
-            gid = sid.rpartition("/")[0]
+            gid, _ = split_sample_id(sid) or (sid, -1)
             await self._post(R + "/abort", {"group_ids": [gid], "keep": "snapshot"}, CALL_TIMEOUT_S)
             if how == "late":
                 self.late.append((sid, turn))
@@ -259,7 +259,8 @@ class Client:
         self.led.status("input", r.status_code, r.text)
         there = False
         if r.status_code == 404:
-            look = await self.http.get(f"{R}/partials/{sid.rpartition('/')[0]}")
+            gid, _ = split_sample_id(sid) or (sid, -1)
+            look = await self.http.get(f"{R}/partials/{gid}")
             there = look.status_code == 200
         if again and r.status_code == 200:
             self.led.errors.append(f"a second answer for {sid} turn {turn} was taken")

@@ -77,9 +77,8 @@ class Fleet:
 
     def restart(self, i: int) -> None:
         """Start engine `i` again on its port (a fresh process: no snapshots, first weights)."""
-        port = self.engines[i].port
-        e = ServerProc(self.engines[i].dir, self.engines[i].extra_args, self.engines[i].env)
-        e.port = port
+        old = self.engines[i]
+        e = ServerProc(old.dir, old.extra_args, old.env, port=old.port)
         e.start()
         self.engines[i] = e
 

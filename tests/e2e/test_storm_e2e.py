@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from april_server.models import ensure_tiny_model
+from april_server.wire.ids import split_sample_id
 from tests.e2e.test_rollouts_e2e import R, clear_buffer, group
 from tests.server_proc import ServerProc
 
@@ -181,8 +182,9 @@ def agent_call(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledge
             elif ev["event"] == "sample_awaiting":
                 how = rng.choice(["now", "now", "twice", "abort"])
                 sid, turn = ev["sample"]["sample_id"], ev["turn"]
+                gid, _ = split_sample_id(sid) or (sid, -1)
                 if how == "abort":
-                    a = c.post(R + "/abort", json={"group_ids": [sid.rpartition("/")[0]]})
+                    a = c.post(R + "/abort", json={"group_ids": [gid]})
                     led.statuses[a.status_code] += 1
                     continue
                 answer = {"append_ids": [rng.randint(1, 300), 7], "turn": turn}
@@ -197,7 +199,7 @@ def agent_call(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledge
                     # first let its group finish and a call deliver it meanwhile.
                     if attempt and a.status_code == 404:
                         with led.lock:
-                            led.answered_after_leaving.add(sid.rpartition("/")[0])
+                            led.answered_after_leaving.add(gid)
                     elif a.status_code not in (200, 409) or (
                         attempt and first == 200 and a.status_code != 409
                     ):

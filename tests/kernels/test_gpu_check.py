@@ -16,7 +16,7 @@ import pytest
 
 from april_bench.gpu_check import __main__ as gpu_check
 from april_bench.gpu_check.report import markdown
-from april_bench.gpu_check.server_parts import ensure_plugin_entry_point
+from april_bench.gpu_check.server_parts import DeviceRun, ensure_plugin_entry_point
 from kernels.gpu_check.run import Context, run_cmd
 
 DEVICE_REPORT = {
@@ -100,14 +100,14 @@ def test_plugin_entry_point_is_declared_when_april_server_is_not_installed(tmp_p
 
 
 def test_a_failing_part_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
-    def fine(ctx):
+    def fine(run):
         return {"status": "ok", "results": None}
 
-    def broken(ctx):
+    def broken(run):
         raise RuntimeError("device fell off the bus")
 
     monkeypatch.setattr(
-        gpu_check, "plan", lambda ctx, with_aot: [("a", fine), ("b", broken), ("c", fine)]
+        gpu_check, "plan", lambda run, with_aot: [("a", fine), ("b", broken), ("c", fine)]
     )
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu-check.json").read_text())
@@ -119,7 +119,7 @@ def test_a_failing_part_is_reported_and_the_others_still_run(tmp_path, monkeypat
 
 @pytest.mark.parametrize("flag", [[], ["--aot"]])
 def test_device_plan_has_every_part_and_aot_only_on_request(tmp_path, flag):
-    ctx = Context(dry_run=False, cuda=True, out_dir=tmp_path, budget_s=570)
-    names = [name for name, _ in gpu_check.plan(ctx, with_aot=bool(flag))]
+    run = DeviceRun(Context(dry_run=False, cuda=True, out_dir=tmp_path, budget_s=570))
+    names = [name for name, _ in gpu_check.plan(run, with_aot=bool(flag))]
     expected = ["parity", "kv_bandwidth", "server", "resume", "april_bench", "moe_routing"]
     assert names == ["environment", "configs", *(["aot"] if flag else []), *expected]

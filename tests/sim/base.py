@@ -15,11 +15,19 @@ from april_client.protocol import (
 from april_server.buffer.store import BufferStore
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
+from april_server.wire.ids import split_sample_id
 from tests.sim.engine import SimEngine
 from tests.sim.ledger import Ledger, require
 
 STOPS = [9, 17, 33, 41, 50]  # turn stops of agent groups
 KEEPS = ["snapshot", "tokens", "drop"]
+
+
+def group_of(name: str) -> str:
+    """The group a name denotes: a sample id's group (the server's own parser), else the name
+    itself (a group id)."""
+    parsed = split_sample_id(name)
+    return name if parsed is None else parsed[0]
 
 
 class WorldBase:
@@ -89,7 +97,7 @@ class WorldBase:
         holders, idle = getattr(exc, "sim_state", ({}, set()))
         if exc.status == 404:  # judged for the group it names
             named = re.findall(r"'([^']+)'", exc.message)[:1]
-            ids = [n.split("/")[0] for n in named] or groups
+            ids = [group_of(n) for n in named] or groups
             live = [g for g in ids if g in holders or g in idle]
             require(not live, f"{op}: 404 ({exc}) while the server held {live}")
             return

@@ -19,7 +19,7 @@ from april_client.protocol import (
 from april_server.rules import turns
 from april_server.rules.idempotency import is_attempt
 from april_server.wire.errors import ApiError
-from tests.sim.base import WorldBase
+from tests.sim.base import WorldBase, group_of
 from tests.sim.ledger import require
 
 
@@ -180,9 +180,7 @@ class CallClients(WorldBase):
     async def op_answer_beside_call(self) -> None:
         """A held-back answer posted as a call starts that may claim its group: the answer
         waits for the claim to land, then continues the member in that call."""
-        bounded = [
-            (sid, t) for sid, t in self.pending if sid.rpartition("/")[0] in self.ledger.bounds
-        ]
+        bounded = [(sid, t) for sid, t in self.pending if group_of(sid) in self.ledger.bounds]
         if not bounded or not self.mgr.buffer.idle.claimable:
             return
         sid, turn = self.rng.choice(bounded)

@@ -12,7 +12,7 @@ from april_client.protocol import (
     ResumeReq,
 )
 from april_server.wire.errors import ApiError
-from tests.sim.base import KEEPS, WorldBase
+from tests.sim.base import KEEPS, WorldBase, group_of
 from tests.sim.ledger import require
 
 
@@ -25,7 +25,7 @@ class OperationClients(WorldBase):
         if delay:
             await asyncio.sleep(self.rng.uniform(0, 0.01 if self.rng.random() < 0.5 else 0.1))
         ids = [(len(sid) + turn) % 60 + 1, turn]
-        gid = sid.rpartition("/")[0]
+        gid = group_of(sid)
         try:
             await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
         except ApiError as exc:
@@ -98,7 +98,7 @@ class OperationClients(WorldBase):
             )
         elif kind == "sample" and known:
             req = AbortReq(sample_ids=[f"{rng.choice(known)}/0"], keep=keep)
-        named = set(req.group_ids or []) | {s.rpartition("/")[0] for s in req.sample_ids or []}
+        named = set(req.group_ids or []) | {group_of(s) for s in req.sample_ids or []}
         await self.aborted(req, named)
 
     async def aborted(self, req: AbortReq, named: set[str]) -> None:

@@ -1,4 +1,4 @@
-"""`april-bench --agent`: sync against APRIL on a multi-turn agent workload (issue #20).
+"""`april-bench --agent`: sync against APRIL on a multi-turn agent workload.
 
 Every episode runs turns: the model generates until a turn stop token, a simulated tool answers
 after a long-tailed latency (asyncio sleep on the client), its token ids are appended, the model

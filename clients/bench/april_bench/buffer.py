@@ -1,4 +1,4 @@
-"""`make bench-buffer`: the partial buffer at a million samples (issue #11).
+"""`make bench-buffer`: the partial buffer at a million samples.
 
 Part 1, in process (no model): the real store, manager and routes (through httpx's ASGI
 transport) over an engine that generates instantly, so what is timed is the server's own
@@ -101,7 +101,7 @@ class Table:
 
     def print(self, title: str) -> None:
         print(f"\n{title}\n")
-        print("| measure | figure | aim (#11) |\n|---|---|---|")
+        print("| measure | figure | aim |\n|---|---|---|")
         for what, fig, aim in self.rows:
             print(f"| {what} | {fig} | {aim} |")
 

@@ -53,7 +53,7 @@ MODES: tuple[Mode, ...] = ("sync", "april", "april-kv", "april-async", "april-ta
 DEFAULT_MODES: tuple[Mode, ...] = ("sync", "april", "april-kv", "april-async")
 ON_QUOTA = {"april": "tokens", "april-kv": "snapshot", "april-async": "continue",
             "april-tail": "tokens"}  # fmt: skip
-# Tail-aware APRIL (#35): `april` whose calls start their new groups predicted-longest first.
+# Tail-aware APRIL: `april` whose calls start their new groups predicted-longest first.
 LENGTH_ORDER = {"april-tail": "longest_first"}
 
 
@@ -100,7 +100,8 @@ class BenchConfig:
     temperature: float = 1.0
     train_time: float = 0.0
     # --train-s auto: train as long as sync's rollout took (each sync step its own; the other
-    # modes sync's mean), the issue #19 condition T = R measured in the same run.
+    # modes sync's mean): T = R, where overlapping training with rollout gains the most,
+    # measured in the same run rather than guessed.
     train_auto: bool = False
     bump_version: bool = False
     step_versions: bool = False  # name pushed versions by step number ("0", "1", ...): --train-s

@@ -1,4 +1,4 @@
-"""What a workload's lengths look like, from the samples a mode consumed (#35): the spread, the
+"""What a workload's lengths look like, from the samples a mode consumed: the spread, the
 share cut at the budget, and how strongly a group's (and a prompt's) samples agree — which is
 what any length prediction can hope to use. Pure bookkeeping."""
 

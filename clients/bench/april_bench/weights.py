@@ -1,4 +1,4 @@
-"""A weight push from disk vs over the wire, on a real CPU april-server (issue #34).
+"""A weight push from disk vs over the wire, on a real CPU april-server.
 
 Not a test. For each model: a private server; this process is the trainer, holding the same
 model. Each repeat times, alternating which goes first:

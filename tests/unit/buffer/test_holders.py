@@ -1,7 +1,8 @@
-"""One holder per group (#32): hand-overs without windows. Each test forces one window that
-the server had before: a decision of who holds a group, an `await`, and only then its record.
-Fake engine (its tokens are a hash of the context); the store's reads can be held on an event,
-so the test decides exactly where the hand-over is when a route addresses the group."""
+"""One holder per group (`partial_buffer.py`'s holder map): hand-overs without windows. Each test
+forces one window that the server had before: a decision of who holds a group, an `await`, and
+only then its record. Fake engine (its tokens are a hash of the context); the store's reads can
+be held on an event, so the test decides exactly where the hand-over is when a route addresses
+the group."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""A call gives back every group it held, whole: when its client leaves (while it claims
-buffered groups, or right after its stream started), when it fails, when it delivered nothing
-(a `drop` call's stragglers, the groups its trainer rejected stay for the retry), and when
-groups finish between the quota and the wind-down. A group being claimed stays known, and an
-answer already made durable is still given. Fake engine, real SQLite."""
+"""A call gives back every group it held, whole (`rollout.py`, `wind_down.py`): when its client
+leaves (while it claims buffered groups, or right after its stream started), when it fails, when
+it delivered nothing (a `drop` call's stragglers, the groups its trainer rejected stay for the
+retry), and when groups finish between the quota and the wind-down. A group being claimed stays
+known, and an answer already made durable is still given. Fake engine, real SQLite."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""`request_id` after a cancelled attempt: a retry sent while the attempt winds down waits for
-it and runs again; one sent after it ended (even after a restart) claims the groups it
-buffered; none recreates a group another call delivered meanwhile. Fake engine, real
-SQLite."""
+"""`request_id` after a cancelled attempt (`rollout.py`'s `Rollout`): a retry sent while the
+attempt winds down waits for it and runs again; one sent after it ended (even after a restart)
+claims the groups it buffered; none recreates a group another call delivered meanwhile. Fake
+engine, real SQLite."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The quota / buffer / resume bookkeeping against a fake engine (no SGLang)."""
+"""A call's quota and buffer bookkeeping against a fake engine (no SGLang): what it answers,
+what it buffers and serves first, what a later call continues (abort and `/resume`:
+`tests/unit/operations/`)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from april_client.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
+from april_client.protocol import GroupSpec, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.root.manager import RolloutManager
-from april_server.rules.samples import context_ids
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
 
@@ -148,53 +149,6 @@ def test_request_id_is_idempotent() -> None:
     run(go())
 
 
-def test_abort_is_idempotent_and_waits_for_idle() -> None:
-    async def go() -> None:
-        mgr = make()
-        call = asyncio.ensure_future(
-            mgr.rollout(RolloutReq(groups=[spec("a", 2, [500, 500])], target_groups=1))
-        )
-        await asyncio.sleep(0.05)
-        first = await mgr.abort(AbortReq(all=True))
-        assert not mgr.segments.running and not mgr.engine.active  # type: ignore[attr-defined]
-        assert {s.sample_id for s in first.samples} == {"a/0", "a/1"}
-        second = await mgr.abort(AbortReq(all=True))
-        assert second.samples == []
-        resp = await call
-        assert resp.groups == [] and not resp.stats.quota_met
-        assert resp.buffered_group_ids == ["a"]
-        assert all(0 < len(s.output_ids) < 500 for s in (await mgr.buffer.read_group("a")).samples)
-        mgr.check_integrity()
-
-    run(go())
-
-
-def test_resume_append_ids_and_budget() -> None:
-    async def go() -> None:
-        mgr = make()
-        await mgr.rollout(
-            RolloutReq(groups=[spec("a", 1, [3]), spec("b", 1, [400])], target_groups=1)
-        )
-        s = (await mgr.buffer.read_samples(["b/0"]))["b/0"]
-        done_before = len(s.output_ids)
-        out = await mgr.resume(ResumeReq(sample_ids=["b/0"], append_ids={"b/0": [7, 7]}))
-        s = out[0]
-        assert s.status == "truncated" and len(s.output_ids) == 400
-        assert s.appended[0].at == done_before and s.appended[0].ids == [7, 7]
-        assert s.segments[-1].kv == "recomputed"
-        # the continuation saw prompt + output + appended tokens
-        last_input = mgr.engine.calls[-1][1]  # type: ignore[attr-defined]
-        assert last_input == context_ids(s)[: len(last_input)]
-        with pytest.raises(ApiError) as e:
-            await mgr.resume(ResumeReq(sample_ids=["b/0"]))
-        assert e.value.status == 409
-        with pytest.raises(ApiError) as e:
-            await mgr.resume(ResumeReq(sample_ids=["nope/0"]))
-        assert e.value.status == 404
-
-    run(go())
-
-
 def test_staleness_restarts_from_prompt() -> None:
     async def go() -> None:
         mgr = make()
@@ -297,27 +251,3 @@ def test_bad_rollouts_are_rejected_before_anything_starts(
         run(mgr.rollout(req))
     assert (e.value.status, e.value.code) == (status, code)
     assert mgr.buffer.claimed == {} and mgr.buffer.holders == {} and not mgr.engine.calls  # type: ignore[attr-defined]
-
-
-def test_a_continuation_owes_only_what_is_left_of_min_new_tokens() -> None:
-    """Found by review: a continuation sent the sample's whole `min_new_tokens` with the
-    remaining budget as `max_new_tokens`; once fewer than it remained, SGLang refused every
-    segment of the sample (min_new_tokens must lie in [0, max_new_tokens]): it never finished,
-    and as the oldest buffered group it failed every call that claimed it first."""
-    from april_client.protocol import Sample, Segment
-    from april_server.rules.samples import plan_continuation
-
-    def partial(generated: int) -> Sample:
-        return Sample(
-            sample_id="g/0", group_id="g", index=0, status="partial", prompt_ids=[1, 2],
-            output_ids=[3] * generated, output_logprobs=[-0.1] * generated,
-            segments=[Segment(0, generated, "0", "fresh", "abort")] if generated else [],
-            max_new_tokens=512, finish_reason=None,
-            sampling_params={"max_new_tokens": 512, "min_new_tokens": 64},
-        )  # fmt: skip
-
-    for generated, owed in ((0, 64), (40, 24), (64, 0), (500, 0)):
-        params = plan_continuation(partial(generated), "0", None).sampling_params
-        assert params["max_new_tokens"] == 512 - generated
-        assert params["min_new_tokens"] == owed
-        assert 0 <= params["min_new_tokens"] <= params["max_new_tokens"]

@@ -1,10 +1,11 @@
-"""Property test of agent rollouts (#20): random interleavings of streamed calls whose members
-stop at turn stops, tool answers (late, repeated, after the call), aborts, deletes and
-background calls, run concurrently over the fake engine. Whatever the order: no group is lost
-or delivered twice, no member generates in two places at once, every answer the server took
-is in its sample exactly once and in order (none lost, none duplicated), a second answer for
-a turn is refused, and every generated token is the fake engine's continuation of its context
-(answers included), so nothing generated before an interruption was lost or changed."""
+"""Property test of agent rollouts (`turns_in_call.py` and the operations beside it): random
+interleavings of streamed calls whose members stop at turn stops, tool answers (late, repeated,
+after the call), aborts, deletes and background calls, run concurrently over the fake engine.
+Whatever the order: no group is lost or delivered twice, no member generates in two places at
+once, every answer the server took is in its sample exactly once and in order (none lost, none
+duplicated), a second answer for a turn is refused, and every generated token is the fake
+engine's continuation of its context (answers included), so nothing generated before an
+interruption was lost or changed."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from april_client.protocol import (
 from april_server.buffer.store import BufferStore
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
+from april_server.wire.ids import split_sample_id
 from tests.unit.fake_engine import EOS, next_token
 from tests.unit.runtime.test_background_properties import Watch
 
@@ -104,7 +106,8 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
             except ApiError as exc:
                 # Deleted or delivered meanwhile (unknown now), or answered: nothing else.
                 if exc.code == "not_found":
-                    assert not mgr.buffer.known(sid.rpartition("/")[0]), exc
+                    gid, _ = split_sample_id(sid) or (sid, -1)
+                    assert not mgr.buffer.known(gid), exc
                 else:
                     assert exc.code in ("not_awaiting", "group_busy"), exc
                 return

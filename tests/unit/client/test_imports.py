@@ -1,5 +1,6 @@
-"""How the client is imported: the package is `april_client` (sources in clients/), importing it
-needs only httpx and msgspec, and the folder name `clients` is not an import name (no alias)."""
+"""How the client is imported (`__init__.py`, `pyproject.toml`): the package is `april_client`
+(sources in clients/), importing it needs only httpx and msgspec, and the folder name `clients`
+is not an import name (no alias)."""
 
 from __future__ import annotations
 
@@ -109,13 +110,12 @@ def test_a_vendored_copy_works_under_its_own_name(tmp_path: Path) -> None:
     assert all(f.startswith(str(tmp_path)) for f in files)
 
 
-def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
-    """clients/pyproject.toml builds `april-client`: a wheel that requires httpx and msgspec
-    (TRL only in its `trl` extra), holds every client module and not the bench, and imports
-    with nothing of the server present (the wheel unpacked is what pip would install)."""
+def build_wheel(project: Path, tmp_path: Path, dist: str, *left_out: str) -> Path:
+    """The wheel of the distribution in `project` (copied first, without `left_out`, caches
+    and build leftovers), built as pip would, without fetching anything."""
     src = tmp_path / "src"
     shutil.copytree(
-        ROOT / "clients", src, ignore=shutil.ignore_patterns("bench", "__pycache__", "*.egg-info")
+        project, src, ignore=shutil.ignore_patterns(*left_out, "__pycache__", "*.egg-info")
     )
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
@@ -123,7 +123,15 @@ def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp_path / "dist").glob("april_client-*.whl")
+    (wheel,) = (tmp_path / "dist").glob(f"{dist}-*.whl")
+    return wheel
+
+
+def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
+    """clients/pyproject.toml builds `april-client`: a wheel that requires httpx and msgspec
+    (TRL only in its `trl` extra), holds every client module and not the bench, and imports
+    with nothing of the server present (the wheel unpacked is what pip would install)."""
+    wheel = build_wheel(ROOT / "clients", tmp_path, "april_client", "bench")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
@@ -219,17 +227,7 @@ def test_scripts_and_dependencies_of_each_distribution() -> None:
 def test_the_bench_distribution_builds_alone(tmp_path: Path) -> None:
     """clients/bench/pyproject.toml builds `april-bench`: a wheel of `april_bench` only (nothing
     of the client or the server) with the `april-bench` script."""
-    src = tmp_path / "src"
-    shutil.copytree(
-        ROOT / "clients" / "bench", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
-    )
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         str(src), "-w", str(tmp_path / "dist")],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
-    assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp_path / "dist").glob("april_bench-*.whl")
+    wheel = build_wheel(ROOT / "clients" / "bench", tmp_path, "april_bench")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]

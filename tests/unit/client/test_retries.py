@@ -1,5 +1,5 @@
-"""Opt-in retries: only idempotent calls, after a transport error or a 5xx, bounded, logged,
-with capped exponential backoff; on both clients."""
+"""Opt-in retries (`_routes.py`'s `RetryPolicy`): only idempotent calls, after a transport error or
+a 5xx, bounded, logged, with capped exponential backoff; on both clients."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Streamed rollouts (NDJSON) on both clients: decoding split anywhere, early close, errors
-before the first event and broken streams, retries of the opening request."""
+"""Streamed rollouts (NDJSON, `_stream.py`) on both clients: decoding split anywhere, early close,
+errors before the first event and broken streams, retries of the opening request."""
 
 from __future__ import annotations
 

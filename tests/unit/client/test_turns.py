@@ -1,5 +1,6 @@
-"""The typed client's agent-rollout surface (#20): `post_input`, `turns` on calls, the turn
-events of a stream, and the loss mask over the whole response (httpx.MockTransport)."""
+"""The typed client's agent-rollout surface (`client.py`, `trainer_batch.py`): `post_input`,
+`turns` on calls, the turn events of a stream, and the loss mask over the whole response
+(httpx.MockTransport)."""
 
 from __future__ import annotations
 

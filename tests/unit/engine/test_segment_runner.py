@@ -1,9 +1,10 @@
 """The segment runner (`engine/segment_runner.py`): starting a group's members (and only
 those that can run), what a stop keeps (tokens, nothing, a snapshot), freeing and refreshing
 snapshots, a weight update's cut, hold and replan, staleness restarts, engine failures and
-waits for a healthy slot, the predicted lengths it writes and scores, and its admission
-bound, which follows the engine's pool. Fake engine: a token is a hash of its context, so
-`uninterrupted` says what any sample must hold however its segments were cut."""
+waits for a healthy slot, the predicted lengths it writes and scores, its admission bound,
+which follows the engine's pool, and no snapshot policy over an engine without snapshots.
+Fake engine: a token is a hash of its context, so `uninterrupted` says what any sample must
+hold however its segments were cut."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from april_client.protocol import Group, RolloutReq
+from april_client.protocol import Group, RolloutReq, Sample
 from april_server.buffer.store import BufferStore
 from april_server.engine import segment_runner
 from april_server.engine.base import EngineUnavailable
@@ -32,6 +33,7 @@ from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token, segment_runner_over
 from tests.unit.fleet.test_fleet import FakeServers, fleet_over
 from tests.unit.group_specs import spec
+from tests.unit.rules.test_snapshots import sample
 
 # ---- through the manager: the admission bound, a segment's unexpected failure --------------
 
@@ -116,8 +118,12 @@ def group(gid: str, budget: int, n: int = 1) -> Group:
     return samples.build_group(spec(gid, budget, n), PROMPT, 512, VOCAB)
 
 
-def runner_over(engine: FakeEngine) -> SegmentRunner:
-    return segment_runner_over(engine)
+# The only places below that build a runner or start its segments: a change of the runner's
+# constructor or of `start`/`start_group` is made here once.
+
+
+def runner_over(engine: FakeEngine, allow_stale: bool = False) -> SegmentRunner:
+    return segment_runner_over(engine, allow_stale)
 
 
 def start_group(
@@ -125,6 +131,28 @@ def start_group(
 ) -> tuple[CallTally, list[asyncio.Task[None]]]:
     tally: CallTally = CallTally()
     return tally, runner.start_group(g, "call-1", tally, max_staleness)
+
+
+def start(
+    runner: SegmentRunner,
+    s: Sample,
+    owner: str,
+    tally: CallTally | None = None,
+    max_staleness: int | None = None,
+) -> asyncio.Task[None]:
+    """The next segment of one sample, for `owner` (a call's id)."""
+    return runner.start(s, owner, CallTally() if tally is None else tally, max_staleness)
+
+
+async def generating(
+    eng: FakeEngine, runner: SegmentRunner, budget: int, n: int = 1
+) -> tuple[Group, CallTally, list[asyncio.Task[None]]]:
+    """Group "g" of `n` members started, at the engine and generating for a while."""
+    g = group("g", budget, n)
+    tally, tasks = start_group(runner, g)
+    await until(lambda: len(eng.calls) == n)
+    await asyncio.sleep(0.03)
+    return g, tally, tasks
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -162,7 +190,7 @@ def test_a_group_starts_only_its_members_that_can_run() -> None:
         done, spent, answered, fresh = g.samples
         done.status, done.finish_reason = "completed", "stop"
         spent.max_new_tokens = 0
-        early = runner.start(answered, "call-1", CallTally())  # it runs before its group does
+        early = start(runner, answered, "call-1")  # it runs before its group does
         tally, tasks = start_group(runner, g)
         assert len(tasks) == 1 and set(runner.running) == {answered.sample_id, fresh.sample_id}
         assert (spent.status, spent.finish_reason) == ("truncated", "length")
@@ -177,9 +205,9 @@ def test_a_sample_already_generating_is_not_started_twice() -> None:
     async def go() -> None:
         runner = runner_over(FakeEngine(delay_s=0.002))
         (s,) = group("g", 10).samples
-        task = runner.start(s, "call-1", CallTally())
+        task = start(runner, s, "call-1")
         with pytest.raises(ApiError) as err:
-            runner.start(s, "call-2", CallTally())
+            start(runner, s, "call-2")
         assert (err.value.status, err.value.code) == (409, "sample_running")
         await task
         assert s.output_ids == uninterrupted(10)
@@ -211,17 +239,14 @@ def test_a_stop_keeping_tokens_leaves_a_partial_that_resumes_to_the_same_output(
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         runner = runner_over(eng)
-        g = group("g", 300)
+        g, _, _ = await generating(eng, runner, 300)
         (s,) = g.samples
-        start_group(runner, g)
-        await until(lambda: len(eng.calls) == 1)
-        await asyncio.sleep(0.03)
         await runner.stop(list(runner.running.values()), keep="tokens")
         assert not runner.running and s.status == "partial" and s.finish_reason is None
         kept = len(s.output_ids)
         assert 0 < kept < 300 and s.output_ids == uninterrupted(kept)
         tally = CallTally()
-        await runner.start(s, "call-2", tally)
+        await start(runner, s, "call-2", tally)
         assert s.output_ids == uninterrupted(300)
         assert [seg.kv for seg in s.segments] == ["fresh", "recomputed"]
         assert tally.resumed_samples == runner.counters.resumed_samples == 1
@@ -234,11 +259,8 @@ def test_a_stop_keeping_nothing_forgets_what_an_unfinished_sample_made() -> None
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         runner = runner_over(eng)
-        g = group("g", 300)
+        g, _, _ = await generating(eng, runner, 300)
         (s,) = g.samples
-        start_group(runner, g)
-        await until(lambda: len(eng.calls) == 1)
-        await asyncio.sleep(0.03)
         await runner.stop(list(runner.running.values()), keep="drop")
         assert (s.output_ids, s.segments, s.status) == ([], [], "partial")
         assert not runner.running
@@ -246,27 +268,25 @@ def test_a_stop_keeping_nothing_forgets_what_an_unfinished_sample_made() -> None
     asyncio.run(go())
 
 
-async def kept_snapshot(eng: SnapshotFakeEngine, runner: SegmentRunner, g: Group) -> None:
-    """Start `g`, let it generate, stop every member keeping a snapshot."""
-    start_group(runner, g)
-    await until(lambda: len(eng.calls) == len(g.samples))
-    await asyncio.sleep(0.03)
+async def kept_snapshot(eng: SnapshotFakeEngine, runner: SegmentRunner, n: int = 1) -> Group:
+    """Group "g" started, generating a while, every member stopped keeping a snapshot."""
+    g, _, _ = await generating(eng, runner, 300, n)
     await runner.stop(list(runner.running.values()), keep="snapshot")
+    return g
 
 
 def test_a_stop_keeping_a_snapshot_marks_the_request_and_records_where_it_lives() -> None:
     async def go() -> None:
         eng = SnapshotFakeEngine()
         runner = runner_over(eng)
-        g = group("g", 300)
+        g = await kept_snapshot(eng, runner)
         (s,) = g.samples
-        await kept_snapshot(eng, runner, g)
         assert list(eng.marks.values()) == ["g/0"] and eng.snaps == {"g/0"}
         assert (s.snapshot_bytes, s.snapshot_weight_version) == (100, "0")
         assert snapshots.held_at(s) == Slot()
         # Its continuation plans a restore; whatever the restore made visible (nothing,
         # here), the snapshot is freed once the sample finished.
-        task = runner.start(s, "call-2", CallTally())
+        task = start(runner, s, "call-2")
         assert runner.running["g/0"].restore_planned
         await task
         assert s.output_ids == uninterrupted(300)
@@ -279,8 +299,7 @@ def test_forget_frees_a_samples_snapshot_and_refresh_clears_an_evicted_ones_figu
     async def go() -> None:
         eng = SnapshotFakeEngine()
         runner = runner_over(eng)
-        g = group("g", 300, n=3)
-        await kept_snapshot(eng, runner, g)
+        g = await kept_snapshot(eng, runner, n=3)
         assert eng.snaps == {"g/0", "g/1", "g/2"}
         forgotten, evicted, kept = g.samples
         await runner.forget(forgotten)
@@ -297,11 +316,8 @@ def test_a_weight_update_cuts_a_segment_holds_it_and_continues_it_under_the_new_
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         runner = runner_over(eng)
-        g = group("g", 300)
+        g, tally, (task,) = await generating(eng, runner, 300)
         (s,) = g.samples
-        tally, (task,) = start_group(runner, g)
-        await until(lambda: len(eng.calls) == 1)
-        await asyncio.sleep(0.03)
         await runner.weight_cut.before_update()
         run = runner.running["g/0"]
         await until(lambda: run.resuming)  # cut, and held until the update ends
@@ -359,11 +375,8 @@ def test_a_cut_segment_stopped_during_the_update_keeps_what_the_old_weights_made
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         runner = runner_over(eng)
-        g = group("g", 300)
+        g, _, _ = await generating(eng, runner, 300)
         (s,) = g.samples
-        start_group(runner, g)
-        await until(lambda: len(eng.calls) == 1)
-        await asyncio.sleep(0.03)
         await runner.weight_cut.before_update()
         run = runner.running["g/0"]
         await until(lambda: run.resuming)
@@ -381,16 +394,13 @@ def test_a_staleness_restart_starts_over_from_the_prompt_and_is_counted() -> Non
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         runner = runner_over(eng)
-        g = group("g", 300)
+        g, _, _ = await generating(eng, runner, 300)
         (s,) = g.samples
-        start_group(runner, g)
-        await until(lambda: len(eng.calls) == 1)
-        await asyncio.sleep(0.03)
         await runner.stop(list(runner.running.values()), keep="tokens")
         assert s.output_ids
         eng.version = "2"  # two updates later: more than max_staleness=1 allows
         tally = CallTally()
-        task = runner.start(s, "call-2", tally, max_staleness=1)
+        task = start(runner, s, "call-2", tally, max_staleness=1)
         assert s.output_ids == [] and s.staleness_restarts == 1
         assert runner.counters.staleness_restarts == 1
         assert tally.notes == ["g/0: restarted from its prompt (max_staleness)"]
@@ -478,3 +488,9 @@ def test_a_segment_with_nowhere_to_run_waits_for_a_healthy_slot(
             assert tally.notes == ["g/0: engine unavailable (no healthy engine in 1.0 s)"]
 
     asyncio.run(go())
+
+
+def test_engine_without_snapshots_disables_the_policy() -> None:
+    runner = runner_over(FakeEngine(), allow_stale=True)
+    assert not runner.planner.snapshots_enabled
+    assert not runner.planner.usable(sample(100, "0"), "0", [], None)

@@ -1,7 +1,7 @@
-"""What a segment leaves of its sample's KV snapshot when it ends off the plain path: a
-staleness restart frees the snapshot it made useless, a restore that made nothing visible
-still frees the one it tried, a segment that found no engine keeps the one still usable.
-Fake engine with snapshots, real SQLite."""
+"""What a segment leaves of its sample's KV snapshot when it ends off the plain path
+(`segment_runner.py`): a staleness restart frees the snapshot it made useless, a restore that
+made nothing visible still frees the one it tried, a segment that found no engine keeps the one
+still usable. Fake engine with snapshots, real SQLite."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Paths where an engine could keep a snapshot the owner no longer knows of (#23 item 10),
-found by reading after the 10-minute owner chaos run's sweep still freed 4 of them. A plan that
-gives up a sample's old snapshot (its weights changed, or the segment runs elsewhere) clears
-the sample's figures and leaves freeing it to the engine at the segment's start: a segment that
-never gets there must free it itself. Each test fails on the code before its fix."""
+"""Paths where an engine could keep a snapshot the owner no longer knows of (`segment_runner.py`,
+`weight_cut.py`), found by reading after the 10-minute owner chaos run's sweep still freed 4 of
+them. A plan that gives up a sample's old snapshot (its weights changed, or the segment runs
+elsewhere) clears the sample's figures and leaves freeing it to the engine at the segment's
+start: a segment that never gets there must free it itself. Each test fails on the code before
+its fix."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Snapshot drops an engine missed while out of reach (marked down, or its segment's answer lost
-mid-flight) are sent once it answers again, before it serves, and once. Fake engine servers."""
+mid-flight) are sent once it answers again, before it serves, and once (`remote.py`'s
+`unsent_drops`, resent by `fleet.py`). Fake engine servers."""
 
 from __future__ import annotations
 

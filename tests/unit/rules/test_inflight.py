@@ -19,6 +19,7 @@ from april_server.rules.inflight import (
     choose_running_target,
     kv_need,
 )
+from april_server.wire.ids import split_sample_id
 from tests.unit.fake_engine import FakeEngine
 
 SIZES = [1, 2, 4, 8, 16, 32]
@@ -113,7 +114,8 @@ def test_auto_refills_up_to_the_target_and_never_beyond_what_was_sent() -> None:
         assert r.stats.inflight_target == MIN_RUNNING == 8  # demand 3 groups x 2 samples = 6
         assert eng.max_active <= 8
         assert 3 <= r.stats.peak_running_samples <= 8
-        started = {c[0].split("@")[0].split("/")[0] for c in eng.calls}
+        # A request id is "{sample_id}@{owner}...": the group is the sample id's.
+        started = {(split_sample_id(c[0].split("@")[0]) or ("", -1))[0] for c in eng.calls}
         assert started <= {g.group_id for g in groups}
         assert r.stats.num_started_groups == len(started) < len(groups)
         assert len(r.groups) == 3

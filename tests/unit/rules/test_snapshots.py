@@ -8,7 +8,6 @@ import pytest
 from april_client.protocol import Sample, Segment
 from april_server.rules import snapshots
 from april_server.rules.placement import LOCAL, Slot
-from tests.unit.fake_engine import FakeEngine, segment_runner_over
 
 
 def sample(bytes_: int, version: str | None) -> Sample:
@@ -37,12 +36,6 @@ def test_version_policy(
     assert snapshots.usable(s, current, ["a", "b"], max_staleness, allow_stale) is expected
     # none kept
     assert snapshots.usable(sample(0, current), current, [], None, allow_stale) is False
-
-
-def test_engine_without_snapshots_disables_the_policy() -> None:
-    runner = segment_runner_over(FakeEngine(), allow_stale=True)
-    assert not runner.planner.snapshots_enabled
-    assert not runner.planner.usable(sample(100, "0"), "0", [], None)
 
 
 def test_a_snapshot_lives_where_its_segment_ran() -> None:

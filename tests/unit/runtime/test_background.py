@@ -1,7 +1,7 @@
-"""Background generation (#19): `on_quota: continue`, `POST /groups`, and how the background
-gives way to calls, aborts, deletes and restarts (weight updates and staleness:
-`test_background_versions.py`). Fake engine (its tokens are a hash of the context, so an
-interrupted + continued sample equals an uninterrupted one)."""
+"""Background generation: `on_quota: continue`, and how the background gives way to calls and
+restarts (weight updates and staleness: `test_background_versions.py`; `POST /groups` and the
+aborts that reach the background: `tests/unit/operations/`). Fake engine (its tokens are a
+hash of the context, so an interrupted + continued sample equals an uninterrupted one)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 
-from april_client.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
+from april_client.protocol import GroupSpec, GroupsReq, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.root.manager import RolloutManager
-from april_server.wire.errors import ApiError
-from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token
+from tests.unit.fake_engine import FakeEngine, next_token
 
 PROMPT = [1, 2, 3]
 
@@ -163,89 +162,6 @@ def test_a_continue_call_ending_beside_another_call_stops_its_stragglers(tmp_pat
     asyncio.run(go())
 
 
-def test_an_abort_while_a_continue_call_persists_keeps_what_it_asked_for(tmp_path: Path) -> None:
-    """An abort (keep: tokens) arrives while the call persists its answer: the straggler is
-    the abort's, not handed over; it stops for good with its tokens, persisted."""
-
-    async def go() -> None:
-        eng = SnapshotFakeEngine(delay_s=0.003)
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
-        persist = mgr.persister.persist
-        aborts: list[asyncio.Task[Any]] = []
-
-        async def persist_while_aborted(*args: Any, **kw: Any) -> None:
-            if not aborts:
-                aborts.append(asyncio.create_task(mgr.abort(AbortReq(all=True, keep="tokens"))))
-                stopping = lambda: any(r.stopping for r in mgr.segments.running.values())  # noqa: E731
-                await until(lambda: aborts[0].done() or stopping())
-            await persist(*args, **kw)
-
-        mgr.persister.persist = persist_while_aborted  # type: ignore[method-assign]
-        req = RolloutReq(groups=[spec("quick", 3), spec("long", 400)], on_quota="continue")
-        r = await mgr.rollout(req)
-        assert r.buffered_group_ids == ["long"]
-        await aborts[0]
-        (x,) = (await mgr.buffer.read_group("long")).samples
-        assert 0 < len(x.output_ids) < 400 and x.status == "partial"
-        assert x.output_ids == reference(400)[: len(x.output_ids)]
-        # The abort's keep (tokens), not the snapshot the call's stop would have taken.
-        assert x.snapshot_bytes == 0 and not eng.snaps
-        await asyncio.sleep(0.1)
-        assert not mgr.segments.running and not mgr.background.wanted
-        assert await listed_state(mgr, "long") == "idle"
-        mgr.check_integrity()
-
-    asyncio.run(go())
-
-
-def test_prefetched_groups_generate_before_any_call(tmp_path: Path) -> None:
-    async def go() -> None:
-        mgr = make(tmp_path)
-        resp = await mgr.add_groups(GroupsReq(groups=[spec("p1", 50, n=2), spec("p2", 60)]))
-        assert resp.group_ids == ["p1", "p2"] and resp.started_samples == 3
-        await until(lambda: all(mgr.buffer.idle.get(g).unfinished == 0 for g in ("p1", "p2")))
-        await until(lambda: not mgr.segments.running and not mgr.background.running_groups())
-        for gid, budget in (("p1", 50), ("p2", 60)):
-            g = await mgr.buffer.read_group(gid)
-            assert (await mgr.show_partial(gid)).state == "finished"
-            assert all(s.output_ids == reference(budget) for s in g.samples)
-        r = await mgr.rollout(RolloutReq(groups=[], target_groups=2))
-        assert sorted(g.group_id for g in r.groups) == ["p1", "p2"]
-        # start: idle only buffers; bad input adds nothing; a retry returns the same answer.
-        idle = GroupsReq(groups=[spec("i1", 5)], start="idle", request_id="pre-1")
-        assert (await mgr.add_groups(idle)).started_samples == 0
-        assert await mgr.add_groups(idle) == (await mgr.add_groups(idle))
-        await asyncio.sleep(0.1)
-        assert await listed_state(mgr, "i1") == "idle" and not mgr.segments.running
-        with pytest.raises(ApiError):
-            await mgr.add_groups(GroupsReq(groups=[spec("i2", 5), spec("i1", 5)]))
-        assert not mgr.buffer.known("i2")
-        mgr.check_integrity()
-
-    asyncio.run(go())
-
-
-def test_abort_and_delete_stop_background_samples_for_good(tmp_path: Path) -> None:
-    async def go() -> None:
-        mgr = make(tmp_path, delay_s=0.005)
-        await mgr.add_groups(GroupsReq(groups=[spec("a", 450), spec("d", 450)]))
-        await until(lambda: len(mgr.background.running_groups()) == 2)
-        await asyncio.sleep(0.1)
-        await mgr.delete("d")
-        assert not mgr.buffer.known("d")
-        out = await mgr.abort(AbortReq(all=True, keep="tokens"))
-        assert [s.sample_id for s in out.samples] == ["a/0"]
-        assert 0 < len(out.samples[0].output_ids) < 450
-        await asyncio.sleep(0.2)
-        assert not mgr.segments.running and not mgr.background.wanted  # not restarted later
-        r = await mgr.rollout(RolloutReq(groups=[spec("x", 2)], target_groups=1))
-        await asyncio.sleep(0.1)
-        assert [g.group_id for g in r.groups] == ["x"] and not mgr.segments.running
-        mgr.check_integrity()
-
-    asyncio.run(go())
-
-
 def test_a_restart_keeps_what_was_persisted(tmp_path: Path) -> None:
     async def go() -> None:
         mgr = make(tmp_path, delay_s=0.005)
@@ -264,21 +180,6 @@ def test_a_restart_keeps_what_was_persisted(tmp_path: Path) -> None:
         assert s.output_ids == reference(480)[: len(s.output_ids)]
         assert not again.background.wanted  # a restart treats them like any buffered group
         again.check_integrity()
-
-    asyncio.run(go())
-
-
-def test_aborting_a_finished_call_stops_what_it_left_in_the_background(tmp_path: Path) -> None:
-    async def go() -> None:
-        mgr = make(tmp_path, delay_s=0.005)
-        req = RolloutReq(groups=[spec("q", 3), spec("left", 450)], on_quota="continue")
-        r = await mgr.rollout(req)
-        await until(lambda: "left" in mgr.background.running_groups())
-        out = await mgr.abort(AbortReq(batch_id=r.batch_id, keep="tokens"))
-        assert [s.sample_id for s in out.samples] == ["left/0"]
-        await asyncio.sleep(0.1)
-        assert not mgr.segments.running and not mgr.background.wanted
-        mgr.check_integrity()
 
     asyncio.run(go())
 
@@ -386,25 +287,6 @@ def test_a_group_handed_on_generating_is_stored_whole(
         assert torn == []  # before the fix: ["long"], after the call's own commit
         (s,) = (await mgr.buffer.read_group("long")).samples
         assert s.output_ids == reference(60)
-        mgr.check_integrity()
-
-    asyncio.run(go())
-
-
-def test_a_request_id_names_a_hand_in_and_a_call_apart(tmp_path: Path) -> None:
-    """Found by review: `/groups` and `/rollouts` remembered their answers under one key, so
-    a step naming both "step-18" got a 500 (the stored answer of the other route failed to
-    decode), or overwrote the record a rollout's retry needed."""
-
-    async def go() -> None:
-        mgr = make(tmp_path)
-        pre = GroupsReq(groups=[spec("p", 5)], start="idle", request_id="step-18")
-        first = await mgr.add_groups(pre)
-        call = RolloutReq(groups=[spec("c", 5)], target_groups=2, request_id="step-18")
-        r = await mgr.rollout(call)  # before the fix: msgspec ValidationError (a 500)
-        assert sorted(g.group_id for g in r.groups) == ["c", "p"]
-        assert await mgr.add_groups(pre) == first  # each still idempotent
-        assert await mgr.rollout(call) == r
         mgr.check_integrity()
 
     asyncio.run(go())

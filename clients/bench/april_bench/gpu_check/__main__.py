@@ -40,21 +40,26 @@ from april_bench.gpu_check import server_parts
 from april_bench.gpu_check.report import markdown
 from april_bench.gpu_check.server_parts import DeviceRun
 from kernels.gpu_check import parts as kernel_parts
-from kernels.gpu_check.run import ROOT
+from kernels.gpu_check.run import ROOT, Context
 
 Part = Callable[[DeviceRun], dict[str, Any]]
 
 
-def plan(ctx: DeviceRun, with_aot: bool) -> list[tuple[str, Part]]:
+def on_context(part: Callable[[Context], dict[str, Any]]) -> Part:
+    """A part that needs only the run's context, not its server."""
+    return lambda run: part(run.ctx)
+
+
+def plan(run: DeviceRun, with_aot: bool) -> list[tuple[str, Part]]:
     steps: list[tuple[str, Part]] = [
-        ("environment", server_parts.environment),
-        ("configs", server_parts.configs),
+        ("environment", on_context(server_parts.environment)),
+        ("configs", on_context(server_parts.configs)),
     ]
     if with_aot:
-        steps.append(("aot", kernel_parts.aot))
+        steps.append(("aot", on_context(kernel_parts.aot)))
     return steps + [
-        ("parity", kernel_parts.parity),
-        ("kv_bandwidth", kernel_parts.kv_bandwidth),
+        ("parity", on_context(kernel_parts.parity)),
+        ("kv_bandwidth", on_context(kernel_parts.kv_bandwidth)),
         ("server", server_parts.start_server),
         ("resume", server_parts.resume),
         ("april_bench", server_parts.april_bench),
@@ -62,11 +67,11 @@ def plan(ctx: DeviceRun, with_aot: bool) -> list[tuple[str, Part]]:
     ]
 
 
-def run_part(ctx: DeviceRun, name: str, part: Part) -> dict[str, Any]:
-    print(f"[gpu-check {time.monotonic() - ctx.started:5.0f}s] {name} ...", flush=True)
+def run_part(run: DeviceRun, name: str, part: Part) -> dict[str, Any]:
+    print(f"[gpu-check {time.monotonic() - run.ctx.started:5.0f}s] {name} ...", flush=True)
     t0 = time.monotonic()
     try:
-        entry = part(ctx)
+        entry = part(run)
     except BaseException as exc:  # one broken part must not lose the others' figures
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = bool(torch.cuda.is_available()) and not args.dry_run
     args.out.mkdir(parents=True, exist_ok=True)
-    ctx = DeviceRun(dry_run=not cuda, cuda=cuda, out_dir=args.out, budget_s=args.budget_s)
+    ctx = Context(dry_run=not cuda, cuda=cuda, out_dir=args.out, budget_s=args.budget_s)
+    run = DeviceRun(ctx)
     report: dict[str, Any] = {
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "dry_run": ctx.dry_run,
@@ -95,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         "parts": {},
     }
     try:
-        for name, part in plan(ctx, with_aot=ctx.dry_run or args.aot):
-            report["parts"][name] = run_part(ctx, name, part)
+        for name, part in plan(run, with_aot=ctx.dry_run or args.aot):
+            report["parts"][name] = run_part(run, name, part)
     finally:
-        server_parts.stop_server(ctx)
+        server_parts.stop_server(run)
         report["total_s"] = round(time.monotonic() - ctx.started, 1)
         (args.out / "gpu-check.json").write_text(json.dumps(report, indent=1, default=str))
         (args.out / "gpu-check.md").write_text(markdown(report))

@@ -22,9 +22,10 @@ from kernels.gpu_check.run import ROOT, Context, child_env, run_cmd, shown
 
 
 @dataclass
-class DeviceRun(Context):
-    """The run context with the april-server that the resume and april-bench parts share."""
+class DeviceRun:
+    """The run's context and the april-server that the resume and april-bench parts share."""
 
+    ctx: Context
     server: LaunchedServer | None = None
 
 
@@ -132,24 +133,24 @@ def configs(ctx: Context) -> dict[str, Any]:
     }
 
 
-def start_server(ctx: DeviceRun) -> dict[str, Any]:
+def start_server(run: DeviceRun) -> dict[str, Any]:
     command = shown(["python", "-m", "april_server", *SERVER_ARGS])
-    if not ctx.cuda:
+    if not run.ctx.cuda:
         return {"status": NO_CUDA, "command": command}
-    timeout = ctx.allow(240)
+    timeout = run.ctx.allow(240)
     if timeout < 60:
         return {"status": "skipped: out of time budget", "command": command}
-    ctx.server = LaunchedServer(SERVER_ARGS, keep_dir=True)
+    run.server = LaunchedServer(SERVER_ARGS, keep_dir=True)
     t0 = time.monotonic()
     try:
-        ctx.server.start(timeout_s=timeout)
+        run.server.start(timeout_s=timeout)
     except RuntimeError as exc:
-        ctx.server = None
+        run.server = None
         return {"status": "failed", "command": command, "error": str(exc)[-3000:]}
     return {"status": "ok", "command": command, "seconds": round(time.monotonic() - t0, 1)}
 
 
-def resume(ctx: DeviceRun) -> dict[str, Any]:
+def resume(run: DeviceRun) -> dict[str, Any]:
     """Resume of an interrupted 8B sample after flush_cache: KV restore vs re-prefill."""
     import httpx
 
@@ -160,10 +161,11 @@ def resume(ctx: DeviceRun) -> dict[str, Any]:
         "repeats": RESUME_REPEATS,
         "command": "april_bench.resume's interrupted_pair + timed_resume on the server",
     }
-    if ctx.server is None:
+    ctx = run.ctx
+    if run.server is None:
         return {"status": NO_CUDA if not ctx.cuda else "skipped: no server", **what}
     rows: list[dict[str, Any]] = []
-    with httpx.Client(base_url=ctx.server.url, timeout=max(ctx.allow(180), 10)) as c:
+    with httpx.Client(base_url=run.server.url, timeout=max(ctx.allow(180), 10)) as c:
         for length in RESUME_LENGTHS:
             if ctx.allow(180) < 20:
                 return {"status": "skipped: out of time budget", "results": rows, **what}
@@ -204,12 +206,13 @@ def _resume_length(
     }
 
 
-def april_bench(ctx: DeviceRun) -> dict[str, Any]:
+def april_bench(run: DeviceRun) -> dict[str, Any]:
     """april-bench sync vs static (april@all) vs adaptive (april@auto) on the 8B server."""
+    ctx = run.ctx
     out = ctx.out_dir / "april_bench.jsonl"
-    url = ctx.server.url if ctx.server is not None else "URL"
+    url = run.server.url if run.server is not None else "URL"
     cmd = ctx.python("-m", "april_bench.cli", "--url", url, *BENCH_ARGS, "--json-out", str(out))
-    if ctx.server is None:
+    if run.server is None:
         status = NO_CUDA if not ctx.cuda else "skipped: no server"
         return {"status": status, "command": shown(cmd)}
     timeout = ctx.allow(240)
@@ -225,30 +228,31 @@ def april_bench(ctx: DeviceRun) -> dict[str, Any]:
     return entry
 
 
-def stop_server(ctx: DeviceRun) -> None:
-    if ctx.server is not None:
-        log = Path(ctx.server.log_path)
+def stop_server(run: DeviceRun) -> None:
+    if run.server is not None:
+        log = Path(run.server.log_path)
         if log.exists():
-            (ctx.out_dir / "server.log").write_text(log.read_text(errors="replace")[-200_000:])
-        ctx.server.keep_dir = False
-        ctx.server.stop()
-        ctx.server = None
+            (run.ctx.out_dir / "server.log").write_text(log.read_text(errors="replace")[-200_000:])
+        run.server.keep_dir = False
+        run.server.stop()
+        run.server = None
 
 
 MOE_TESTS = "tests/e2e/test_moe_routing_e2e.py"
 
 
-def moe_routing(ctx: DeviceRun) -> dict[str, Any]:
+def moe_routing(run: DeviceRun) -> dict[str, Any]:
     """Routing replay on the tiny MoE on the device: SGLang's CUDA MoE path and
     capturer, the same e2e checks as on CPU (every position's routing equals an uninterrupted
     run's after interrupt + resume on both KV paths, across a push and kill -9). Last: the 8B
     server is stopped first, so the MoE server gets the device's memory."""
+    ctx = run.ctx
     cmd = ctx.python("-m", "pytest", "-q", "-p", "no:cacheprovider", MOE_TESTS, "-k", "not dense")
     if not ctx.cuda:
         return {"status": NO_CUDA, "command": shown(cmd)}
     timeout = ctx.allow(200)
     if timeout < 60:
         return {"status": "skipped: out of time budget", "command": shown(cmd)}
-    stop_server(ctx)
+    stop_server(run)
     res = run_cmd(cmd, timeout, env=child_env())
     return {"status": "ok" if res.ok else "failed", **res.summary()}
