@@ -13,6 +13,7 @@ from april_server.engine.segment_state import Counters
 from april_server.engine.versions import WeightVersions
 from april_server.rules.inflight import Admission
 from april_server.rules.lengths import LengthModel
+from april_server.rules.pool_size import PoolAdvisor
 from april_server.runtime.background import Background
 from april_server.runtime.inflight_policy import InflightPolicy
 from april_server.runtime.live_calls import LiveCalls
@@ -31,5 +32,6 @@ class CallParts:
     versions: WeightVersions
     lengths: LengthModel  # predicted lengths: the order new groups start in, pool advice
     policy: InflightPolicy
+    pool_advisor: PoolAdvisor
     admission: Admission
     counters: Counters

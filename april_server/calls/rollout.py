@@ -102,6 +102,7 @@ class RolloutCall:
             parts.versions,
             parts.lengths,
             parts.policy,
+            parts.pool_advisor,
             parts.admission,
             parts.counters,
         )

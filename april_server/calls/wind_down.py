@@ -26,6 +26,7 @@ from april_server.rules import samples as sample_rules
 from april_server.rules.idempotency import attempt_record
 from april_server.rules.inflight import Admission, choose_running_target
 from april_server.rules.lengths import LengthModel
+from april_server.rules.pool_size import PoolAdvisor
 from april_server.runtime.background import Background
 from april_server.runtime.inflight_policy import InflightPolicy
 from april_server.runtime.persister import Persister
@@ -45,7 +46,8 @@ class WindDown:
     persister: Persister
     versions: WeightVersions
     lengths: LengthModel  # what the buffered groups have left, for the pool advice
-    policy: InflightPolicy
+    policy: InflightPolicy  # the newest step curve, for the pool advice
+    pool_advisor: PoolAdvisor  # what the advice remembers across calls
     admission: Admission  # its size caps the pool advice's running target
     counters: Counters
 
@@ -215,7 +217,7 @@ class WindDown:
         target = choose_running_target(curve, req.target_groups * size, self.admission.max_samples)
         lengths = self.lengths
         carried = [lengths.remaining(claimed[g]) for g in buffered]
-        return self.policy.advise(
+        return self.pool_advisor.advise(
             req.target_groups,
             target.running_target,
             version,

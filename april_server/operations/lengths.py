@@ -8,18 +8,18 @@ from dataclasses import dataclass
 
 from april_server.buffer.store import BufferStore
 from april_server.rules.lengths import LengthModel
-from april_server.runtime.inflight_policy import InflightPolicy
+from april_server.rules.pool_size import PoolAdvisor
 
 
 @dataclass(eq=False)
 class ForgetLengths:
     lengths: LengthModel
     store: BufferStore
-    policy: InflightPolicy
+    pool_advisor: PoolAdvisor
 
     def __call__(self) -> int:
         """How many prompts it held."""
         n = self.lengths.forget()
         self.store.save_lengths([], forget=True)
-        self.policy.forget()
+        self.pool_advisor.forget()
         return n

@@ -38,6 +38,7 @@ from april_server.operations.resume import Resume
 from april_server.rules import turns as turn_rules
 from april_server.rules.inflight import Admission
 from april_server.rules.lengths import LengthHistory, LengthModel
+from april_server.rules.pool_size import PoolAdvisor
 from april_server.runtime.background import OWNER as BACKGROUND
 from april_server.runtime.background import Background
 from april_server.runtime.inflight_policy import InflightPolicy
@@ -90,6 +91,7 @@ class RolloutManager:
         )
         self.calls = LiveCalls()
         self.policy = InflightPolicy(engine)
+        self.pool_advisor = PoolAdvisor()  # across calls: it plays from the lengths seen
         self.persister = Persister(self.buffer, store, self.running, self.lengths.history)
         self.background = Background(
             self.buffer,
@@ -118,6 +120,7 @@ class RolloutManager:
             versions=self.versions,
             lengths=self.lengths,
             policy=self.policy,
+            pool_advisor=self.pool_advisor,
             admission=self.admission,
             counters=self.counters,
         )
@@ -142,7 +145,7 @@ class RolloutManager:
         partials = Partials(self.buffer, self.segments, self.lengths)
         self.list_partials = partials.page
         self.show_partial = partials.one
-        self.forget_lengths = ForgetLengths(self.lengths, store, self.policy)
+        self.forget_lengths = ForgetLengths(self.lengths, store, self.pool_advisor)
         self.weight_group = engine.weight_group
 
     async def close(self) -> None:

@@ -72,6 +72,12 @@ class PoolAdvisor:
     version: str | None = None
     pushes: deque[bool] = field(default_factory=lambda: deque(maxlen=PUSH_MEMORY))
 
+    def forget(self) -> None:
+        """The lengths it played from were forgotten: the next advice starts afresh."""
+        self.targets.clear()
+        self.version = None
+        self.pushes.clear()
+
     def advise(
         self,
         target_groups: int,

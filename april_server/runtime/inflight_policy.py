@@ -1,11 +1,10 @@
-"""The running target of `max_inflight_groups: "auto"` calls and the pool advice
-(`stats.groups_wanted`): decided per call from the engine's measured step curve
-(`rules/inflight.py`, `rules/pool_size.py`); the newest decision is kept for the next advice
-and for `/stats`."""
+"""The running target of `max_inflight_groups: "auto"` calls, decided per call from the
+engine's measured step curve (`rules/inflight.py`); the newest decision is kept for the pool
+advice (`stats.groups_wanted`, `rules/pool_size.py`) and for `/stats`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from april_server.engine.base import BaseEngine
@@ -15,14 +14,12 @@ from april_server.rules.inflight import (
     StepStat,
     choose_running_target,
 )
-from april_server.rules.pool_size import PoolAdvisor
 
 
 class InflightPolicy:
     def __init__(self, engine: BaseEngine) -> None:
         self.engine = engine
         self.last: tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None = None
-        self.pool_advisor = PoolAdvisor()  # across calls: it plays from the lengths seen
 
     async def decide(self, demand: int, cap: int) -> InflightDecision:
         raw = await self.engine.step_curve()
@@ -34,31 +31,6 @@ class InflightPolicy:
     def last_curve(self) -> StepCurve | None:
         """The newest decision's curve (a call's own, or a later one's)."""
         return None if self.last is None else self.last[1]
-
-    def advise(
-        self,
-        target_groups: int,
-        running_target: int,
-        version: str,
-        carried: Sequence[Sequence[float]],
-        fresh_lengths: Sequence[int],
-        group_size: int,
-        max_staleness: int | None,
-    ) -> int | None:
-        """`groups_wanted` for the next call (`rules/pool_size.py`), remembered across calls."""
-        return self.pool_advisor.advise(
-            target_groups,
-            running_target,
-            version,
-            carried,
-            fresh_lengths,
-            group_size,
-            max_staleness,
-        )
-
-    def forget(self) -> None:
-        """The lengths were forgotten: the next advice starts afresh."""
-        self.pool_advisor = PoolAdvisor()
 
     def stats(self) -> dict[str, Any]:
         if self.last is None:

@@ -182,12 +182,10 @@ def test_a_call_starts_the_predicted_longest_first_and_reports_the_error() -> No
             for s in page[0]["samples"]:
                 assert s["predicted_tokens"] == 40 and s["prediction_confidence"] > 0.5
                 assert s["predicted_remaining"] == 40 - len(s["output_ids"])
-            advisor = mgr.policy.pool_advisor
+            advisor = mgr.pool_advisor
             r = await c.delete(R + "/lengths")
             assert r.status_code == 200 and r.json() == {"forgotten_prompts": 2}
-            assert (
-                mgr.policy.pool_advisor is not advisor and mgr.policy.pool_advisor.version is None
-            )
+            assert advisor.version is None and not advisor.targets and not advisor.pushes
             assert (await c.get(R + "/stats")).json()["length_prediction"]["history_prompts"] == 0
 
     asyncio.run(go())

@@ -182,7 +182,7 @@ def test_a_call_reports_the_advice_from_its_curve_and_its_lengths(monkeypatch: A
         async def go() -> int | None:
             mgr = RolloutManager(CurveEngine(points), BufferStore(None))
             # As after an earlier call with no push since: the 4 x bound applies.
-            mgr.policy.pool_advisor.version = mgr.versions.now()
+            mgr.pool_advisor.version = mgr.versions.now()
             req = RolloutReq(
                 groups=staggered_groups(), target_groups=3, max_inflight_groups=pinned or "auto"
             )
