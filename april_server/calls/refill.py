@@ -94,6 +94,8 @@ class Refill:
                     state.note_running()
                 elif sample_rules.group_finished(g):
                     self._emit_finished(gid)
+                else:  # its last segments reached turn stops before the hand-over: say so
+                    self.turns.announce_awaiting(gid)
         await self.background.give_way()
 
     async def _next_group(self, limit: int, sample_target: int) -> str | None:

@@ -9,6 +9,9 @@ simulator's checks fail when the server is wrong: a check that cannot fail prove
 - `await_before_bounds`: a call's claim yields to the loop before it applies the
   background's bound (as the staleness restart did when it awaited a snapshot's release
   first), so an answer waiting for the group can start a member the bound should restart.
+- `take_over_keeps_quiet`: a streamed agent call that takes over a background group whose
+  last segments reached turn stops just before the hand-over does not announce its awaiting
+  members, so it waits for good for answers nobody was asked for (a wedge).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from april_server.calls.refill import Refill
 from april_server.runtime.background import Background
 
 
@@ -44,10 +48,23 @@ def _await_first(real: Any) -> Any:
     return restart_stale
 
 
-MUTANTS = {
-    "await_before_bounds": ("restart_stale", _await_first),
-    "no_staleness_restart": ("restart_stale", lambda real: _no_restart),
-    "fill_forgets_held": ("_fill", _fill_forgetting),
+def _quiet_take_over(real: Any) -> Any:
+    async def take_over_background(self: Refill, limit: int, sample_target: int) -> None:
+        announce = self.turns.announce_awaiting
+        self.turns.announce_awaiting = lambda gid: None  # type: ignore[method-assign]
+        try:
+            await real(self, limit, sample_target)
+        finally:
+            self.turns.announce_awaiting = announce  # type: ignore[method-assign]
+
+    return take_over_background
+
+
+MUTANTS: dict[str, tuple[type, str, Any]] = {
+    "await_before_bounds": (Background, "restart_stale", _await_first),
+    "no_staleness_restart": (Background, "restart_stale", lambda real: _no_restart),
+    "fill_forgets_held": (Background, "_fill", _fill_forgetting),
+    "take_over_keeps_quiet": (Refill, "take_over_background", _quiet_take_over),
 }
 
 
@@ -56,10 +73,10 @@ def mutant(name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    attr, make = MUTANTS[name]
-    real = getattr(Background, attr)
-    setattr(Background, attr, make(real))
+    cls, attr, make = MUTANTS[name]
+    real = getattr(cls, attr)
+    setattr(cls, attr, make(real))
     try:
         yield
     finally:
-        setattr(Background, attr, real)
+        setattr(cls, attr, real)

@@ -64,6 +64,16 @@ def test_a_known_bug_put_back_is_found(mutant: str, start: int, check: str) -> N
 
 
 @pytest.mark.slow
+def test_a_take_over_that_keeps_quiet_wedges_the_call() -> None:
+    """Seed 3016067: a background agent group whose segments reached turn stops just before a
+    streamed call took it over. The call must announce its awaiting members (`Refill`); with
+    the fix put back out it waits for good for answers nobody was asked for."""
+    quiet = simulate("--seeds", "1", "--start", "3016067", "--mutant", "take_over_keeps_quiet")
+    assert quiet.returncode == 1 and "Wedged" in quiet.stdout, quiet.stdout[-3000:]
+    fixed = simulate("--seeds", "1", "--start", "3016067")
+    assert fixed.returncode == 0, fixed.stdout[-3000:] + fixed.stderr[-3000:]
+
+
 def test_many_seeds_pass() -> None:
     """The slow tier (`make test-slow`): seeds past those `make test` runs."""
     out = simulate("--seeds", "5000", "--start", str(SEEDS))
