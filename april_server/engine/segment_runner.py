@@ -430,10 +430,19 @@ class SegmentRunner:
             await self.snap.drop_snapshot(sample_id, slot)
 
     async def refresh(self, samples: Sequence[Sample]) -> None:
-        """Clear the figures of snapshots the store has evicted since."""
+        """Clear the figures of snapshots the store has evicted since. One listing of what
+        every slot holds, not one question per sample: a page of the buffer holds hundreds,
+        and each question is a round trip to a scheduler busy generating. A slot the listing
+        does not cover (an engine that cannot list, one out of the pool) is asked per sample."""
         if self.snap is None:
             return
-        for s in samples:
-            slot = snapshot_rules.held_at(s)
-            if slot is not None and await self.snap.snapshot_info(s.sample_id, slot) is None:
+        held = [(s, slot) for s in samples if (slot := snapshot_rules.held_at(s)) is not None]
+        listed = await self.snap.snapshot_keys() if len(held) > 1 else {}
+        for s, slot in held:
+            keys = listed.get(slot)
+            if keys is not None:
+                evicted = s.sample_id not in keys
+            else:
+                evicted = await self.snap.snapshot_info(s.sample_id, slot) is None
+            if evicted:
                 snapshot_rules.clear(s)

@@ -119,11 +119,14 @@ class FakeEngine(BaseEngine):
 
 class SnapshotFakeEngine(FakeEngine, SnapshotEngine):
     """Takes a snapshot of a marked request that ends by abort (100 bytes); `info_delay_s`
-    makes `snapshot_info` answer late, like a busy scheduler."""
+    makes `snapshot_info` answer late, like a busy scheduler; `lists` lets it list what it
+    holds (`snapshot_keys`), as SGLang's engine does. `info_asked` counts the questions."""
 
-    def __init__(self, delay_s: float = 0.002, info_delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.002, info_delay_s: float = 0.0, lists: bool = False):
         super().__init__(delay_s=delay_s)
         self.info_delay_s = info_delay_s
+        self.lists = lists
+        self.info_asked = 0
         self.marks: dict[str, str] = {}
         self.snaps: set[str] = set()
 
@@ -148,8 +151,14 @@ class SnapshotFakeEngine(FakeEngine, SnapshotEngine):
         self.snaps.discard(key)
 
     async def snapshot_info(self, key: str, slot: Slot) -> dict[str, Any] | None:
+        self.info_asked += 1
         await asyncio.sleep(self.info_delay_s)
         return {"tokens": 1, "bytes": 100} if key in self.snaps else None
+
+    async def snapshot_keys(self) -> dict[Slot, dict[str, float]]:
+        if not self.lists:
+            return {}
+        return {slot: {key: 0.0 for key in self.snaps} for slot in self.slots()}
 
     async def snapshot_stats(self) -> dict[str, Any]:
         return {"snapshot_bytes": 100 * len(self.snaps)}

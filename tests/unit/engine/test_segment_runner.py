@@ -312,6 +312,27 @@ def test_forget_frees_a_samples_snapshot_and_refresh_clears_an_evicted_ones_figu
     asyncio.run(go())
 
 
+def test_refresh_lists_what_the_engine_holds_once_instead_of_asking_per_sample() -> None:
+    async def go() -> None:
+        eng = SnapshotFakeEngine(lists=True)
+        runner = runner_over(eng)
+        g = await kept_snapshot(eng, runner, n=3)
+        evicted, kept, also_kept = g.samples
+        eng.snaps.discard("g/0")  # the store evicted it
+        asked = eng.info_asked
+        await runner.refresh(g.samples)
+        assert eng.info_asked == asked  # one listing, no question per sample
+        assert evicted.snapshot_bytes == 0 and snapshots.held_at(evicted) is None
+        assert kept.snapshot_bytes == 100 and also_kept.snapshot_bytes == 100
+        eng.lists = False  # an engine that cannot list is asked per sample
+        eng.snaps.discard("g/1")
+        await runner.refresh(g.samples)
+        assert eng.info_asked == asked + 2 and kept.snapshot_bytes == 0
+        assert also_kept.snapshot_bytes == 100
+
+    asyncio.run(go())
+
+
 def test_a_weight_update_cuts_a_segment_holds_it_and_continues_it_under_the_new_version() -> None:
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
