@@ -63,7 +63,6 @@ def test_a_known_bug_put_back_is_found(mutant: str, start: int, check: str) -> N
     assert f"--mutant {mutant}" in out.stdout  # the replay command names it
 
 
-@pytest.mark.slow
 def test_a_take_over_that_keeps_quiet_wedges_the_call() -> None:
     """Seed 3016067: a background agent group whose segments reached turn stops just before a
     streamed call took it over. The call must announce its awaiting members (`Refill`); with
@@ -74,6 +73,7 @@ def test_a_take_over_that_keeps_quiet_wedges_the_call() -> None:
     assert fixed.returncode == 0, fixed.stdout[-3000:] + fixed.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_many_seeds_pass() -> None:
     """The slow tier (`make test-slow`): seeds past those `make test` runs."""
     out = simulate("--seeds", "5000", "--start", str(SEEDS))
