@@ -76,7 +76,6 @@ class RolloutCall:
         self.state = state = CallState(req, handed_in, events)
         self.engine = parts.engine
         self.buffer = parts.buffer
-        self.segments = parts.segments
         self.planner = parts.planner
         self.lengths = parts.lengths
         self.background = parts.background

@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass, field
 
 from april_client.protocol import Group, RolloutReq, StreamEvent
 from april_server.engine.segment_state import CallTally
@@ -53,15 +54,15 @@ class CallState:
             self.events.put_nowait(event)
 
 
+@dataclass
 class QuotaGrace:
     """Once the quota is met, a streamed call waits `reject_grace_s` for late rejects (DAPO
     filtering) while generation goes on; a reject re-opens the quota, and the wait with it."""
 
-    def __init__(self, t0: float, grace_s: float) -> None:
-        self.t0 = t0
-        self.grace_s = grace_s
-        self.time_to_quota: float | None = None  # for the answer's stats
-        self.until: float | None = None
+    t0: float
+    grace_s: float
+    time_to_quota: float | None = field(default=None, init=False)  # for the answer's stats
+    until: float | None = field(default=None, init=False)
 
     def left(self) -> float:
         """Seconds of grace left (the quota is met now)."""
