@@ -1,10 +1,10 @@
 """The segment runner (`engine/segment_runner.py`): starting a group's members (and only
 those that can run), what a stop keeps (tokens, nothing, a snapshot), freeing and refreshing
-snapshots, a weight update's cut, hold and replan, staleness restarts, engine failures and
-waits for a healthy slot, the predicted lengths it writes and scores, its admission bound,
-which follows the engine's pool, and no snapshot policy over an engine without snapshots.
-Fake engine: a token is a hash of its context, so `uninterrupted` says what any sample must
-hold however its segments were cut."""
+snapshots, staleness restarts, engine failures and waits for a healthy slot, the predicted
+lengths it writes and scores, its admission bound, which follows the engine's pool, and no
+snapshot policy over an engine without snapshots. Fake engine: a token is a hash of its
+context, so `uninterrupted` says what any sample must hold however its segments were cut. A
+weight update's cut, hold and replan: `test_weight_cut.py`."""
 
 from __future__ import annotations
 
@@ -329,84 +329,6 @@ def test_refresh_lists_what_the_engine_holds_once_instead_of_asking_per_sample()
         await runner.refresh(g.samples)
         assert eng.info_asked == asked + 2 and kept.snapshot_bytes == 0
         assert also_kept.snapshot_bytes == 100
-
-    asyncio.run(go())
-
-
-def test_a_weight_update_cuts_a_segment_holds_it_and_continues_it_under_the_new_version() -> None:
-    async def go() -> None:
-        eng = FakeEngine(delay_s=0.002)
-        runner = runner_over(eng)
-        g, tally, (task,) = await generating(eng, runner, 300)
-        (s,) = g.samples
-        await runner.weight_cut.before_update()
-        run = runner.running["g/0"]
-        await until(lambda: run.resuming)  # cut, and held until the update ends
-        await asyncio.sleep(0.03)
-        assert len(eng.calls) == 1 and not task.done()
-        eng.version = "1"
-        runner.weight_cut.after_update()
-        await task
-        assert s.output_ids == uninterrupted(300)
-        assert [seg.weight_version for seg in s.segments] == ["0", "1"]
-        assert runner.versions.history == ["0", "1"] and len(eng.calls) == 2
-        assert tally.output_tokens == 300 and not runner.running
-
-    asyncio.run(go())
-
-
-def test_a_segment_planned_before_an_update_waits_for_it_and_runs_under_the_new_version() -> None:
-    async def go() -> None:
-        eng = FakeEngine(delay_s=0.002)
-        runner = runner_over(eng)
-        await runner.weight_cut.before_update()  # nothing running: the update is under way
-        g = group("g", 20)
-        (s,) = g.samples
-        _, (task,) = start_group(runner, g)
-        assert runner.running["g/0"].planned_version == "0"
-        await asyncio.sleep(0.05)
-        assert eng.calls == []  # held: nothing generates on half-loaded weights
-        eng.version = "1"
-        runner.weight_cut.after_update()
-        await task
-        assert s.output_ids == uninterrupted(20)
-        assert [seg.weight_version for seg in s.segments] == ["1"] and len(eng.calls) == 1
-
-    asyncio.run(go())
-
-
-def test_a_segment_stopped_while_an_update_holds_it_ends_having_generated_nothing() -> None:
-    async def go() -> None:
-        eng = FakeEngine(delay_s=0.002)
-        runner = runner_over(eng)
-        await runner.weight_cut.before_update()
-        g = group("g", 20)
-        (s,) = g.samples
-        _, (task,) = start_group(runner, g)
-        await asyncio.sleep(0.02)
-        await asyncio.wait_for(runner.stop(list(runner.running.values())), 2.0)
-        assert task.done() and not runner.running
-        assert eng.calls == [] and (s.output_ids, s.segments, s.status) == ([], [], "partial")
-        runner.weight_cut.after_update()
-
-    asyncio.run(go())
-
-
-def test_a_cut_segment_stopped_during_the_update_keeps_what_the_old_weights_made() -> None:
-    async def go() -> None:
-        eng = FakeEngine(delay_s=0.002)
-        runner = runner_over(eng)
-        g, _, _ = await generating(eng, runner, 300)
-        (s,) = g.samples
-        await runner.weight_cut.before_update()
-        run = runner.running["g/0"]
-        await until(lambda: run.resuming)
-        await asyncio.wait_for(runner.stop([run], keep="tokens"), 2.0)
-        kept = len(s.output_ids)
-        assert 0 < kept < 300 and s.output_ids == uninterrupted(kept)
-        assert [seg.weight_version for seg in s.segments] == ["0"] and s.status == "partial"
-        assert len(eng.calls) == 1 and not runner.running
-        runner.weight_cut.after_update()
 
     asyncio.run(go())
 

@@ -1,0 +1,97 @@
+"""The weight cut (`engine/weight_cut.py`) as the segment runner drives it: a push cuts a
+running segment, holds it and continues it under the new version; a segment planned before
+the push waits for it; a stop while the cut holds a segment keeps what the old weights made,
+or nothing if it never ran. Over the fake engine, as in `test_segment_runner.py`, whose
+helpers these use."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.unit.engine.test_segment_runner import (
+    generating,
+    group,
+    runner_over,
+    start_group,
+    uninterrupted,
+    until,
+)
+from tests.unit.fake_engine import FakeEngine
+
+
+def test_a_weight_update_cuts_a_segment_holds_it_and_continues_it_under_the_new_version() -> None:
+    async def go() -> None:
+        eng = FakeEngine(delay_s=0.002)
+        runner = runner_over(eng)
+        g, tally, (task,) = await generating(eng, runner, 300)
+        (s,) = g.samples
+        await runner.weight_cut.before_update()
+        run = runner.running["g/0"]
+        await until(lambda: run.resuming)  # cut, and held until the update ends
+        await asyncio.sleep(0.03)
+        assert len(eng.calls) == 1 and not task.done()
+        eng.version = "1"
+        runner.weight_cut.after_update()
+        await task
+        assert s.output_ids == uninterrupted(300)
+        assert [seg.weight_version for seg in s.segments] == ["0", "1"]
+        assert runner.versions.history == ["0", "1"] and len(eng.calls) == 2
+        assert tally.output_tokens == 300 and not runner.running
+
+    asyncio.run(go())
+
+
+def test_a_segment_planned_before_an_update_waits_for_it_and_runs_under_the_new_version() -> None:
+    async def go() -> None:
+        eng = FakeEngine(delay_s=0.002)
+        runner = runner_over(eng)
+        await runner.weight_cut.before_update()  # nothing running: the update is under way
+        g = group("g", 20)
+        (s,) = g.samples
+        _, (task,) = start_group(runner, g)
+        assert runner.running["g/0"].planned_version == "0"
+        await asyncio.sleep(0.05)
+        assert eng.calls == []  # held: nothing generates on half-loaded weights
+        eng.version = "1"
+        runner.weight_cut.after_update()
+        await task
+        assert s.output_ids == uninterrupted(20)
+        assert [seg.weight_version for seg in s.segments] == ["1"] and len(eng.calls) == 1
+
+    asyncio.run(go())
+
+
+def test_a_segment_stopped_while_an_update_holds_it_ends_having_generated_nothing() -> None:
+    async def go() -> None:
+        eng = FakeEngine(delay_s=0.002)
+        runner = runner_over(eng)
+        await runner.weight_cut.before_update()
+        g = group("g", 20)
+        (s,) = g.samples
+        _, (task,) = start_group(runner, g)
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(runner.stop(list(runner.running.values())), 2.0)
+        assert task.done() and not runner.running
+        assert eng.calls == [] and (s.output_ids, s.segments, s.status) == ([], [], "partial")
+        runner.weight_cut.after_update()
+
+    asyncio.run(go())
+
+
+def test_a_cut_segment_stopped_during_the_update_keeps_what_the_old_weights_made() -> None:
+    async def go() -> None:
+        eng = FakeEngine(delay_s=0.002)
+        runner = runner_over(eng)
+        g, _, _ = await generating(eng, runner, 300)
+        (s,) = g.samples
+        await runner.weight_cut.before_update()
+        run = runner.running["g/0"]
+        await until(lambda: run.resuming)
+        await asyncio.wait_for(runner.stop([run], keep="tokens"), 2.0)
+        kept = len(s.output_ids)
+        assert 0 < kept < 300 and s.output_ids == uninterrupted(kept)
+        assert [seg.weight_version for seg in s.segments] == ["0"] and s.status == "partial"
+        assert len(eng.calls) == 1 and not runner.running
+        runner.weight_cut.after_update()
+
+    asyncio.run(go())
