@@ -1,5 +1,5 @@
-"""A 10-second chaos run (300 s in `make test-slow`) against a real server (the client is
-`tests.chaos.harness`; `make chaos` runs it for minutes, on one server and on an owner over
+"""A 10-second chaos run (300 s in `make test-slow`) against a real server (the clients are
+`tests.chaos`; `make chaos` runs it for minutes, on one server and on an owner over
 two engines, one killed)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from april_server.models import ensure_tiny_model
-from tests.chaos.harness import Target, run, vocab_of
+from tests.chaos.harness import run
+from tests.chaos.target import Target, vocab_of
 from tests.e2e.test_rollouts_e2e import clear_buffer
 from tests.server_proc import ServerProc
 
