@@ -1,4 +1,4 @@
-"""Across machines (#13): an owner april-server driving two engine servers, on this CPU.
+"""Across machines: an owner april-server driving two engine servers, on this CPU.
 
 The owner (`--april-engines URL,URL`) runs no model: it keeps the quota, the durable buffer and
 the policies, and sends every segment to one of two real april-servers (SGLang + our plugin).
@@ -6,25 +6,21 @@ The quota stays exact across engines, a resume goes back to the engine holding i
 and restores it (the uninterrupted greedy output), weight updates and aborts reach both, and
 a kill -9 of one engine mid-call loses nothing: the call still returns `target_groups` whole
 groups, the engine leaves the pool, and rejoins once restarted and brought to the fleet's
-weights. The kill test comes last: it restarts an engine.
+weights. The kill test comes last: it restarts an engine. The fleet and the helpers: `fleet.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from april_server.cli import cpu_share_env
-from april_server.launcher import free_port, start_all
+from tests.e2e.fleet import KV_BYTES, Fleet, cleared_owner, engines, smg_over, wait_for
 from tests.e2e.test_rollouts_e2e import (
     R,
     clear_buffer,
@@ -36,55 +32,7 @@ from tests.e2e.test_rollouts_e2e import (
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
-KV_BYTES = 128 * 1024**2  # each engine's snapshot budget
 PAGE = 1  # the CPU default page size
-
-
-class Fleet:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        args = ["--april-kv-host-bytes", str(KV_BYTES)]
-        # One OpenMP thread each: two engines with a thread per core each spin against each
-        # other on these 2 cores (cli.cpu_share_env), several times slower.
-        self.engines = [
-            ServerProc(self._dir(f"engine{i}"), args, cpu_share_env(1)) for i in range(2)
-        ]
-        start_all(list(self.engines))  # side by side: their start-ups overlap
-        self.owner = ServerProc(self._dir("owner"), ["--april-engines", self.urls])
-        self.owner.start()
-
-    @property
-    def urls(self) -> str:
-        return ",".join(e.url for e in self.engines)
-
-    @contextlib.contextmanager
-    def another_owner(self, name: str, args: list[str]) -> Iterator[ServerProc]:
-        """One more owner (its own state dir `name`), stopped when the block ends."""
-        owner = ServerProc(self._dir(name), args)
-        owner.start()
-        try:
-            yield owner
-        finally:
-            owner.stop()
-
-    def _dir(self, name: str) -> Path:
-        d = self.root / name
-        d.mkdir(exist_ok=True)
-        return d
-
-    def name(self, i: int) -> str:
-        return f"127.0.0.1:{self.engines[i].port}"
-
-    def restart(self, i: int) -> None:
-        """Start engine `i` again on its port (a fresh process: no snapshots, first weights)."""
-        old = self.engines[i]
-        e = ServerProc(old.dir, old.extra_args, old.env, port=old.port)
-        e.start()
-        self.engines[i] = e
-
-    def stop(self) -> None:
-        for p in [self.owner, *self.engines]:
-            p.stop()
 
 
 @pytest.fixture(scope="module")
@@ -96,24 +44,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 @pytest.fixture()
 def http(fleet: Fleet) -> Iterator[httpx.Client]:
-    with fleet.owner.client() as c:
-        clear_buffer(c)
+    with cleared_owner(fleet) as c:
         yield c
-        c.post(R + "/abort", json={"all": True})
-        clear_buffer(c)
-
-
-def engines(http: httpx.Client) -> dict[str, Any]:
-    return {e["engine"]: e for e in ok(http.get(R + "/stats"))["engine"]["engines"]}
-
-
-def wait_for(what: str, check: Any, timeout_s: float = 120.0, detail: Any = None) -> None:
-    """`detail`: what to show on a timeout (the last state seen)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        seen = f"; last seen: {detail()}" if detail is not None else ""
-        assert time.monotonic() < deadline, f"timed out waiting for {what}{seen}"
-        time.sleep(0.2)
 
 
 def test_the_owner_shows_both_engines_and_their_figures(http: httpx.Client, fleet: Fleet) -> None:
@@ -306,34 +238,8 @@ def test_weight_update_and_abort_reach_both_engines(http: httpx.Client, fleet: F
 @pytest.fixture()
 def smg(fleet: Fleet) -> Iterator[str]:
     """A real sgl-model-gateway (PyPI `smg`) with both engines registered in it."""
-    port, metrics_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    exe = Path(sys.executable).with_name("smg")
-    proc = subprocess.Popen(
-        [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-         "--health-check-interval-secs", "1", "--shutdown-grace-period-secs", "0",
-         "--log-level", "warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_for("smg", lambda: _answers(url + "/liveness"), 30)
-        for e in fleet.engines:
-            r = httpx.post(url + "/workers", json={"url": e.url})
-            assert r.status_code == 202, r.text
-        listed = lambda: len(httpx.get(url + "/workers").json()["workers"]) == 2  # noqa: E731
-        wait_for("both engines listed in smg", listed, 60)
+    with smg_over(fleet) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_an_owner_finds_its_engines_in_smgs_registry(fleet: Fleet, smg: str) -> None:

@@ -8,55 +8,37 @@ position's routing; a re-prefill (on whichever engine) flags exactly what it rec
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from april_client import routing as decode
-from april_server.cli import cpu_share_env
-from april_server.launcher import start_all
+from tests.e2e.fleet import Fleet, cleared_owner
 from tests.e2e.test_moe_routing_e2e import as_sample, interrupt, sglang_routing
-from tests.e2e.test_rollouts_e2e import R, clear_buffer, group, ok
-from tests.server_proc import ServerProc
+from tests.e2e.test_rollouts_e2e import R, group, ok
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProc]]:
-    root = tmp_path_factory.mktemp("april-moe-fleet")
-
-    def d(name: str) -> Path:
-        (root / name).mkdir()
-        return root / name
-
-    args = ["--april-model", "tiny-moe"]
-    # one OpenMP thread each, as tests/e2e/test_fleet_e2e.py: two engines share 2 cores
-    engines = [ServerProc(d(f"engine{i}"), args, cpu_share_env(1)) for i in range(2)]
-    start_all(list(engines))
-    owner = ServerProc(d("owner"), ["--april-engines", ",".join(e.url for e in engines)])
-    owner.start()
-    yield [owner, *engines]
-    for p in (owner, *engines):
-        p.stop()
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("april-moe-fleet"), ["--april-model", "tiny-moe"])
+    yield f
+    f.stop()
 
 
 @pytest.fixture()
-def http(fleet: list[ServerProc]) -> Iterator[httpx.Client]:
-    with fleet[0].client() as c:
-        clear_buffer(c)
+def http(fleet: Fleet) -> Iterator[httpx.Client]:
+    with cleared_owner(fleet) as c:
         yield c
-        c.post(R + "/abort", json={"all": True})
-        clear_buffer(c)
 
 
-def engine(fleet: list[ServerProc]) -> httpx.Client:
-    return fleet[1].client()
+def engine(fleet: Fleet) -> httpx.Client:
+    return fleet.engines[0].client()
 
 
-def test_an_owner_returns_the_engines_routing(http: httpx.Client, fleet: list[ServerProc]) -> None:
+def test_an_owner_returns_the_engines_routing(http: httpx.Client, fleet: Fleet) -> None:
     prompt, budget = [41, 42, 43, 44], 20
     with engine(fleet) as e:
         want_ids, want = sglang_routing(e, prompt, budget)
@@ -68,7 +50,7 @@ def test_an_owner_returns_the_engines_routing(http: httpx.Client, fleet: list[Se
 
 @pytest.mark.parametrize("kv", ["restore", "recompute"])
 def test_resume_through_the_owner_keeps_the_routing(
-    http: httpx.Client, fleet: list[ServerProc], kv: str
+    http: httpx.Client, fleet: Fleet, kv: str
 ) -> None:
     prompt, budget = [51, 52, 53, 54, 55], 90
     with engine(fleet) as e:
@@ -76,7 +58,7 @@ def test_resume_through_the_owner_keeps_the_routing(
     s = interrupt(http, "f", prompt, budget, 6)
     assert s.routing is not None and s.snapshot_bytes > 0
     known = s.routing.num_positions
-    for p in fleet[1:]:  # only a snapshot (restore) or a full prefill can continue it
+    for p in fleet.engines:  # only a snapshot (restore) or a full prefill can continue it
         with p.client() as c:
             assert c.post("/flush_cache").status_code == 200
     out = ok(http.post(R + "/resume", json={"sample_ids": ["f/0"], "kv": kv}))
