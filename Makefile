@@ -43,7 +43,7 @@ gpu-check-dry:  ## what a CPU can check of the GPU run (~2 min)
 	@bash scripts/gpu-check.sh --dry-run
 
 check:  ## format, lint, types
-	@V=$(VENV) && mkdir -p build/mypy && ln -sfn ../../clients build/mypy/april_client && $$V/bin/ruff format --check . && $$V/bin/ruff check . && $$V/bin/mypy
+	@V=$(VENV) && $$V/bin/ruff format --check . && $$V/bin/ruff check . && $$V/bin/mypy
 
 bench-kv:  ## KV save/restore GB/s (CPU here; `--device cuda` on a GPU machine)
 	@V=$(VENV) && $$V/bin/python -m kernels.bench_kv_copy --quick

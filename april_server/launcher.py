@@ -86,12 +86,17 @@ class LaunchedServer:
     def spawn(self) -> None:
         """Start the process and return at once (`wait_healthy` waits for it)."""
         args = [
-            sys.executable, "-m", "april_server",
-            "--port", str(self.port),
-            "--april-state-dir", str(self.dir / "state"),
-            "--log-level", "warning",
+            sys.executable,
+            "-m",
+            "april_server",
+            "--port",
+            str(self.port),
+            "--april-state-dir",
+            str(self.dir / "state"),
+            "--log-level",
+            "warning",
             *self.extra_args,
-        ]  # fmt: skip
+        ]
         env = {**QUIET_STOP_ENV, **os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:
             self.proc = self.popen(args, log, env)

@@ -159,20 +159,30 @@ def collect(
             groups = [wl.group(epoch * prompts + i) for i in range(prompts)]
             body = {
                 "groups": [
-                    {"group_id": f"drafts-e{epoch}-p{i}", "text": g.text, "n": n,
-                     "sampling_params": g.sampling_params(max_tokens, 1.0)}
+                    {
+                        "group_id": f"drafts-e{epoch}-p{i}",
+                        "text": g.text,
+                        "n": n,
+                        "sampling_params": g.sampling_params(max_tokens, 1.0),
+                    }
                     for i, g in enumerate(groups)
                 ],
                 "target_groups": prompts,
                 "resume_first": False,
-            }  # fmt: skip
+            }
             r = c.post("/april/v1/rollouts", json=body)
             r.raise_for_status()
             for g in r.json()["groups"]:
                 p = int(g["group_id"].rsplit("-p", 1)[1])
                 for s in g["samples"]:
-                    samples.append({"prompt": p, "epoch": epoch, "prompt_ids": s["prompt_ids"],
-                                    "output_ids": s["output_ids"]})  # fmt: skip
+                    samples.append(
+                        {
+                            "prompt": p,
+                            "epoch": epoch,
+                            "prompt_ids": s["prompt_ids"],
+                            "output_ids": s["output_ids"],
+                        }
+                    )
             print(f"epoch {epoch + 1}/{epochs}: {len(groups) * n} samples", flush=True)
     return samples
 
@@ -193,17 +203,24 @@ def main() -> None:
         from april_server.launcher import LaunchedServer
 
         with LaunchedServer(["--april-model", "smollm2"]) as srv:
-            samples = collect(srv.url, args.prompts, args.n, args.epochs, args.max_tokens,
-                              args.seed)  # fmt: skip
+            samples = collect(
+                srv.url, args.prompts, args.n, args.epochs, args.max_tokens, args.seed
+            )
     figures = evaluate(samples, args.depth)
-    print(f"\n{len(samples)} samples, {args.prompts} prompts x {args.n} x {args.epochs} epochs, "
-          f"max {args.max_tokens} tokens, draft depth {args.depth}")  # fmt: skip
-    print(f"{'source':>14}  {'samples':>7}  {'acceptance':>10}  {'tokens/verify step':>18}  "
-          f"{'median per sample':>17}")  # fmt: skip
+    print(
+        f"\n{len(samples)} samples, {args.prompts} prompts x {args.n} x {args.epochs} epochs, "
+        f"max {args.max_tokens} tokens, draft depth {args.depth}"
+    )
+    print(
+        f"{'source':>14}  {'samples':>7}  {'acceptance':>10}  {'tokens/verify step':>18}  "
+        f"{'median per sample':>17}"
+    )
     for source, f in figures.items():
         per_step, median = f["tokens_per_verify_step"], f["median_sample_tokens_per_step"]
-        print(f"{source:>14}  {f['samples']:>7}  {f['acceptance']:>10.3f}  {per_step:>18.3f}  "
-              f"{median:>17.3f}")  # fmt: skip
+        print(
+            f"{source:>14}  {f['samples']:>7}  {f['acceptance']:>10.3f}  {per_step:>18.3f}  "
+            f"{median:>17.3f}"
+        )
 
 
 if __name__ == "__main__":

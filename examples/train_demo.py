@@ -250,8 +250,12 @@ def run_mode(mode: str, cfg: DemoConfig, server_args: Sequence[str] = ()) -> lis
 
 def _warm_up(client: Any) -> None:
     """One short rollout so neither mode pays the server's first-call costs on its clock."""
-    spec = {"group_id": "warm-up", "input_ids": [5, 6, 7], "n": 4,
-            "sampling_params": {"max_new_tokens": 16}}  # fmt: skip
+    spec = {
+        "group_id": "warm-up",
+        "input_ids": [5, 6, 7],
+        "n": 4,
+        "sampling_params": {"max_new_tokens": 16},
+    }
     client.rollout([spec], 1, resume_first=False)
 
 
@@ -322,12 +326,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with open(a.out, "w") as f:
         for seed in seeds:
-            cfg = DemoConfig(steps=a.steps, over_provision=a.over_provision,
-                             max_completion_length=a.max_completion_length, seed=seed,
-                             stale_tokens=a.stale_tokens, pin=not a.no_pin,
-                             max_staleness=a.max_staleness,
-                             learning_rate=a.learning_rate, loss_type=a.loss_type,
-                             prompts_per_step=a.prompts_per_step)  # fmt: skip
+            cfg = DemoConfig(
+                steps=a.steps,
+                over_provision=a.over_provision,
+                max_completion_length=a.max_completion_length,
+                seed=seed,
+                stale_tokens=a.stale_tokens,
+                pin=not a.no_pin,
+                max_staleness=a.max_staleness,
+                learning_rate=a.learning_rate,
+                loss_type=a.loss_type,
+                prompts_per_step=a.prompts_per_step,
+            )
             for mode in modes:
                 what = f"{cfg.steps} GRPO steps"
                 if a.equal == "wall" and mode != "sync":
@@ -335,8 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     sync_s = max(ran)
                     cfg = replace(cfg, wall_budget_s=sync_s)
                     what = f"GRPO steps for {sync_s:.1f} s (sync's time)"
-                print(f"== {mode}, seed {seed}: {what} on april-server",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"== {mode}, seed {seed}: {what} on april-server", file=sys.stderr, flush=True
+                )
                 for row in run_mode(mode, cfg):
                     f.write(json.dumps(row) + "\n")
                     rows.append(row)

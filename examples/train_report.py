@@ -63,22 +63,26 @@ def summarize(rows: list[dict[str, Any]]) -> list[ModeSummary]:
                 statistics.fmean(float(r.get("rollout_s", 0.0)) for r in rs),
                 statistics.fmean(float(r.get("train_s", 0.0)) for r in rs),
                 int(rs[-1].get("staleness_restarts", 0)),  # the server's total (older rows: 0)
-            )  # fmt: skip
+            )
         )
     return out
 
 
 def table(summaries: list[ModeSummary]) -> str:
-    head = (f"{'mode':<11} {'steps':>5} {'wall_s':>8} {'rollout s/step':>14} "
-            f"{'train s/step':>12} {'final reward':>14} {'reaches sync final at':>22} "
-            f"{'stale tokens':>12} {'restarts':>8}")  # fmt: skip
+    head = (
+        f"{'mode':<11} {'steps':>5} {'wall_s':>8} {'rollout s/step':>14} "
+        f"{'train s/step':>12} {'final reward':>14} {'reaches sync final at':>22} "
+        f"{'stale tokens':>12} {'restarts':>8}"
+    )
     lines = [head, "-" * len(head)]
     for s in summaries:
         reach = f"{s.reach_s:.1f} s" if s.reach_s is not None else "not reached"
         final = f"{s.final_reward:.3f}±{s.final_reward_sd:.3f}"
-        lines.append(f"{s.mode:<11} {s.steps:>5} {s.wall_s:>8.1f} {s.rollout_s:>14.2f} "
-                     f"{s.train_s:>12.2f} {final:>14} {reach:>22} "
-                     f"{s.stale_share:>11.1%} {s.restarts:>8}")  # fmt: skip
+        lines.append(
+            f"{s.mode:<11} {s.steps:>5} {s.wall_s:>8.1f} {s.rollout_s:>14.2f} "
+            f"{s.train_s:>12.2f} {final:>14} {reach:>22} "
+            f"{s.stale_share:>11.1%} {s.restarts:>8}"
+        )
     return "\n".join(lines) + (
         f"\n(final reward: mean ± sd of the last {WINDOW} steps; a step = rollout s, waiting"
         " for the call, + train s, the rest: loss, optimizer, weight push, prefetch; restarts:"
@@ -139,8 +143,12 @@ def seeds_table(rows: list[dict[str, Any]]) -> str:
             cells.append(f"{'not reached' if r is None else f'{r:.1f}':>12}")
         a = summ.get("april-async")
         others = [summ[m].reach_s for m in ("sync", "april") if m in summ]
-        first = (a is not None and a.reach_s is not None and len(others) == 2
-                 and all(o is None or a.reach_s < o for o in others))  # fmt: skip
+        first = (
+            a is not None
+            and a.reach_s is not None
+            and len(others) == 2
+            and all(o is None or a.reach_s < o for o in others)
+        )
         firsts += first
         bound = speed = "-"
         if "sync" in summ and a is not None:

@@ -5,13 +5,13 @@
 # Light extras (LIGHT below: one wheel each) stay out of the key and are installed with the
 # project itself, so adding one does not rebuild the heavy venv.
 # The project is three distributions, installed editable without deps (all are above): the
-# server (pyproject.toml), the client (clients/) and april-bench (clients/bench/, with its extras).
+# server (pyproject.toml), the client (clients/april_client/) and april-bench (clients/april_bench/).
 # CPU-only x86: SGLang is installed with --no-deps and its CUDA-only dependencies are left out
 # (CPU recipe: torch/torchvision at SGLang's pins first, then sglang --no-deps, then the extras listed in pyproject.toml; flashinfer, sgl-kernel and the other CUDA-only packages are left out).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${APRIL_PYTHON:-python3}
-KEY=$("$PY" - "$ROOT/pyproject.toml" "$ROOT/clients/bench/pyproject.toml" <<'PYEOF'
+KEY=$("$PY" - "$ROOT/pyproject.toml" "$ROOT/clients/april_bench/pyproject.toml" <<'PYEOF'
 import hashlib, sys, tomllib
 p, b = (tomllib.load(open(f, "rb"))["project"] for f in sys.argv[1:])
 heavy = {k: v for k, v in p["optional-dependencies"].items() if k not in ("fleet", "test-parallel")}  # LIGHT
@@ -27,7 +27,7 @@ if [ ! -f "$VENV/.complete" ]; then
   "$PY" -m venv "$VENV"
   PIP="$VENV/bin/pip --disable-pip-version-check -q"
   $PIP install -U pip >&2
-  extras=$("$PY" - "$ROOT/pyproject.toml" "$ROOT/clients/bench/pyproject.toml" <<'PYEOF'
+  extras=$("$PY" - "$ROOT/pyproject.toml" "$ROOT/clients/april_bench/pyproject.toml" <<'PYEOF'
 import sys, tomllib
 o, b = (tomllib.load(open(f, "rb"))["project"]["optional-dependencies"] for f in sys.argv[1:])
 print("\n".join(o["cpu"] + o["dev"] + o["trl"] + b["plots"] + b["progress"]))
@@ -42,10 +42,10 @@ PYEOF
 fi
 # The project itself: the three distributions, editable, no deps (they are all above). Re-done
 # when a pyproject.toml changes (entry points, scripts) or the venv points at another clone.
-TOMLS=("$ROOT/pyproject.toml" "$ROOT/clients/pyproject.toml" "$ROOT/clients/bench/pyproject.toml")
+TOMLS=("$ROOT/pyproject.toml" "$ROOT/clients/april_client/pyproject.toml" "$ROOT/clients/april_bench/pyproject.toml")
 STAMP="$VENV/.april-$(cat "${TOMLS[@]}" "$ROOT/scripts/bootstrap.sh" | sha256sum | cut -c1-12)-$(echo "$ROOT" | sha256sum | cut -c1-8)"
 if [ ! -f "$STAMP" ]; then
-  light=$("$PY" - "$ROOT/pyproject.toml" "$ROOT/clients/bench/pyproject.toml" <<'PYEOF'
+  light=$("$PY" - "$ROOT/pyproject.toml" "$ROOT/clients/april_bench/pyproject.toml" <<'PYEOF'
 import sys, tomllib
 o, b = (tomllib.load(open(f, "rb"))["project"]["optional-dependencies"] for f in sys.argv[1:])
 print("\n".join(o["fleet"] + o["test-parallel"] + b["workloads"]))
@@ -54,7 +54,7 @@ PYEOF
   # shellcheck disable=SC2086
   echo "$light" | xargs "$VENV/bin/pip" install -q --disable-pip-version-check >&2
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation \
-    -e "$ROOT" -e "$ROOT/clients" -e "$ROOT/clients/bench" >&2
+    -e "$ROOT" -e "$ROOT/clients/april_client" -e "$ROOT/clients/april_bench" >&2
   rm -f "$VENV"/.april-* && touch "$STAMP"
 fi
 echo "$VENV"

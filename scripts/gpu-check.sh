@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # GPU readiness check in one command: kernel parity, KV save/restore GB/s, resume restore vs
 # re-prefill on an 8B-shaped model, april-bench sync/static/adaptive. One JSON + one markdown
-# table under out/gpu-check/ (clients/bench/april_bench/gpu_check/__main__.py says what each
+# table under out/gpu-check/ (clients/april_bench/gpu_check/__main__.py says what each
 # part does; the kernel parts are in kernels/gpu_check/).
 #
 #   scripts/gpu-check.sh --dry-run     # CPU: everything a CPU can check (~2 min here)
 #   scripts/gpu-check.sh               # on one CUDA device: all parts, <= 10 min, no network
 #
 # Python: $APRIL_GPU_PYTHON if set (e.g. python3 in the lmsysorg/sglang:v0.5.23 image, whose
-# SGLang has its CUDA stack; msgspec, httpx, prometheus-client and the client, e.g.
-# `pip install --no-deps ./clients`, must be installed there; the server and the bench are
-# taken from this checkout), else the project's venv (scripts/bootstrap.sh: the CPU recipe,
+# SGLang has its CUDA stack; msgspec, httpx and prometheus-client must be installed there; the
+# server, the client and the bench are taken from this checkout), else the project's venv (scripts/bootstrap.sh: the CPU recipe,
 # fine for --dry-run).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,8 +19,9 @@ if [ -n "${APRIL_GPU_PYTHON:-}" ]; then
 else
   PY="$(bash scripts/bootstrap.sh)/bin/python"
 fi
-# The server and the kernels from the root, april_bench (the harness) from clients/bench.
-export PYTHONPATH="$ROOT:$ROOT/clients/bench${PYTHONPATH:+:$PYTHONPATH}"
+# The server and the kernels from the root, the client and april_bench (the harness) from
+# clients/ (each folder there is named as it is imported).
+export PYTHONPATH="$ROOT:$ROOT/clients${PYTHONPATH:+:$PYTHONPATH}"
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 need = ["torch", "triton", "sglang", "transformers", "httpx", "msgspec", "prometheus_client",

@@ -77,9 +77,10 @@ def register_deterministic_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     missing = [
-        b for b in CPU_DETERMINISTIC_ATTENTION_BACKENDS
+        b
+        for b in CPU_DETERMINISTIC_ATTENTION_BACKENDS
         if b not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES
-    ]  # fmt: skip
+    ]
     if missing:
         add_deterministic_attention_backend_choices(missing)
     HookRegistry.register(

@@ -359,10 +359,13 @@ def routing_format(tm: Any) -> tuple[int, int, RoutingDtype] | None:
     if not top_k:
         return None
     experts = next(
-        (int(v) for k in ("num_local_experts", "num_experts", "n_routed_experts")
-         if (v := getattr(text, k, None))),
+        (
+            int(v)
+            for k in ("num_local_experts", "num_experts", "n_routed_experts")
+            if (v := getattr(text, k, None))
+        ),
         0x7FFF,
-    )  # fmt: skip
+    )
     return int(text.num_hidden_layers), int(top_k), dtype_for(experts)
 
 

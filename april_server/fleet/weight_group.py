@@ -134,8 +134,11 @@ class FleetWeights:
             )
             raise ApiError(502, "engine_failed", f"joining the group failed on {failed}")
         self.group = Group(name, first + ranks, offsets)
-        return {"success": True, "message": f"{len(offsets)} engines joined {name!r}",
-                "rank_offsets": offsets}  # fmt: skip
+        return {
+            "success": True,
+            "message": f"{len(offsets)} engines joined {name!r}",
+            "rank_offsets": offsets,
+        }
 
     async def destroy(self, body: dict[str, Any]) -> dict[str, Any]:
         name = str(body.get("group_name", "weight_update_group"))
@@ -150,8 +153,11 @@ class FleetWeights:
         failed = {
             m.name: str(r) for m, r in zip(inside, results, strict=True) if isinstance(r, Exception)
         }
-        return {"success": not failed, "message": f"left by {len(inside) - len(failed)} engines",
-                "failed": failed}  # fmt: skip
+        return {
+            "success": not failed,
+            "message": f"left by {len(inside) - len(failed)} engines",
+            "failed": failed,
+        }
 
     # ---- a push: begin, update, end ---------------------------------------------------------
 

@@ -127,8 +127,13 @@ class WeightPush:
         message = "every engine is at weight version " + repr(self.version)
         if not ok:
             message = f"weight update incomplete: failed {failed}, versions {versions}"
-        return {"success": ok, "message": message, "weight_version": self.version,
-                "engines": versions, "num_paused_requests": 0}  # fmt: skip
+        return {
+            "success": ok,
+            "message": message,
+            "weight_version": self.version,
+            "engines": versions,
+            "num_paused_requests": 0,
+        }
 
     async def probe_quietly(self, m: RemoteEngine) -> None:
         try:

@@ -46,10 +46,16 @@ class _StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
-        yield InfoMetricFamily("april_weight", "weight version now served",
-                               value={"version": str(s.get("weight_version"))})  # fmt: skip
-        yield GaugeMetricFamily("april_kv_snapshots_enabled", "1 when KV snapshots are on",
-                                value=float(s.get("kv_snapshots") == "enabled"))  # fmt: skip
+        yield InfoMetricFamily(
+            "april_weight",
+            "weight version now served",
+            value={"version": str(s.get("weight_version"))},
+        )
+        yield GaugeMetricFamily(
+            "april_kv_snapshots_enabled",
+            "1 when KV snapshots are on",
+            value=float(s.get("kv_snapshots") == "enabled"),
+        )
         for key, value in s.items():
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
@@ -66,12 +72,14 @@ class _StatsCollector(Collector):
         clock = s.get("engine_time") or {}
         kinds = [k for k in ("prefill", "decode") if f"{k}_s" in clock]
         if kinds:
-            busy = CounterMetricFamily("april_engine_busy_seconds",
-                                       "engine seconds inside forward batches, by kind",
-                                       labels=["kind"])  # fmt: skip
-            tokens = CounterMetricFamily("april_engine_tokens",
-                                         "tokens through forward batches, by kind",
-                                         labels=["kind"])  # fmt: skip
+            busy = CounterMetricFamily(
+                "april_engine_busy_seconds",
+                "engine seconds inside forward batches, by kind",
+                labels=["kind"],
+            )
+            tokens = CounterMetricFamily(
+                "april_engine_tokens", "tokens through forward batches, by kind", labels=["kind"]
+            )
             for kind in kinds:
                 busy.add_metric([kind], float(clock[f"{kind}_s"]))
                 tokens.add_metric([kind], float(clock[f"{kind}_tokens"]))
@@ -79,25 +87,31 @@ class _StatsCollector(Collector):
             yield tokens
         slots = s.get("running_by_slot") or []
         if len(slots) > 1:  # data parallelism: what runs where, and each rank's snapshots
-            g = GaugeMetricFamily("april_running_samples_by_slot",
-                                  "samples generating now, by engine and DP rank",
-                                  labels=["engine", "dp_rank"])  # fmt: skip
+            g = GaugeMetricFamily(
+                "april_running_samples_by_slot",
+                "samples generating now, by engine and DP rank",
+                labels=["engine", "dp_rank"],
+            )
             for x in slots:
                 g.add_metric([str(x["engine"]), str(x["dp_rank"])], float(x["running_samples"]))
             yield g
         ranks = s.get("dp_ranks") or []
         if ranks:
-            g = GaugeMetricFamily("april_snapshot_bytes_used_by_rank",
-                                  "host bytes held by KV snapshots, by DP rank",
-                                  labels=["dp_rank"])  # fmt: skip
+            g = GaugeMetricFamily(
+                "april_snapshot_bytes_used_by_rank",
+                "host bytes held by KV snapshots, by DP rank",
+                labels=["dp_rank"],
+            )
             for r in ranks:
                 g.add_metric([str(r["dp_rank"])], float(r.get("snapshot_bytes_used", 0)))
             yield g
         curve = policy.get("step_time_s_by_batch") or {}
         if curve:
-            g = GaugeMetricFamily("april_decode_step_seconds",
-                                  "fitted decode step time by running batch size",
-                                  labels=["batch"])  # fmt: skip
+            g = GaugeMetricFamily(
+                "april_decode_step_seconds",
+                "fitted decode step time by running batch size",
+                labels=["batch"],
+            )
             for batch, seconds in curve.items():
                 g.add_metric([str(batch)], float(seconds))
             yield g
@@ -109,13 +123,22 @@ def _length_metrics(lp: dict[str, Any]) -> Iterator[Metric]:
     if not lp:
         return
     for name, doc, key in (
-        ("predictions_scored", "finished samples whose predicted length was scored",
-         "scored_samples"),
-        ("prediction_abs_error_tokens", "sum of |predicted - actual| final lengths, tokens",
-         "abs_error_tokens"),
-        ("prediction_error_tokens", "sum of (predicted - actual) final lengths, tokens",
-         "error_tokens"),
-    ):  # fmt: skip
+        (
+            "predictions_scored",
+            "finished samples whose predicted length was scored",
+            "scored_samples",
+        ),
+        (
+            "prediction_abs_error_tokens",
+            "sum of |predicted - actual| final lengths, tokens",
+            "abs_error_tokens",
+        ),
+        (
+            "prediction_error_tokens",
+            "sum of (predicted - actual) final lengths, tokens",
+            "error_tokens",
+        ),
+    ):
         yield CounterMetricFamily(f"april_length_{name}", doc, value=float(lp[key]))
     doc = "prompts with a length history"
     yield GaugeMetricFamily("april_length_history_prompts", doc, value=lp["history_prompts"])

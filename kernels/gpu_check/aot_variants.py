@@ -185,7 +185,7 @@ def huge_pool_launch(module: ModuleType, kernel: str) -> Launch:
     16k-token slab of 2.7G elements, on the meta device: beyond int32 on both sides."""
     return record_launch(
         module, kernel, "huge-pool", 2, REAL_ROW, 16384, num_layers=80, pool_rows=2**21 + 16
-    )  # fmt: skip
+    )
 
 
 @functools.cache

@@ -55,10 +55,18 @@ def parity(ctx: Context) -> dict[str, Any]:
         return entry
     check = run_cmd(ctx.python("-m", "kernels.bench_kv_copy", "--check"), ctx.allow(120))
     tests = run_cmd(
-        ctx.python("-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider",
-                   "--ignore", "tests/kernels/test_aot.py"),
+        ctx.python(
+            "-m",
+            "pytest",
+            "tests/kernels",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--ignore",
+            "tests/kernels/test_aot.py",
+        ),
         ctx.allow(150),
-    )  # fmt: skip
+    )
     passed = re.search(r"(\d+) passed", tests.output)
     return {
         "status": "ok" if check.ok and tests.ok else "failed",

@@ -32,17 +32,25 @@ def agent_spec(gid: str, rng: random.Random, vocab: int) -> dict[str, Any]:
     `ignore_eos`: it would make SGLang skip them), at most 3 turns."""
     stops = rng.sample(range(3, vocab), TURN_STOPS)
     params = {"temperature": 0.0, "max_new_tokens": rng.randint(20, 200)}
-    return {"group_id": gid, "input_ids": [rng.randint(1, 300), rng.randint(1, 300)],
-            "n": rng.randint(1, 2), "turns": {"stop_token_ids": stops, "max_turns": 3},
-            "sampling_params": params}  # fmt: skip
+    return {
+        "group_id": gid,
+        "input_ids": [rng.randint(1, 300), rng.randint(1, 300)],
+        "n": rng.randint(1, 2),
+        "turns": {"stop_token_ids": stops, "max_turns": 3},
+        "sampling_params": params,
+    }
 
 
 def spec(gid: str, rng: random.Random) -> dict[str, Any]:
     n = rng.randint(1, 2)
     budgets = [int(8 * 50 ** rng.random()) for _ in range(n)]  # 8..400, long-tailed
-    return {"group_id": gid, "input_ids": [rng.randint(1, 300), rng.randint(1, 300)], "n": n,
-            "sampling_params": {"temperature": 0.0, "ignore_eos": True},
-            "member_params": [{"max_new_tokens": b} for b in budgets]}  # fmt: skip
+    return {
+        "group_id": gid,
+        "input_ids": [rng.randint(1, 300), rng.randint(1, 300)],
+        "n": n,
+        "sampling_params": {"temperature": 0.0, "ignore_eos": True},
+        "member_params": [{"max_new_tokens": b} for b in budgets],
+    }
 
 
 class Client:
@@ -73,9 +81,13 @@ class Client:
         gids = [f"{rid}-{i}" for i in range(self.rng.randint(0, 3))]
         # A streamed call's `done` line does not list dropped groups: drop only when plain.
         keeps = ["snapshot", "tokens", "continue"] + ([] if stream else ["drop"])
-        body = {"groups": [spec(g, self.rng) for g in gids],
-                "target_groups": self.rng.randint(1, 3), "on_quota": self.rng.choice(keeps),
-                "stream": stream, "request_id": rid}  # fmt: skip
+        body = {
+            "groups": [spec(g, self.rng) for g in gids],
+            "target_groups": self.rng.randint(1, 3),
+            "on_quota": self.rng.choice(keeps),
+            "stream": stream,
+            "request_id": rid,
+        }
         return rid, body, gids
 
     async def _post(self, path: str, body: Any, timeout: float) -> httpx.Response:
@@ -137,10 +149,14 @@ class Client:
         rid = f"a{self.k}-{self.n}"
         gids = [f"{rid}-{i}" for i in range(self.rng.randint(1, 3))]
         vocab = self.target.vocab_size or 512
-        body = {"groups": [agent_spec(g, self.rng, vocab) for g in gids],
-                "target_groups": self.rng.randint(1, len(gids)), "stream": True,
-                "resume_first": False, "request_id": rid,
-                "on_quota": self.rng.choice(["snapshot", "tokens", "continue"])}  # fmt: skip
+        body = {
+            "groups": [agent_spec(g, self.rng, vocab) for g in gids],
+            "target_groups": self.rng.randint(1, len(gids)),
+            "stream": True,
+            "resume_first": False,
+            "request_id": rid,
+            "on_quota": self.rng.choice(["snapshot", "tokens", "continue"]),
+        }
         events: list[dict[str, Any]] = []
         started = False
         async with self.http.stream(
@@ -228,8 +244,11 @@ class Client:
         self.n += 1
         rid = f"p{self.k}-{self.n}"
         gids = [f"{rid}-{i}" for i in range(self.rng.randint(1, 3))]
-        body = {"groups": [spec(g, self.rng) for g in gids], "request_id": rid,
-                "start": self.rng.choice(["background", "background", "idle"])}  # fmt: skip
+        body = {
+            "groups": [spec(g, self.rng) for g in gids],
+            "request_id": rid,
+            "start": self.rng.choice(["background", "background", "idle"]),
+        }
         for _ in range(2 if self.rng.random() < 0.25 else 1):
             r = await self._post(R + "/groups", body, CALL_TIMEOUT_S)
             if r.status_code == 200:
@@ -284,8 +303,11 @@ class Client:
 
     async def op_push(self) -> None:
         self.n += 1
-        body = {"model_path": self.target.model_path, "weight_version": f"chaos-{self.k}-{self.n}",
-                "abort_all_requests": self.rng.random() < 0.5}  # fmt: skip
+        body = {
+            "model_path": self.target.model_path,
+            "weight_version": f"chaos-{self.k}-{self.n}",
+            "abort_all_requests": self.rng.random() < 0.5,
+        }
         r = await self.http.post("/update_weights_from_disk", json=body, timeout=CALL_TIMEOUT_S)
         if r.status_code == 502 and self.target.engines:
             self.led.statuses[502] += 1  # an engine restarting missed it: it is replayed

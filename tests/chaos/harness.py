@@ -156,13 +156,21 @@ def main(argv: list[str] | None = None) -> int:
             proc.stop()
     failed = led.final
     figures = {
-        "mode": args.mode, "duration_s": args.duration_s, "clients": args.clients,
-        "ops": sum(led.ops.values()), "by_op": dict(led.ops), "statuses": dict(led.statuses),
-        "acknowledged": len(led.acknowledged), "delivered": len(led.delivered),
-        "gone": len(led.gone), "no_engine_503": led.no_engine, "failures": failed,
-        "snapshot_bytes_at_drain": led.held_at_drain, "snapshots_swept": led.swept,
+        "mode": args.mode,
+        "duration_s": args.duration_s,
+        "clients": args.clients,
+        "ops": sum(led.ops.values()),
+        "by_op": dict(led.ops),
+        "statuses": dict(led.statuses),
+        "acknowledged": len(led.acknowledged),
+        "delivered": len(led.delivered),
+        "gone": len(led.gone),
+        "no_engine_503": led.no_engine,
+        "failures": failed,
+        "snapshot_bytes_at_drain": led.held_at_drain,
+        "snapshots_swept": led.swept,
         "tool_answers": dict(led.answers_taken),
-    }  # fmt: skip
+    }
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(figures, f, indent=1)

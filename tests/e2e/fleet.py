@@ -102,12 +102,27 @@ def smg_over(fleet: Fleet) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     exe = Path(sys.executable).with_name("smg")
     proc = subprocess.Popen(
-        [str(exe), "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-         "--health-check-interval-secs", "1", "--shutdown-grace-period-secs", "0",
-         "--log-level", "warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            str(exe),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--health-check-interval-secs",
+            "1",
+            "--shutdown-grace-period-secs",
+            "0",
+            "--log-level",
+            "warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for("smg", lambda: answers(url + "/liveness"), 30)
         for e in fleet.engines:

@@ -91,12 +91,24 @@ def grpo_run(
         return values
 
     args = GRPOConfig(
-        output_dir=str(Path(workdir) / "trainer"), per_device_train_batch_size=PROMPTS * N,
-        num_generations=N, max_completion_length=max_completion_length, learning_rate=1e-2,
-        lr_scheduler_type="constant", max_steps=steps, temperature=1.0, top_p=1.0, beta=0.0,
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(Path(workdir) / "trainer"),
+        per_device_train_batch_size=PROMPTS * N,
+        num_generations=N,
+        max_completion_length=max_completion_length,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        max_steps=steps,
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_path),
         reward_funcs=[recorded, *more_rewards],
@@ -107,8 +119,13 @@ def grpo_run(
         callbacks=[adapter.callback()],
     )
     trainer.train()
-    return {"scored": scored, "outputs": outputs, "responses": responses,
-            "records": adapter.records, "ledger": adapter.ledger}  # fmt: skip
+    return {
+        "scored": scored,
+        "outputs": outputs,
+        "responses": responses,
+        "records": adapter.records,
+        "ledger": adapter.ledger,
+    }
 
 
 @contextlib.contextmanager

@@ -21,11 +21,31 @@ def test_agent_bench_runs_sync_and_april_on_the_tiny_server(
 ) -> None:
     out = tmp_path / "agent.jsonl"
     args = cli.parse_args(
-        ["--agent", "--url", tiny_server.url, "--steps", "2", "--groups", "2", "--n", "2",
-         "--max-tokens", "48", "--agent-max-turns", "3", "--agent-turns-p50", "3",
-         "--agent-tool-p50-s", "0.05", "--agent-tool-p99-s", "0.3", "--no-progress",
-         "--json-out", str(out)]
-    )  # fmt: skip
+        [
+            "--agent",
+            "--url",
+            tiny_server.url,
+            "--steps",
+            "2",
+            "--groups",
+            "2",
+            "--n",
+            "2",
+            "--max-tokens",
+            "48",
+            "--agent-max-turns",
+            "3",
+            "--agent-turns-p50",
+            "3",
+            "--agent-tool-p50-s",
+            "0.05",
+            "--agent-tool-p99-s",
+            "0.3",
+            "--no-progress",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert agent.main(args) == 0
     recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(recs) == {"sync", "april"}
@@ -41,7 +61,10 @@ def test_agent_bench_runs_sync_and_april_on_the_tiny_server(
         assert r["tool_answers"] > 0 and r["awaiting_input_s"] > 0, r
     assert recs["sync"]["leftover_groups"] == 0
     with tiny_server.client() as c:  # the leftover was reported, then freed
-        left = [g["group_id"] for g in c.get("/april/v1/partials").json()["groups"]
-                if "-april-g" in g["group_id"]]  # fmt: skip
+        left = [
+            g["group_id"]
+            for g in c.get("/april/v1/partials").json()["groups"]
+            if "-april-g" in g["group_id"]
+        ]
         assert left == []
         assert c.get("/april/v1/stats").json()["awaiting_input_samples"] == 0

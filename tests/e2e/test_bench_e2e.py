@@ -18,10 +18,30 @@ pytestmark = pytest.mark.e2e
 def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_path: Path) -> None:
     out, plots = tmp_path / "bench.jsonl", tmp_path / "plots"
     args = cli.parse_args(
-        ["--url", tiny_server.url, "--modes", "sync,april,april-async", "--steps", "2",
-         "--groups", "2", "--n", "2", "--max-tokens", "48", "--train-s", "0.3", "--stream-sync",
-         "--clear-buffer", "--no-progress", "--json-out", str(out), "--plot-dir", str(plots)]
-    )  # fmt: skip
+        [
+            "--url",
+            tiny_server.url,
+            "--modes",
+            "sync,april,april-async",
+            "--steps",
+            "2",
+            "--groups",
+            "2",
+            "--n",
+            "2",
+            "--max-tokens",
+            "48",
+            "--train-s",
+            "0.3",
+            "--stream-sync",
+            "--clear-buffer",
+            "--no-progress",
+            "--json-out",
+            str(out),
+            "--plot-dir",
+            str(plots),
+        ]
+    )
     assert cli.run(args) == 0
     recs = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(recs) == {"sync", "april", "april-async"}
@@ -50,8 +70,11 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
     for name in ("running_requests.png", "step_throughput.png"):
         assert (plots / name).stat().st_size > 10_000
     with tiny_server.client() as c:  # the leftover buffer was reported, then freed
-        ours = [g for g in c.get("/april/v1/partials").json()["groups"]
-                if g["group_id"].startswith(recs["april"]["run_id"])]  # fmt: skip
+        ours = [
+            g
+            for g in c.get("/april/v1/partials").json()["groups"]
+            if g["group_id"].startswith(recs["april"]["run_id"])
+        ]
         assert ours == [] and c.get("/april/v1/stats").json()["background_groups"] == 0
 
 
@@ -65,8 +88,19 @@ def test_sweep_compares_static_and_adaptive_side_by_side(
     modes' order between repeats, and prints one table (of medians over repeats). Quick: one
     run (one server start); full: two, alternated."""
     out = tmp_path / "sweep.jsonl"
-    argv = ["--sweep-point", "tiny:40:2x2", "--steps", "2", "--no-progress", "--warmup", "0",
-            "--repeat", str(repeat), "--json-out", str(out)]  # fmt: skip
+    argv = [
+        "--sweep-point",
+        "tiny:40:2x2",
+        "--steps",
+        "2",
+        "--no-progress",
+        "--warmup",
+        "0",
+        "--repeat",
+        str(repeat),
+        "--json-out",
+        str(out),
+    ]
     with pytest.raises(SystemExit) as done:
         cli.main(argv)
     assert done.value.code == 0

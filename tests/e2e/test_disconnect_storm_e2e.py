@@ -153,8 +153,11 @@ def test_abandoned_streams_beside_ordinary_calls_hang_nothing_and_lose_nothing(
             assert set(ids) | set(delivered) == sent and not set(ids) & set(delivered)
             # ... and a new call answers promptly.
             t0 = time.monotonic()
-            body = {"groups": [group("after", [3, 3], [4])], "target_groups": 1,
-                    "resume_first": False}  # fmt: skip
+            body = {
+                "groups": [group("after", [3, 3], [4])],
+                "target_groups": 1,
+                "resume_first": False,
+            }
             r = await c.post(R + "/rollouts", json=body, timeout=ANSWER_S)
             assert r.status_code == 200 and time.monotonic() - t0 < ANSWER_S, r.text
             with tiny_server.client() as sync:

@@ -144,8 +144,12 @@ def test_weight_update_and_abort_reach_both_ranks(
     # Long samples on both ranks (they alternate), stopped by one abort while they run. As
     # long as the model allows: /stats polled on a starved machine must see them running.
     groups = [group("a", [4, 2], [8000, 8000])]
-    ok(http.post(R + "/rollouts", json={"groups": groups + [group("a-t", [1], [2])],
-                                        "max_inflight_groups": 2}))  # fmt: skip
+    ok(
+        http.post(
+            R + "/rollouts",
+            json={"groups": groups + [group("a-t", [1], [2])], "max_inflight_groups": 2},
+        )
+    )
     result: dict[str, Any] = {}
 
     def resume() -> None:

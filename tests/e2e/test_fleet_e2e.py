@@ -59,8 +59,12 @@ def test_the_owner_shows_both_engines_and_their_figures(http: httpx.Client, flee
     loads = ok(http.get("/v1/loads"))["loads"]
     assert {x["engine"] for x in loads} == {fleet.name(0), fleet.name(1)}
     # Text prompts are tokenized on the owner (the engines' model path exists here).
-    text = {"group_id": "txt", "text": "Hello there", "n": 1,
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
+    text = {
+        "group_id": "txt",
+        "text": "Hello there",
+        "n": 1,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+    }
     r = ok(http.post(R + "/rollouts", json={"groups": [text]}))
     assert r["groups"][0]["samples"][0]["prompt_ids"]
 
@@ -115,9 +119,13 @@ def test_tail_placement_runs_the_predicted_long_on_one_engine(fleet: Fleet) -> N
             }
             # prior: (2 x 40 + 4 x 4) / 6 = 16 tokens; L is predicted 40 (long), S 4 (short)
             assert ran == {
-                "L.2/0": tail, "L.2/1": tail,
-                "S0.2/0": body, "S0.2/1": body, "S1.2/0": body, "S1.2/1": body,
-            }, ran  # fmt: skip
+                "L.2/0": tail,
+                "L.2/1": tail,
+                "S0.2/0": body,
+                "S0.2/1": body,
+                "S1.2/0": body,
+                "S1.2/1": body,
+            }, ran
             figures = ok(c.get(R + "/stats"))["length_prediction"]
             assert (figures["placement"], figures["prior_tokens"]) == ("tail", 16.0)
 
@@ -210,9 +218,15 @@ def test_weight_update_and_abort_reach_both_engines(http: httpx.Client, fleet: F
             assert ok(e.get("/model_info"))["weight_version"] == "fleet-v2"
     # Long samples on both engines (they alternate), stopped by one abort while they run (as
     # long as the model allows: /stats polled on a starved machine must see them running).
-    ok(http.post(R + "/rollouts", json={"groups": [group("a", [4, 2], [8000, 8000]),
-                                                   group("a-t", [1], [2])],
-                                        "max_inflight_groups": 2}))  # fmt: skip
+    ok(
+        http.post(
+            R + "/rollouts",
+            json={
+                "groups": [group("a", [4, 2], [8000, 8000]), group("a-t", [1], [2])],
+                "max_inflight_groups": 2,
+            },
+        )
+    )
     result: dict[str, Any] = {}
 
     def resume() -> None:
@@ -256,9 +270,10 @@ def test_an_owner_finds_its_engines_in_smgs_registry(fleet: Fleet, smg: str) -> 
             assert ran == set(both)  # smg named them; the owner placed work on both
             # An engine that leaves the registry leaves the pool.
             gone = next(
-                w for w in httpx.get(smg + "/workers").json()["workers"]
+                w
+                for w in httpx.get(smg + "/workers").json()["workers"]
                 if w["url"] == fleet.engines[1].url
-            )  # fmt: skip
+            )
             assert httpx.delete(f"{smg}/workers/{gone['id']}").status_code == 202
             left = lambda: engines(c)[fleet.name(1)]["state"] == "down"  # noqa: E731
             wait_for("the engine out of the pool", left, 60)

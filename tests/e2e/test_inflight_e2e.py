@@ -56,8 +56,9 @@ def warm_step_curve(c: httpx.Client) -> None:
     """Concurrent requests of staggered lengths: the running batch drains 24 -> 1, so the
     scheduler times decode steps at many batch sizes (the policy's measured curve)."""
     ids = [[5, 6, i] for i in range(24)]
-    params = [{"max_new_tokens": 8 + 4 * i, "ignore_eos": True, "temperature": 0.0}
-              for i in range(24)]  # fmt: skip
+    params = [
+        {"max_new_tokens": 8 + 4 * i, "ignore_eos": True, "temperature": 0.0} for i in range(24)
+    ]
     ok(c.post("/generate", json={"input_ids": ids, "sampling_params": params}))
 
 

@@ -99,8 +99,11 @@ def test_cycles_leave_no_leak(http: httpx.Client) -> None:
         if i % 3 == 0:  # drop
             assert http.delete(f"{R}/partials/c{i}").status_code == 200
         else:  # restore, run a little, interrupt again (a new snapshot), then delete
-            body = {"groups": [group(f"c{i}-u", [3], [2 + i % 4])], "target_groups": 1,
-                    "on_quota": "snapshot"}  # fmt: skip
+            body = {
+                "groups": [group(f"c{i}-u", [3], [2 + i % 4])],
+                "target_groups": 1,
+                "on_quota": "snapshot",
+            }
             r = ok(http.post(R + "/rollouts", json=body))
             http.delete(f"{R}/partials/{r['groups'][0]['group_id']}")
             live = ok(http.get(R + "/partials"))["groups"]
@@ -125,12 +128,17 @@ def test_weight_update_blocks_auto_reuse_unless_stale_allowed(http: httpx.Client
     assert stats(http)["weight_version"] == f"{v0}-next"
     # kv: auto under a newer version re-prefills (the server allows stale reuse, the caller
     # did not ask for it)...
-    ok(http.post(R + "/rollouts", json={
-        "groups": [group("w2", [8], [300]), group("w2-t", [1], [5])],
-        "on_quota": "snapshot",
-        "resume_first": False,
-        "max_inflight_groups": 2,
-    }))  # fmt: skip
+    ok(
+        http.post(
+            R + "/rollouts",
+            json={
+                "groups": [group("w2", [8], [300]), group("w2-t", [1], [5])],
+                "on_quota": "snapshot",
+                "resume_first": False,
+                "max_inflight_groups": 2,
+            },
+        )
+    )
     out = ok(http.post(R + "/resume", json={"sample_ids": ["w/0"], "kv": "auto"}))
     assert out["samples"][0]["segments"][-1]["kv"] == "recomputed"
     r = http.post(R + "/resume", json={"sample_ids": ["w2/0"], "kv": "restore"})

@@ -100,8 +100,13 @@ def test_a_rollout_returns_sglangs_routing_of_every_position(http: httpx.Client)
 
 
 def test_no_routing_unless_asked_and_a_group_may_ask_alone(http: httpx.Client) -> None:
-    body = {"groups": [group("d", [5, 6, 7], [4]), {**group("e", [5, 6, 7], [4]),
-            "return_routed_experts": True}], "target_groups": 2}  # fmt: skip
+    body = {
+        "groups": [
+            group("d", [5, 6, 7], [4]),
+            {**group("e", [5, 6, 7], [4]), "return_routed_experts": True},
+        ],
+        "target_groups": 2,
+    }
     got = {
         g["group_id"]: g["samples"][0] for g in ok(http.post(R + "/rollouts", json=body))["groups"]
     }

@@ -242,7 +242,7 @@ BAD: list[tuple[str, str, Any, int]] = [
             "turns": {"stop": [f"t{i}" for i in range(20)]},
         },
         400,
-    ),  # fmt: skip
+    ),
     ("post", "/rollouts", {"groups": [{**group("a", [1], [3, 3]), "seed": 2**63 - 1}]}, 400),
     ("post", "/resume", {"sample_ids": ["nope/0"]}, 404),
     ("post", "/resume", {"sample_ids": "x"}, 422),
@@ -332,8 +332,13 @@ def test_length_prediction_orders_a_call_and_is_scored(http: httpx.Client) -> No
     for order, runs in (("arrival", "lp-s2"), ("longest_first", "lp-l3")):
         tag = runs[-1]
         sent = [group(f"lp-s{tag}", short, [6, 6]), group(f"lp-l{tag}", long, [40, 40])]
-        body = {"groups": sent, "target_groups": 1, "max_inflight_groups": 1,
-                "length_order": order, "resume_first": False}  # fmt: skip
+        body = {
+            "groups": sent,
+            "target_groups": 1,
+            "max_inflight_groups": 1,
+            "length_order": order,
+            "resume_first": False,
+        }
         got = ok(http.post(R + "/rollouts", json=body))["groups"]
         assert [g["group_id"] for g in got] == [runs], order
         for s in got[0]["samples"]:

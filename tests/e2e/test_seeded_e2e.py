@@ -318,11 +318,21 @@ def test_snapshot_resume_falls_back_to_recompute_without_radix_cache(http: httpx
     the restore is refused (no leak, no crash) and the continuation re-prefills."""
     clear_buffer(http)
     groups = [
-        {"group_id": "s", "input_ids": [5, 6], "n": 1, "seed": 7,
-         "sampling_params": {**SAMPLED, "max_new_tokens": 200}},
-        {"group_id": "t", "input_ids": [1], "n": 1, "seed": 7,
-         "sampling_params": {**SAMPLED, "max_new_tokens": 3}},
-    ]  # fmt: skip
+        {
+            "group_id": "s",
+            "input_ids": [5, 6],
+            "n": 1,
+            "seed": 7,
+            "sampling_params": {**SAMPLED, "max_new_tokens": 200},
+        },
+        {
+            "group_id": "t",
+            "input_ids": [1],
+            "n": 1,
+            "seed": 7,
+            "sampling_params": {**SAMPLED, "max_new_tokens": 3},
+        },
+    ]
     ok(http.post(R + "/rollouts", json={"groups": groups, "on_quota": "snapshot"}))
     out = ok(http.post(R + "/resume", json={"sample_ids": ["s/0"], "kv": "auto"}))
     s = out["samples"][0]

@@ -130,8 +130,11 @@ def test_weight_reload_with_abort_all_requests(http: httpx.Client, attempt: int)
     new = f"{before}-areal{attempt}"
 
     def reload() -> None:
-        req = {"model_path": str(ensure_tiny_model()), "weight_version": new,
-               "abort_all_requests": True}  # fmt: skip
+        req = {
+            "model_path": str(ensure_tiny_model()),
+            "weight_version": new,
+            "abort_all_requests": True,
+        }
         # A push with abort answers 200 and means it (#23 item 11): before, SGLang's flush
         # could come before its abort had emptied the batch and answer 400 though the
         # weights had changed, leaving /stats at the old version and outputs at the new.
@@ -155,8 +158,7 @@ def test_stock_generate_runs_beside_an_april_call(http: httpx.Client) -> None:
     got: dict[str, Any] = {}
 
     def stock_generate() -> None:
-        gen = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8,
-               "temperature": 0}}  # fmt: skip
+        gen = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
         got["gen"] = http.post("/generate", json=gen)
 
     r = run_beside(http, body, stock_generate)

@@ -50,10 +50,21 @@ class Ledger:
 def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -> bool:
     """One random operation; False when it had nothing to act on (no call made)."""
     op = rng.choices(
-        ["rollout", "rollout_snap", "abort", "resume", "delete", "bump", "drop_call",
-         "rollout_continue", "prefetch", "agent", "answer"],
+        [
+            "rollout",
+            "rollout_snap",
+            "abort",
+            "resume",
+            "delete",
+            "bump",
+            "drop_call",
+            "rollout_continue",
+            "prefetch",
+            "agent",
+            "answer",
+        ],
         weights=[28, 23, 10, 14, 10, 1, 5, 10, 5, 6, 4],
-    )[0]  # fmt: skip
+    )[0]
     if op == "agent":
         return agent_call(c, rng, k, who, led)
     if op == "answer":  # a tool's answer after its call ended (or racing another's)
@@ -83,15 +94,16 @@ def one_op(c: httpx.Client, rng: random.Random, k: int, who: int, led: Ledger) -
         return True
     if op.startswith("rollout") or op == "drop_call":
         gids = [f"c{who}-{k}-{i}" for i in range(rng.randint(0, 3))]
-        groups = [group(g, [rng.randint(1, 300)], [rng.randint(1, 40) for _ in range(2)])
-                  for g in gids]  # fmt: skip
+        groups = [
+            group(g, [rng.randint(1, 300)], [rng.randint(1, 40) for _ in range(2)]) for g in gids
+        ]
         body = {
             **new_call(c, rng, led, gids, groups),
             "on_quota": {
                 "rollout": "tokens",
                 "rollout_snap": "snapshot",
                 "rollout_continue": "continue",
-            }.get(op, "drop"),  # fmt: skip
+            }.get(op, "drop"),
         }
         r = c.post(R + "/rollouts", json=body)
         led.statuses[r.status_code] += 1

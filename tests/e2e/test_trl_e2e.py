@@ -51,13 +51,24 @@ def train(url: str, workdir: str, steps: int) -> dict[str, Any]:
     """The training run, in a fresh interpreter (`grpo_run.trained`): what the checks need."""
     client = AprilClient(url, timeout=600)
     adapter = AprilRollout(
-        client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
-        max_inflight_groups=2 * PROMPTS, run_id="trl-e2e", seed=0,
-    )  # fmt: skip
+        client,
+        over_provision=2.0,
+        max_staleness=1,
+        stale_tokens="keep",
+        max_inflight_groups=2 * PROMPTS,
+        run_id="trl-e2e",
+        seed=0,
+    )
     return grpo_run(
-        adapter, client, train_task.digit_format, train_task.dataset(seed=0), workdir, steps,
-        max_completion_length=128, more_rewards=(train_task.digit_match,),
-    )  # fmt: skip
+        adapter,
+        client,
+        train_task.digit_format,
+        train_task.dataset(seed=0),
+        workdir,
+        steps,
+        max_completion_length=128,
+        more_rewards=(train_task.digit_match,),
+    )
 
 
 @pytest.mark.parametrize("steps", SIZES)

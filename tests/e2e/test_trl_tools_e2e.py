@@ -87,15 +87,27 @@ def train(url: str, workdir: str, steps: int) -> dict[str, Any]:
     """The training run, in a fresh interpreter (`grpo_run.trained`)."""
     client = AprilClient(url, timeout=600)
     adapter = AprilRollout(
-        client, over_provision=2.0, max_staleness=1, stale_tokens="keep",
-        max_inflight_groups=2 * PROMPTS, run_id="trl-tools", seed=0, tool=lookup,
-        turns=turns_for(steps), weight_sync="disk",  # the GRPO test covers the default
-    )  # fmt: skip
+        client,
+        over_provision=2.0,
+        max_staleness=1,
+        stale_tokens="keep",
+        max_inflight_groups=2 * PROMPTS,
+        run_id="trl-tools",
+        seed=0,
+        tool=lookup,
+        turns=turns_for(steps),
+        weight_sync="disk",  # the GRPO test covers the default
+    )
     assert adapter._tools is not None
     return grpo_run(
-        adapter, adapter._tools, tool_reward, dataset(seed=0), workdir, steps,
+        adapter,
+        adapter._tools,
+        tool_reward,
+        dataset(seed=0),
+        workdir,
+        steps,
         max_completion_length=32,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("steps", SIZES)
@@ -116,8 +128,11 @@ def test_grpo_trainer_learns_to_use_a_tool_on_april_server(
         tool_rows = 0
         for (step, out), rec in zip(outputs, train_records, strict=True):
             assert step == rec.step
-            samples = [s for g in responses[rec.call].groups
-                       for s in sorted(g.samples, key=lambda s: s.index)]  # fmt: skip
+            samples = [
+                s
+                for g in responses[rec.call].groups
+                for s in sorted(g.samples, key=lambda s: s.index)
+            ]
             assert len(samples) == len(out["completion_ids"]) == PROMPTS * N
             for i, s in enumerate(samples):
                 ids, mask, lps = out["completion_ids"][i], out["env_mask"][i], out["logprobs"][i]

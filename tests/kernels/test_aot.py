@@ -63,10 +63,13 @@ def _run_checker(
         env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")  # not the user's cache
         report = tmp / "aot-report.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "kernels.gpu_check.aot_check", *args,
-             "--json-out", str(report)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            [sys.executable, "-m", "kernels.gpu_check.aot_check", *args, "--json-out", str(report)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         result = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
         result["report"] = json.loads(report.read_text()) if report.exists() else None
         kept.mkdir(parents=True, exist_ok=True)

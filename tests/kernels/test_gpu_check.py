@@ -60,9 +60,18 @@ def test_report_renders_device_results():
 
 
 def test_dry_run_report_shows_commands_of_device_parts():
-    report = {"started_at": "t", "dry_run": True, "total_s": 1.0, "parts": {
-        "kv_bandwidth": {"status": "not run: no CUDA", "seconds": 0.0,
-                         "command": "python -m kernels.bench_kv_copy --device cuda"}}}  # fmt: skip
+    report = {
+        "started_at": "t",
+        "dry_run": True,
+        "total_s": 1.0,
+        "parts": {
+            "kv_bandwidth": {
+                "status": "not run: no CUDA",
+                "seconds": 0.0,
+                "command": "python -m kernels.bench_kv_copy --device cuda",
+            }
+        },
+    }
     text = markdown(report)
     assert "(dry run, no CUDA)" in text
     assert "| kv_bandwidth | not run: no CUDA | 0.0 | python -m kernels.bench_kv_copy" in text

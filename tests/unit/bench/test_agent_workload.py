@@ -39,8 +39,9 @@ def test_turns_per_episode_are_long_tailed_within_one_and_max_turns() -> None:
 
 def test_tool_latency_is_lognormal_with_the_asked_median_and_p99() -> None:
     wl = AgentWorkload(AgentSettings(tool_p50_s=0.5, tool_p99_s=6.0))
-    lat = np.array([wl.tool_latency(i, m, t) for i in range(500) for m in range(2)
-                    for t in range(1, 6)])  # fmt: skip
+    lat = np.array(
+        [wl.tool_latency(i, m, t) for i in range(500) for m in range(2) for t in range(1, 6)]
+    )
     assert lat.min() > 0 and lat.max() <= 12.0  # clipped at twice the p99
     assert 0.45 < np.median(lat) < 0.55
     assert 4.5 < np.percentile(lat, 99) < 7.5

@@ -48,7 +48,7 @@ class FakeServer:
                 "engine": {"vocab_size": 100},
                 "background_groups": len(self.background),
                 "background_output_tokens": self.background_tokens,
-            }  # fmt: skip
+            }
         )
         self.app.delete("/april/v1/partials/{gid}")(self.delete)
         post("/update_weights_from_disk")(self.update)
@@ -101,16 +101,29 @@ class FakeServer:
     async def generate(self, request: Request) -> Response:
         body = await request.json()
         k = body["sampling_params"]["max_new_tokens"]
-        out = {"output_ids": [7] * k, "meta_info": {"completion_tokens": k,
-               "finish_reason": {"type": "length"}, "weight_version": self.version}}  # fmt: skip
+        out = {
+            "output_ids": [7] * k,
+            "meta_info": {
+                "completion_tokens": k,
+                "finish_reason": {"type": "length"},
+                "weight_version": self.version,
+            },
+        }
         if not body.get("stream"):
             return JSONResponse(out)
         chunks = [f"data: {json.dumps(out)}\n\n", "data: [DONE]\n\n"]
         return StreamingResponse(iter(chunks), media_type="text/event-stream")
 
     def sample(self, gid: str, j: int, budget: int) -> dict[str, Any]:
-        return {"sample_id": f"{gid}/{j}", "group_id": gid, "index": j, "status": "partial",
-                "output_ids": [], "segments": [], "max_new_tokens": budget}  # fmt: skip
+        return {
+            "sample_id": f"{gid}/{j}",
+            "group_id": gid,
+            "index": j,
+            "status": "partial",
+            "output_ids": [],
+            "segments": [],
+            "max_new_tokens": budget,
+        }
 
     async def rollouts(self, request: Request) -> Response:
         body = await request.json()
@@ -134,9 +147,14 @@ class FakeServer:
         self.background -= ids
         if body["on_quota"] == "continue":
             self.background |= set(self.buffer)
-        stats = {"weight_version": self.version, "output_tokens": produced, "recomputed_tokens": 0,
-                 "restored_kv_tokens": 0, "resumed_samples": 0,
-                 "on_quota_effective": self.effective or body["on_quota"]}  # fmt: skip
+        stats = {
+            "weight_version": self.version,
+            "output_tokens": produced,
+            "recomputed_tokens": 0,
+            "restored_kv_tokens": 0,
+            "resumed_samples": 0,
+            "on_quota_effective": self.effective or body["on_quota"],
+        }
         events = [{"event": "group_finished", "group": g} for g in take]
         events.append({"event": "done", "stats": stats, "buffered_group_ids": list(self.buffer)})
         return StreamingResponse(
@@ -147,10 +165,29 @@ class FakeServer:
 def bench(server: FakeServer, tmp_path: Path, *extra: str) -> tuple[int, list[dict[str, Any]]]:
     out = tmp_path / "bench.jsonl"
     args = cli.parse_args(
-        ["--url", "http://fake", "--steps", "3", "--groups", "2", "--n", "3", "--max-tokens", "64",
-         "--no-progress", "--warmup", "0", "--poll-hz", "50", "--json-out", str(out),
-         "--plot-dir", str(tmp_path / "plots"), *extra]
-    )  # fmt: skip
+        [
+            "--url",
+            "http://fake",
+            "--steps",
+            "3",
+            "--groups",
+            "2",
+            "--n",
+            "3",
+            "--max-tokens",
+            "64",
+            "--no-progress",
+            "--warmup",
+            "0",
+            "--poll-hz",
+            "50",
+            "--json-out",
+            str(out),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+            *extra,
+        ]
+    )
     rc = cli.run(args, transport=httpx.ASGITransport(app=server.app))
     lines = out.read_text().splitlines() if out.exists() else []
     return rc, [json.loads(line) for line in lines]
@@ -192,9 +229,11 @@ def test_april_kv_runs_only_when_snapshots_really_happen(tmp_path: Path) -> None
     rc, recs = bench(FakeServer(kv={"available": True}), tmp_path, "--modes", "april-kv")
     assert rc == 0 and recs[0]["available"] is True and recs[0]["checks_ok"]
     rc, recs = bench(
-        FakeServer(kv={"available": True}, effective="tokens"), tmp_path / "b", "--modes",
+        FakeServer(kv={"available": True}, effective="tokens"),
+        tmp_path / "b",
+        "--modes",
         "april-kv",
-    )  # fmt: skip
+    )
     assert (
         recs[0]["available"] is False and "ran on_quota=snapshot as 'tokens'" in recs[0]["reason"]
     )
@@ -242,8 +281,19 @@ def test_quick_sets_defaults_that_explicit_flags_override() -> None:
 def test_simulate_after_a_run_measures_its_cost_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rc, recs = bench(FakeServer(), tmp_path, "--modes", "sync,april", "--simulate",
-                     "--sim-steps", "2", "--sim-groups", "2", "--sim-n", "2")  # fmt: skip
+    rc, recs = bench(
+        FakeServer(),
+        tmp_path,
+        "--modes",
+        "sync,april",
+        "--simulate",
+        "--sim-steps",
+        "2",
+        "--sim-groups",
+        "2",
+        "--sim-n",
+        "2",
+    )
     assert rc == 0 and recs[0]["cost_model"]["assumptions"]
     out = capsys.readouterr().out
     assert "simulated replay of this run's setup" in out and "measured in this run" in out

@@ -9,8 +9,9 @@ from april_bench import simulate as sim
 from april_bench.cli import main
 from april_bench.metrics import StepRecord
 
-SETUP = sim.SimSetup(steps=8, groups=8, n=4, over_sampling=2.0, max_tokens=512, engines=1,
-                     prompt_len=32)  # fmt: skip
+SETUP = sim.SimSetup(
+    steps=8, groups=8, n=4, over_sampling=2.0, max_tokens=512, engines=1, prompt_len=32
+)
 
 
 def model(a: float, c: float, prefill: float = 0.0) -> sim.CostModel:
@@ -59,8 +60,21 @@ def test_calibration_recovers_the_cost_model() -> None:
 
 
 def test_simulate_cli_prints_a_labelled_projection(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--simulate", "--sim-steps", "3", "--sim-groups", "4", "--sim-n", "2",
-          "--sim-max-tokens", "1024", "--sim-engines", "2"])  # fmt: skip
+    main(
+        [
+            "--simulate",
+            "--sim-steps",
+            "3",
+            "--sim-groups",
+            "4",
+            "--sim-n",
+            "2",
+            "--sim-max-tokens",
+            "1024",
+            "--sim-engines",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert "SIMULATION (a model, not a measurement)" in out
     assert "assumption:" in out and "april-kv" in out

@@ -13,8 +13,9 @@ from april_bench.cli import main
 from april_bench.workload import Workload
 
 MODES = ("sync", "april", "april-kv")
-SETUP = sim.SimSetup(steps=6, groups=8, n=4, over_sampling=2.0, max_tokens=512, engines=4,
-                     prompt_len=32)  # fmt: skip
+SETUP = sim.SimSetup(
+    steps=6, groups=8, n=4, over_sampling=2.0, max_tokens=512, engines=4, prompt_len=32
+)
 COST = sim.CostModel("test", a=1e-3, c=1e-4, prefill_s=1e-4, restore_s=1e-6)
 
 
@@ -29,8 +30,16 @@ def test_a_resume_restores_where_its_snapshot_is_and_the_rest_go_to_the_least_lo
     plain = sim._place("april", SETUP, held + fresh)
     assert [e for e, _ in plain] == [0, 1, 2, 3, 3, 0, 1, 2] and not any(r for _, r in plain)
     rr = sim._place("april-kv", replace(SETUP, routing="round_robin"), held + fresh)
-    assert rr == [(0, True), (1, False), (2, False), (3, False), (0, False), (1, False),
-                  (2, False), (3, False)]  # fmt: skip
+    assert rr == [
+        (0, True),
+        (1, False),
+        (2, False),
+        (3, False),
+        (0, False),
+        (1, False),
+        (2, False),
+        (3, False),
+    ]
 
 
 def test_least_loaded_restores_every_resume_and_round_robin_re_prefills_some() -> None:
@@ -89,14 +98,42 @@ def test_an_unknown_routing_is_refused() -> None:
 
 
 def test_simulate_cli_sweeps_engine_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--simulate", "--sim-steps", "2", "--sim-n", "2", "--sim-max-tokens", "256",
-          "--sim-engines", "1,2,4", "--sim-groups-per-engine", "2"])  # fmt: skip
+    main(
+        [
+            "--simulate",
+            "--sim-steps",
+            "2",
+            "--sim-n",
+            "2",
+            "--sim-max-tokens",
+            "256",
+            "--sim-engines",
+            "1,2,4",
+            "--sim-groups-per-engine",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert "weak scaling: K = 2 x engines" in out and "routing least_loaded" in out
     rows = [x.split() for x in out.splitlines() if x[:7].strip().isdigit() and "april-kv" in x]
     assert [(r[0], r[1]) for r in rows] == [("1", "2"), ("2", "4"), ("4", "8")]
-    main(["--simulate", "--sim-steps", "2", "--sim-n", "2", "--sim-max-tokens", "256",
-          "--sim-engines", "1,2", "--sim-groups", "3", "--sim-routing", "round_robin"])  # fmt: skip
+    main(
+        [
+            "--simulate",
+            "--sim-steps",
+            "2",
+            "--sim-n",
+            "2",
+            "--sim-max-tokens",
+            "256",
+            "--sim-engines",
+            "1,2",
+            "--sim-groups",
+            "3",
+            "--sim-routing",
+            "round_robin",
+        ]
+    )
     out = capsys.readouterr().out
     assert "strong scaling" in out and "routing round_robin" in out and "placement" in out
 

@@ -32,11 +32,15 @@ def test_version_lag_counts_in_push_order_then_integers() -> None:
 
 def test_sample_histogram_weighs_each_segment_by_its_tokens() -> None:
     samples = [
-        {"segments": [{"start": 0, "end": 4, "weight_version": "0"},
-                      {"start": 4, "end": 10, "weight_version": "2"}]},
+        {
+            "segments": [
+                {"start": 0, "end": 4, "weight_version": "0"},
+                {"start": 4, "end": 10, "weight_version": "2"},
+            ]
+        },
         {"segments": [{"start": 0, "end": 3, "weight_version": "1"}]},
         {"segments": []},
-    ]  # fmt: skip
+    ]
     hist = sample_histogram(samples, "2", ["0", "1", "2"])
     assert hist == {2: 4, 0: 6, 1: 3}
     assert offpolicy_tokens(hist) == 7

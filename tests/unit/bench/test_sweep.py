@@ -28,16 +28,22 @@ def test_cli_mode_lists() -> None:
     assert [s.label for s in specs] == ["sync", "april@all", "april@auto"]
     sweep = cli.mode_specs(options.parse_args(["--sweep"]), sweep=True)
     assert [s.label for s in sweep] == ["sync", "april@all", "april@auto"]
-    for argv in (["--modes", "april,april"], ["--modes", "sync,april@auto,april@all",
-                                              "--interleave"], ["--modes", "april@x"]):  # fmt: skip
+    for argv in (
+        ["--modes", "april,april"],
+        ["--modes", "sync,april@auto,april@all", "--interleave"],
+        ["--modes", "april@x"],
+    ):
         with pytest.raises(SystemExit):
             cli.mode_specs(options.parse_args(argv))
 
 
 def test_sweep_points() -> None:
     assert [p.name for p in PRESETS] == [
-        "tiny:512:8x4", "tiny:1024:8x4", "tiny:512:16x4", "smollm2:128:4x4"
-    ]  # fmt: skip
+        "tiny:512:8x4",
+        "tiny:1024:8x4",
+        "tiny:512:16x4",
+        "smollm2:128:4x4",
+    ]
     assert SweepPoint.parse("smollm2:256:2x8") == SweepPoint("smollm2", 256, 2, 8)
     assert sweep_points(False, ["tiny:64:2x2"]) == [SweepPoint("tiny", 64, 2, 2)]
     both = sweep_points(True, ["tiny:512:8x4", "tiny:64:2x2"])  # no repeats
@@ -54,20 +60,48 @@ def test_sweep_with_url_is_refused() -> None:
 
 def test_sweep_table_puts_configurations_side_by_side() -> None:
     def rec(mode: str, tok: float | None, ratio: float | None, **kw: object) -> dict[str, object]:
-        return {"mode": mode, "available": tok is not None, "output_throughput": tok,
-                "output_throughput_vs_sync": ratio, "checks_ok": True, **kw}  # fmt: skip
+        return {
+            "mode": mode,
+            "available": tok is not None,
+            "output_throughput": tok,
+            "output_throughput_vs_sync": ratio,
+            "checks_ok": True,
+            **kw,
+        }
 
-    a = [rec("sync", 100.0, 1.0), rec("april@all", 150.0, 1.5),
-         rec("april@auto", 160.0, 1.6, inflight_targets=[40, 32])]  # fmt: skip
-    b = [rec("sync", 50.0, 1.0), rec("april@all", None, None),
-         rec("april@auto", 49.0, 0.98, inflight_targets=[])]  # fmt: skip
+    a = [
+        rec("sync", 100.0, 1.0),
+        rec("april@all", 150.0, 1.5),
+        rec("april@auto", 160.0, 1.6, inflight_targets=[40, 32]),
+    ]
+    b = [
+        rec("sync", 50.0, 1.0),
+        rec("april@all", None, None),
+        rec("april@auto", 49.0, 0.98, inflight_targets=[]),
+    ]
     text = sweep_table([(SweepPoint("tiny", 512, 8, 4), a), (SweepPoint("smollm2", 128, 4, 4), b)])
     lines = text.splitlines()
     assert "april@all tok/s" in lines[0] and "running target" in lines[0]
-    assert lines[2].split() == ["tiny:512:8x4", "100.0", "150.0", "x1.50", "160.0", "x1.60",
-                                "40/32", "ok"]  # fmt: skip
-    assert lines[3].split() == ["smollm2:128:4x4", "50.0", "n/a", "n/a", "49.0", "x0.98", "n/a",
-                                "ok"]  # fmt: skip
+    assert lines[2].split() == [
+        "tiny:512:8x4",
+        "100.0",
+        "150.0",
+        "x1.50",
+        "160.0",
+        "x1.60",
+        "40/32",
+        "ok",
+    ]
+    assert lines[3].split() == [
+        "smollm2:128:4x4",
+        "50.0",
+        "n/a",
+        "n/a",
+        "49.0",
+        "x0.98",
+        "n/a",
+        "ok",
+    ]
 
 
 def test_repeats_alternate_the_april_modes_order() -> None:
@@ -81,34 +115,82 @@ def test_repeats_alternate_the_april_modes_order() -> None:
 
 def test_sweep_table_gives_median_and_range_over_repeats() -> None:
     def rec(mode: str, tok: float, ratio: float, targets: list[int] | None = None) -> dict:
-        return {"mode": mode, "available": True, "output_throughput": tok,
-                "output_throughput_vs_sync": ratio, "checks_ok": True,
-                "inflight_targets": targets or []}  # fmt: skip
+        return {
+            "mode": mode,
+            "available": True,
+            "output_throughput": tok,
+            "output_throughput_vs_sync": ratio,
+            "checks_ok": True,
+            "inflight_targets": targets or [],
+        }
 
-    runs = [rec("sync", 100.0, 1.0), rec("april@auto", 150.0, 1.5, [40, 30]),
-            rec("sync", 120.0, 1.0), rec("april@auto", 130.0, 1.08, [38]),
-            rec("sync", 90.0, 1.0), rec("april@auto", 180.0, 2.0, [44])]  # fmt: skip
+    runs = [
+        rec("sync", 100.0, 1.0),
+        rec("april@auto", 150.0, 1.5, [40, 30]),
+        rec("sync", 120.0, 1.0),
+        rec("april@auto", 130.0, 1.08, [38]),
+        rec("sync", 90.0, 1.0),
+        rec("april@auto", 180.0, 2.0, [44]),
+    ]
     runs[-1]["checks_ok"] = False
     line = sweep_table([(SweepPoint("tiny", 512, 8, 4), runs)]).splitlines()[2]
-    assert line.split() == ["tiny:512:8x4", "100.0", "(90.0-120.0)", "150.0", "(130.0-180.0)",
-                            "x1.50", "(x1.08-x2.00)", "39", "(30-44)", "FAIL"]  # fmt: skip
+    assert line.split() == [
+        "tiny:512:8x4",
+        "100.0",
+        "(90.0-120.0)",
+        "150.0",
+        "(130.0-180.0)",
+        "x1.50",
+        "(x1.08-x2.00)",
+        "39",
+        "(30-44)",
+        "FAIL",
+    ]
 
 
 def test_sweep_table_with_training_compares_wall_throughput_and_async_to_april() -> None:
     def rec(mode: str, rep: int, wall: float, sync_wall: float) -> dict:
-        return {"mode": mode, "available": True, "repeat": rep, "checks_ok": True,
-                "output_throughput": 999.0, "output_throughput_vs_sync": 9.0,
-                "wall_throughput": wall, "wall_throughput_vs_sync": wall / sync_wall,
-                "steady_wall_throughput_vs_sync": 2 * wall / sync_wall}  # fmt: skip
+        return {
+            "mode": mode,
+            "available": True,
+            "repeat": rep,
+            "checks_ok": True,
+            "output_throughput": 999.0,
+            "output_throughput_vs_sync": 9.0,
+            "wall_throughput": wall,
+            "wall_throughput_vs_sync": wall / sync_wall,
+            "steady_wall_throughput_vs_sync": 2 * wall / sync_wall,
+        }
 
-    runs = [rec("sync", 0, 100.0, 100.0), rec("april", 0, 120.0, 100.0),
-            rec("april-async", 0, 180.0, 100.0), rec("sync", 1, 50.0, 50.0),
-            rec("april", 1, 80.0, 50.0), rec("april-async", 1, 80.0, 50.0)]  # fmt: skip
+    runs = [
+        rec("sync", 0, 100.0, 100.0),
+        rec("april", 0, 120.0, 100.0),
+        rec("april-async", 0, 180.0, 100.0),
+        rec("sync", 1, 50.0, 50.0),
+        rec("april", 1, 80.0, 50.0),
+        rec("april-async", 1, 80.0, 50.0),
+    ]
     lines = sweep_table([(SweepPoint("tiny", 512, 8, 4), runs)], wall=True).splitlines()
     assert "sync wall tok/s" in lines[0] and lines[0].split()[-2:] == ["april", "checks"]
     # x april is the median of the per-repeat ratios (1.5 and 1.0), not a ratio of medians
     assert lines[0].split().count("steady") == 2  # april and april-async: past the first step
-    assert lines[2].split() == ["tiny:512:8x4", "75.0", "(50.0-100.0)", "100.0", "(80.0-120.0)",
-                                "x1.40", "(x1.20-x1.60)", "x2.80", "(x2.40-x3.20)", "130.0",
-                                "(80.0-180.0)", "x1.70", "(x1.60-x1.80)", "x3.40", "(x3.20-x3.60)",
-                                "x1.25", "(x1.00-x1.50)", "ok"]  # fmt: skip
+    assert lines[2].split() == [
+        "tiny:512:8x4",
+        "75.0",
+        "(50.0-100.0)",
+        "100.0",
+        "(80.0-120.0)",
+        "x1.40",
+        "(x1.20-x1.60)",
+        "x2.80",
+        "(x2.40-x3.20)",
+        "130.0",
+        "(80.0-180.0)",
+        "x1.70",
+        "(x1.60-x1.80)",
+        "x3.40",
+        "(x3.20-x3.60)",
+        "x1.25",
+        "(x1.00-x1.50)",
+        "ok",
+    ]

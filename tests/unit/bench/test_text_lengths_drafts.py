@@ -27,8 +27,11 @@ def test_the_text_workload_revisits_its_prompts_from_the_wheel() -> None:
     assert g.text is not None and g.text.startswith("<|im_start|>system\n")
     assert g.text.endswith("<|im_start|>assistant\n") and "def " in g.text
     assert not g.ignore_eos and g.member_params() is None
-    assert g.sampling_params(128, 1.0) == {"max_new_tokens": 128, "temperature": 1.0,
-                                           "ignore_eos": False}  # fmt: skip
+    assert g.sampling_params(128, 1.0) == {
+        "max_new_tokens": 128,
+        "temperature": 1.0,
+        "ignore_eos": False,
+    }
     assert Workload("text", 4, 128, seed=1, prompts=3).group(0).text != g.text  # seeded draw
     with pytest.raises(ValueError, match="prompts"):
         Workload("text", 4, 128, prompts=0)
@@ -45,8 +48,14 @@ def test_length_figures_from_a_ledger() -> None:
     for gid, idx in (("g0", 0), ("g1", 1), ("g2", 2)):
         led.send(gid, idx, (100, 100))
     lengths = {"g0": (10, 10), "g1": (100, 100), "g2": (10, 10)}
-    led.consume(0, [Consumed(f"{g}/{j}", g, j, x, "completed") for g in lengths
-                    for j, x in enumerate(lengths[g])])  # fmt: skip
+    led.consume(
+        0,
+        [
+            Consumed(f"{g}/{j}", g, j, x, "completed")
+            for g in lengths
+            for j, x in enumerate(lengths[g])
+        ],
+    )
     f = length_figures(led, 100, prompts=2)  # g0 and g2 ask the same prompt
     assert f["samples"] == 6 and f["max"] == 100 and f["p50"] == 10.0
     assert f["at_budget"] == pytest.approx(2 / 6, abs=1e-3)
@@ -57,8 +66,12 @@ def test_score_delta_is_what_ran_between_two_readings() -> None:
     before = {"scored_samples": 2, "abs_error_tokens": 10, "error_tokens": -4, "abs_rel_error": 1.0}
     after = {"scored_samples": 6, "abs_error_tokens": 50, "error_tokens": 8, "abs_rel_error": 3.0}
     d = score_delta(before, after)
-    assert d == {"scored_samples": 4, "mean_abs_error_tokens": 10.0, "mean_error_tokens": 3.0,
-                 "mean_abs_rel_error": 0.5}  # fmt: skip
+    assert d == {
+        "scored_samples": 4,
+        "mean_abs_error_tokens": 10.0,
+        "mean_error_tokens": 3.0,
+        "mean_abs_rel_error": 0.5,
+    }
 
 
 def test_ngram_index_takes_the_longest_then_newest_match() -> None:

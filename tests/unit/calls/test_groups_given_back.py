@@ -197,9 +197,12 @@ def test_an_undelivered_call_gives_back_the_groups_its_trainer_rejected(tmp_path
         mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
         events: asyncio.Queue[Any] = asyncio.Queue()
         req = RolloutReq(
-            groups=[spec("a", 2), spec("b", 400)], target_groups=1, stream=True,
-            reject_grace_s=5.0, request_id="s-9",
-        )  # fmt: skip
+            groups=[spec("a", 2), spec("b", 400)],
+            target_groups=1,
+            stream=True,
+            reject_grace_s=5.0,
+            request_id="s-9",
+        )
         call = asyncio.ensure_future(mgr.rollout(req, events))
         first = await events.get()
         (call_obj,) = mgr.calls.values()

@@ -168,9 +168,11 @@ def test_a_group_answered_before_its_retry_started_it_counts_once(tmp_path: Path
     async def go() -> None:
         mgr = make(tmp_path)
         long = GroupSpec(
-            "h", n=1, input_ids=[1, 2, 3],
+            "h",
+            n=1,
+            input_ids=[1, 2, 3],
             sampling_params={"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0},
-        )  # fmt: skip
+        )
         events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
         first = asyncio.create_task(
             mgr.rollout(
@@ -178,7 +180,7 @@ def test_a_group_answered_before_its_retry_started_it_counts_once(tmp_path: Path
                     groups=[spec("a", 2), long], target_groups=2, stream=True, request_id="r-1"
                 ),
                 events,
-            )  # fmt: skip
+            )
         )
         while not isinstance(await events.get(), SampleAwaitingEvent):
             pass
@@ -188,9 +190,11 @@ def test_a_group_answered_before_its_retry_started_it_counts_once(tmp_path: Path
         # The retry: "h" ahead of "a" in its ready queue, one group at a time, two new groups
         # so that the quota of 3 needs "a", "h" and one of them.
         retry = RolloutReq(
-            groups=[long, spec("a", 2), spec("x", 1), spec("y", 1)], target_groups=3,
-            max_inflight_groups=1, request_id="r-1",
-        )  # fmt: skip
+            groups=[long, spec("a", 2), spec("x", 1), spec("y", 1)],
+            target_groups=3,
+            max_inflight_groups=1,
+            request_id="r-1",
+        )
         call = asyncio.create_task(mgr.rollout(retry))
         await asyncio.sleep(0.05)
         assert "h/0" in mgr.segments.running and "a/0" not in mgr.segments.running

@@ -1,6 +1,6 @@
-"""How the client is imported (`__init__.py`, `pyproject.toml`): the package is `april_client`
-(sources in clients/), importing it needs only httpx and msgspec, and the folder name `clients`
-is not an import name (no alias)."""
+"""How the client and the bench are imported and shipped (`__init__.py`, each `pyproject.toml`):
+the client is the folder clients/april_client/ and the bench clients/april_bench/, each named as
+it is imported; importing the client needs only httpx and msgspec."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ import pytest
 import april_client
 from tests.unit.client.client_fakes import ROOT
 
+CLIENT = ROOT / "clients" / "april_client"  # the client's folder is its package
+BENCH = ROOT / "clients" / "april_bench"  # so is the bench's
+
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`code` in a fresh interpreter run from the repo root (a checkout)."""
@@ -30,9 +33,9 @@ def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_package_is_april_client_from_the_clients_folder() -> None:
+def test_the_package_is_april_client_from_its_folder() -> None:
     assert april_client.__name__ == "april_client"
-    assert Path(april_client.__file__).resolve() == ROOT / "clients" / "__init__.py"
+    assert Path(april_client.__file__).resolve() == CLIENT / "__init__.py"
     assert april_client.AprilClient.__module__ == "april_client._sync"
     assert april_client.AsyncAprilClient.__module__ == "april_client._async"
 
@@ -50,13 +53,22 @@ def test_import_needs_only_httpx_and_msgspec() -> None:
     assert out.stdout.split() == ["AprilClient", "AsyncAprilClient"]
 
 
-def test_the_folder_name_is_not_an_import_name() -> None:
-    """No `clients` alias: from a checkout, `import clients` fails and names `april_client`."""
-    out = run_python("import clients")
-    assert out.returncode != 0
-    assert "import `april_client` instead" in out.stderr
-    assert "DeprecationWarning" not in out.stderr
-    assert not (ROOT / "clients" / "_legacy.py").exists()
+def test_each_distribution_folder_is_named_as_it_is_imported() -> None:
+    """clients/ is only the home of the client side, not a package: each distribution's folder
+    under it carries its own pyproject.toml and is the package it ships, under its own name."""
+    assert not (ROOT / "clients" / "__init__.py").exists()
+    folders = sorted(
+        p.name for p in (ROOT / "clients").iterdir() if p.is_dir() and p.name != "__pycache__"
+    )
+    assert folders == ["april_bench", "april_client"]
+    for folder in folders:
+        pyproject = ROOT / "clients" / folder / "pyproject.toml"
+        assert f'package-dir = {{ {folder} = "." }}' in pyproject.read_text()
+    out = run_python(
+        "import april_client, april_bench; print(april_client.__file__, april_bench.__file__)"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(CLIENT / "__init__.py"), str(BENCH / "__init__.py")]
 
 
 # What a machine without the server has not got: importing any of it from the client is a defect.
@@ -89,18 +101,18 @@ def run_alone(where: Path, *modules: str) -> subprocess.CompletedProcess[str]:
 
 
 def client_modules(prefix: str) -> list[str]:
-    """Every module of the client proper (not bench/), under the package name `prefix`."""
-    names = sorted(p.stem for p in (ROOT / "clients").glob("*.py") if p.stem != "__init__")
+    """Every module of the client, under the package name `prefix`."""
+    names = sorted(p.stem for p in CLIENT.glob("*.py") if p.stem != "__init__")
     return [prefix, *(f"{prefix}.{n}" for n in names)]
 
 
 def test_a_vendored_copy_works_under_its_own_name(tmp_path: Path) -> None:
-    """The README's vendoring recipe: clients/ (without bench/) under any package name. Its
-    imports are relative and it carries its wire types, so nothing else is copied."""
+    """The README's vendoring recipe: clients/april_client/ under any package name. Its imports
+    are relative and it carries its wire types, so nothing else is copied."""
     shutil.copytree(
-        ROOT / "clients",
+        CLIENT,
         tmp_path / "mytrainer" / "vendored",
-        ignore=shutil.ignore_patterns("bench", "__pycache__", "pyproject.toml"),
+        ignore=shutil.ignore_patterns("__pycache__", "pyproject.toml"),
     )
     (tmp_path / "mytrainer" / "__init__.py").write_text("")
     out = run_alone(tmp_path, *client_modules("mytrainer.vendored"))
@@ -118,20 +130,32 @@ def build_wheel(project: Path, tmp_path: Path, dist: str, *left_out: str) -> Pat
         project, src, ignore=shutil.ignore_patterns(*left_out, "__pycache__", "*.egg-info")
     )
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         str(src), "-w", str(tmp_path / "dist")],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(src),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "dist").glob(f"{dist}-*.whl")
     return wheel
 
 
 def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
-    """clients/pyproject.toml builds `april-client`: a wheel that requires httpx and msgspec
-    (TRL only in its `trl` extra), holds every client module and not the bench, and imports
-    with nothing of the server present (the wheel unpacked is what pip would install)."""
-    wheel = build_wheel(ROOT / "clients", tmp_path, "april_client", "bench")
+    """clients/april_client/pyproject.toml builds `april-client`: a wheel that requires httpx
+    and msgspec (TRL only in its `trl` extra), holds every client module and not the bench, and
+    imports with nothing of the server present (the wheel unpacked is what pip would install)."""
+    wheel = build_wheel(CLIENT, tmp_path, "april_client")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
@@ -144,8 +168,10 @@ def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
         ]
     assert requires == ["httpx", "msgspec", 'trl==1.16.0; extra == "trl"']
     shipped = {n.removesuffix(".py") for n in names if n.endswith(".py")}
-    assert shipped == {m.replace(".", "/") + ("/__init__" if m == "april_client" else "")
-                       for m in client_modules("april_client")}  # fmt: skip
+    assert shipped == {
+        m.replace(".", "/") + ("/__init__" if m == "april_client" else "")
+        for m in client_modules("april_client")
+    }
     out = run_alone(site, *client_modules("april_client"))
     assert out.returncode == 0, out.stderr
     assert all(f.startswith(str(site)) for f in out.stdout.split())
@@ -153,35 +179,35 @@ def test_the_client_distribution_installs_alone(tmp_path: Path) -> None:
 
 def shipped_folders() -> dict[str, list[Path]]:
     """Each distribution's package folders, as its pyproject.toml tells setuptools to ship
-    them: the server (root), the client (clients/, shipped as `april_client`) and the bench
-    (clients/bench/)."""
+    them: the server (root, found by name), the client and the bench (each its own folder,
+    mapped to its package by `package-dir`)."""
     setuptools = pytest.importorskip("setuptools")
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     def conf(where: Path) -> dict[str, Any]:
         return dict(tomllib.loads((where / "pyproject.toml").read_text())["tool"]["setuptools"])
 
-    out: dict[str, list[Path]] = {}
-    for name, where in [("server", ROOT), ("bench", ROOT / "clients" / "bench")]:
-        include = conf(where)["packages"]["find"]["include"]
-        found = setuptools.find_namespace_packages(str(where), include=include)
-        out[name] = [where.joinpath(*p.split(".")) for p in found]
-    client = conf(ROOT / "clients")
-    assert client["packages"] == ["april_client"]
-    out["client"] = [ROOT / "clients" / client["package-dir"]["april_client"]]
+    include = conf(ROOT)["packages"]["find"]["include"]
+    found = setuptools.find_namespace_packages(str(ROOT), include=include)
+    out: dict[str, list[Path]] = {"server": [ROOT.joinpath(*p.split(".")) for p in found]}
+    for name, where in [("client", CLIENT), ("bench", BENCH)]:
+        c = conf(where)
+        (top,) = c["package-dir"]
+        base = (where / c["package-dir"][top]).resolve()
+        out[name] = [base.joinpath(*p.split(".")[1:]) for p in c["packages"]]
     return out
 
 
 def test_the_distribution_ships_april_client_and_not_clients() -> None:
-    """setuptools cannot rename a package it finds, so clients/pyproject.toml maps its folder to
-    `april_client`; the server ships only the server and the kernels, the bench only
-    `april_bench`; no distribution ships a `clients` package."""
+    """The client ships its folder as `april_client`, the bench its folder (and its
+    subpackages) as `april_bench`, the server only the server and the kernels; no distribution
+    ships a `clients` package."""
     folders = shipped_folders()
-    assert {p.resolve() for p in folders["client"]} == {ROOT / "clients"}
+    assert folders["client"] == [CLIENT]
     server = {str(p.relative_to(ROOT)).split("/")[0] for p in folders["server"]}
     assert server == {"april_server", "kernels"}
-    bench = {p.relative_to(ROOT / "clients" / "bench").parts[0] for p in folders["bench"]}
-    assert bench == {"april_bench"}
+    assert folders["bench"][0] == BENCH
+    assert all(BENCH in p.parents for p in folders["bench"][1:])
 
 
 def test_every_source_file_is_shipped_by_exactly_one_distribution() -> None:
@@ -208,7 +234,7 @@ def test_scripts_and_dependencies_of_each_distribution() -> None:
     tomllib = pytest.importorskip("tomllib")
     server, client, bench = (
         tomllib.loads((where / "pyproject.toml").read_text())["project"]
-        for where in (ROOT, ROOT / "clients", ROOT / "clients" / "bench")
+        for where in (ROOT, CLIENT, BENCH)
     )
     assert server["scripts"] == {"april-server": "april_server.cli:main"}
     assert bench["scripts"] == {"april-bench": "april_bench.cli:main"}
@@ -225,9 +251,9 @@ def test_scripts_and_dependencies_of_each_distribution() -> None:
 
 
 def test_the_bench_distribution_builds_alone(tmp_path: Path) -> None:
-    """clients/bench/pyproject.toml builds `april-bench`: a wheel of `april_bench` only (nothing
-    of the client or the server) with the `april-bench` script."""
-    wheel = build_wheel(ROOT / "clients" / "bench", tmp_path, "april_bench")
+    """clients/april_bench/pyproject.toml builds `april-bench`: a wheel of `april_bench` only
+    (nothing of the client or the server) with the `april-bench` script."""
+    wheel = build_wheel(BENCH, tmp_path, "april_bench")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
@@ -235,6 +261,5 @@ def test_the_bench_distribution_builds_alone(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names if n.endswith(".py")}
     assert tops == {"april_bench"}
     shipped = {n.removeprefix("april_bench/") for n in names if n.endswith(".py")}
-    package = ROOT / "clients" / "bench" / "april_bench"
-    assert shipped == {str(p.relative_to(package)) for p in package.rglob("*.py")}
+    assert shipped == {str(p.relative_to(BENCH)) for p in BENCH.rglob("*.py")}
     assert "april-bench = april_bench.cli:main" in scripts

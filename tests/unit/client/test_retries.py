@@ -82,8 +82,12 @@ def test_retries_are_bounded_logged_and_reraise_the_last_error(
     calls, handler = flaky(100, unavailable, {})
     caplog.set_level(logging.WARNING, logger="april_client")
     with pytest.raises(ServerError) as e:
-        run(handler, lambda c: c.rollout([SPEC], 1, request_id="step-9"), retries=2,
-            retry_backoff_s=0)  # fmt: skip
+        run(
+            handler,
+            lambda c: c.rollout([SPEC], 1, request_id="step-9"),
+            retries=2,
+            retry_backoff_s=0,
+        )
     assert e.value.code == "overloaded"
     assert len(calls) == 3  # the call and two retries
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -86,8 +86,11 @@ def test_stream_decodes_ndjson_split_anywhere(chunk_size: int) -> None:
     for req in seen:
         assert (req.method, req.url.path) == ("POST", "/april/v1/rollouts")
         assert json.loads(req.content) == {
-            "groups": [SPEC], "target_groups": 2, "stream": True, "request_id": "r",
-        }  # fmt: skip
+            "groups": [SPEC],
+            "target_groups": 2,
+            "stream": True,
+            "request_id": "r",
+        }
 
 
 def test_stream_closed_early_closes_the_response() -> None:
@@ -132,9 +135,13 @@ def test_stream_error_before_the_first_event() -> None:
 
 @pytest.mark.parametrize(
     ("body", "match"),
-    [(FINISHED_LINE, "before its done"), (FINISHED_LINE + b"{oops}\n", "bad event line"),
-     (b'{"event": "started"}\n', "bad event line"), (DONE_LINE + FINISHED_LINE, "after its done")],
-)  # fmt: skip
+    [
+        (FINISHED_LINE, "before its done"),
+        (FINISHED_LINE + b"{oops}\n", "bad event line"),
+        (b'{"event": "started"}\n', "bad event line"),
+        (DONE_LINE + FINISHED_LINE, "after its done"),
+    ],
+)
 def test_broken_streams_are_protocol_errors(body: bytes, match: str) -> None:
     def handler(req: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=Chunks([body]))
@@ -162,8 +169,9 @@ def test_stream_open_is_retried_only_with_a_request_id() -> None:
         return handler
 
     sync_calls: list[int] = []
-    with AprilClient(URL, transport=httpx.MockTransport(handler_for(sync_calls)), retries=1,
-                     retry_backoff_s=0) as c:  # fmt: skip
+    with AprilClient(
+        URL, transport=httpx.MockTransport(handler_for(sync_calls)), retries=1, retry_backoff_s=0
+    ) as c:
         assert len(list(c.rollout_stream([SPEC], 1, request_id="r"))) == 2
         with pytest.raises(ServerError):
             sync_calls.clear()
@@ -171,8 +179,12 @@ def test_stream_open_is_retried_only_with_a_request_id() -> None:
     async_calls: list[int] = []
 
     async def go() -> int:
-        async with AsyncAprilClient(URL, transport=httpx.MockTransport(handler_for(async_calls)),
-                                    retries=1, retry_backoff_s=0) as ac:  # fmt: skip
+        async with AsyncAprilClient(
+            URL,
+            transport=httpx.MockTransport(handler_for(async_calls)),
+            retries=1,
+            retry_backoff_s=0,
+        ) as ac:
             return len([e async for e in ac.rollout_stream([SPEC], 1, request_id="r")])
 
     assert asyncio.run(go()) == 2 and len(async_calls) == 2

@@ -89,8 +89,11 @@ def test_rows_are_contiguous_groups_in_server_order_with_their_own_metadata() ->
         samples=[sample("a", 1, [(2, "1"), (4, "2")]), sample("a", 0, [(3, "2")])],
         metadata={"answer": "7", "k": 1},
     )
-    b = Group(group_id="b", samples=[sample("b", 0, [(1, "2")]), sample("b", 1, [(2, "2")])],
-              metadata={"answer": "3"})  # fmt: skip
+    b = Group(
+        group_id="b",
+        samples=[sample("b", 0, [(1, "2")]), sample("b", 1, [(2, "2")])],
+        metadata={"answer": "3"},
+    )
     rows = rows_from_groups([b, a], 2, "2", "mask")
     assert rows.group_ids == ["b", "b", "a", "a"]
     assert rows.prompt_ids == [[7, 0], [7, 1], [7, 0], [7, 1]]  # members in index order
@@ -106,8 +109,9 @@ def test_rows_are_contiguous_groups_in_server_order_with_their_own_metadata() ->
 
 def test_rows_refuse_partial_or_short_groups() -> None:
     with pytest.raises(ValueError, match="unfinished"):
-        rows_from_groups([Group(group_id="p", samples=[sample("p", 0, [(1, "1")], "partial")])],
-                         1, "1", "mask")  # fmt: skip
+        rows_from_groups(
+            [Group(group_id="p", samples=[sample("p", 0, [(1, "1")], "partial")])], 1, "1", "mask"
+        )
     with pytest.raises(ValueError, match="not 2"):
         rows_from_groups(
             [Group(group_id="s", samples=[sample("s", 0, [(1, "1")])])], 2, "1", "mask"

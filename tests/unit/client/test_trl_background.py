@@ -21,14 +21,21 @@ P, N = 4, 2
 
 def _group(spec: dict[str, Any], restarts: int = 0) -> Group:
     samples = [
-        Sample(sample_id=f"{spec['group_id']}/{i}", group_id=spec["group_id"], index=i,
-               status="completed", prompt_ids=spec["input_ids"], output_ids=[1, 2],
-               output_logprobs=[-0.1, -0.1],
-               segments=[Segment(start=0, end=2, weight_version="0", kv="fresh")],
-               max_new_tokens=spec["sampling_params"]["max_new_tokens"], finish_reason="stop",
-               staleness_restarts=restarts if i == 0 else 0)
+        Sample(
+            sample_id=f"{spec['group_id']}/{i}",
+            group_id=spec["group_id"],
+            index=i,
+            status="completed",
+            prompt_ids=spec["input_ids"],
+            output_ids=[1, 2],
+            output_logprobs=[-0.1, -0.1],
+            segments=[Segment(start=0, end=2, weight_version="0", kv="fresh")],
+            max_new_tokens=spec["sampling_params"]["max_new_tokens"],
+            finish_reason="stop",
+            staleness_restarts=restarts if i == 0 else 0,
+        )
         for i in range(spec["n"])
-    ]  # fmt: skip
+    ]
     return Group(group_id=spec["group_id"], samples=samples, metadata=spec["metadata"])
 
 
@@ -46,14 +53,23 @@ class FakeServer:
             assert s["group_id"] not in self.buffer
             self.buffer[s["group_id"]] = s
         out = [self.buffer.pop(g) for g in list(self.buffer)[:target]]
-        stats = RolloutStats(wall_s=0.0, weight_version="0", num_finished_groups=target,
-                             num_buffered_groups=len(self.buffer), output_tokens=0,
-                             offpolicy_tokens=0, resumed_samples=0, restored_kv_tokens=0,
-                             recomputed_tokens=0, groups_wanted=self.advice)  # fmt: skip
+        stats = RolloutStats(
+            wall_s=0.0,
+            weight_version="0",
+            num_finished_groups=target,
+            num_buffered_groups=len(self.buffer),
+            output_tokens=0,
+            offpolicy_tokens=0,
+            resumed_samples=0,
+            restored_kv_tokens=0,
+            recomputed_tokens=0,
+            groups_wanted=self.advice,
+        )
         k = self.restarts[len(self.calls) - 1] if len(self.calls) <= len(self.restarts) else 0
         groups = [_group(s, k if j == 0 else 0) for j, s in enumerate(out)]
-        return RolloutResp(batch_id="b", groups=groups, buffered_group_ids=list(self.buffer),
-                           stats=stats)  # fmt: skip
+        return RolloutResp(
+            batch_id="b", groups=groups, buffered_group_ids=list(self.buffer), stats=stats
+        )
 
     def add_groups(self, specs: list[dict[str, Any]], **kw: Any) -> Any:
         self.prefetches.append({"specs": specs, **kw})
@@ -74,11 +90,20 @@ class FakeServer:
 def _trainer(dataset: list[dict[str, Any]], step: int) -> Any:
     tokenizer = lambda text, add_special_tokens: {"input_ids": [len(text)]}  # noqa: E731
     return SimpleNamespace(
-        model=SimpleNamespace(training=True), num_generations=N, num_generations_eval=N,
-        state=SimpleNamespace(global_step=step), train_dataset=dataset, eval_dataset=None,
-        processing_class=tokenizer, max_completion_length=64, temperature=1.0, top_p=1.0,
-        min_p=0.0, repetition_penalty=1.0, top_k=0,
-    )  # fmt: skip
+        model=SimpleNamespace(training=True),
+        num_generations=N,
+        num_generations_eval=N,
+        state=SimpleNamespace(global_step=step),
+        train_dataset=dataset,
+        eval_dataset=None,
+        processing_class=tokenizer,
+        max_completion_length=64,
+        temperature=1.0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        top_k=0,
+    )
 
 
 def _dataset() -> list[dict[str, Any]]:
@@ -125,8 +150,14 @@ def test_background_keeps_the_level_and_the_ledger_exact(
     factor: float, staleness: int | None
 ) -> None:
     server = FakeServer()
-    adapter = AprilRollout(server, over_provision=factor, background=True,  # type: ignore[arg-type]
-                           push_weights=False, run_id="t", max_staleness=staleness)  # fmt: skip
+    adapter = AprilRollout(
+        server,
+        over_provision=factor,
+        background=True,  # type: ignore[arg-type]
+        push_weights=False,
+        run_id="t",
+        max_staleness=staleness,
+    )
     level = background_level(P, factor, staleness)
     _run(adapter, server, steps=5, level=level)
     assert all(c["on_quota"] == "continue" for c in server.calls)
@@ -154,8 +185,14 @@ def test_background_work_comes_back_within_max_staleness(factor: float, stalenes
     back more than `max_staleness` versions old (with over-provisioning 3 and the old rule,
     2P groups finished under version s and the second P came back at s + 2)."""
     server = FakeServer()
-    adapter = AprilRollout(server, over_provision=factor, background=True,  # type: ignore[arg-type]
-                           push_weights=False, run_id="t", max_staleness=staleness)  # fmt: skip
+    adapter = AprilRollout(
+        server,
+        over_provision=factor,
+        background=True,  # type: ignore[arg-type]
+        push_weights=False,
+        run_id="t",
+        max_staleness=staleness,
+    )
     born: dict[str, int] = {}
     data = _dataset()
     for step in range(8):
@@ -181,8 +218,13 @@ def test_prefetched_groups_are_sent_in_the_ledger_and_served_next(
 
     monkeypatch.setattr(trl, "prefetch_groups", lambda target, factor, outstanding, staleness: 3)
     server = FakeServer()
-    adapter = AprilRollout(server, over_provision=2.0, background=True,  # type: ignore[arg-type]
-                           push_weights=False, run_id="t")  # fmt: skip
+    adapter = AprilRollout(
+        server,
+        over_provision=2.0,
+        background=True,  # type: ignore[arg-type]
+        push_weights=False,
+        run_id="t",
+    )
     _run(adapter, server, steps=3)
     assert [len(pf["specs"]) for pf in server.prefetches] == [3, 3, 3]
     assert [len(c["specs"]) for c in server.calls] == [2 * P, P, P]  # extras drawn once only
@@ -235,8 +277,13 @@ def test_size_pool_holds_what_the_server_advised_never_less_than_over_provision(
 ) -> None:
     server = FakeServer()
     server.advice = advice
-    adapter = AprilRollout(server, over_provision=1.5, size_pool=True,  # type: ignore[arg-type]
-                           push_weights=False, run_id="t")  # fmt: skip
+    adapter = AprilRollout(
+        server,
+        over_provision=1.5,
+        size_pool=True,  # type: ignore[arg-type]
+        push_weights=False,
+        run_id="t",
+    )
     _run(adapter, server, steps=4)
     held = [
         len(c["specs"]) + b
@@ -247,8 +294,11 @@ def test_size_pool_holds_what_the_server_advised_never_less_than_over_provision(
     assert held[1:] == [max(6, advice or 0)] * 3
     plain = FakeServer()
     plain.advice = advice
-    _run(AprilRollout(plain, over_provision=1.5, push_weights=False, run_id="u"),  # type: ignore[arg-type]
-         plain, steps=4)  # fmt: skip
+    _run(
+        AprilRollout(plain, over_provision=1.5, push_weights=False, run_id="u"),  # type: ignore[arg-type]
+        plain,
+        steps=4,
+    )
     assert [len(c["specs"]) for c in plain.calls] == [6, 4, 4, 4]  # advice ignored when off
     with pytest.raises(ValueError, match="size_pool needs"):
         AprilRollout(server, size_pool=True, max_inflight_groups=4)  # type: ignore[arg-type]

@@ -35,10 +35,19 @@ def _trainer(tmp_path: Path, **config: Any) -> Any:
 
     path = ensure_tiny_model()
     args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
-        max_completion_length=8, epsilon=EPS, beta=0.0, use_cpu=True,
-        bf16=False, report_to="none", save_strategy="no", disable_tqdm=True, **config,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        epsilon=EPS,
+        beta=0.0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        **config,
+    )
     return GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(path),
         reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],

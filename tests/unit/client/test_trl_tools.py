@@ -34,15 +34,24 @@ def seg(end: int) -> Segment:
 
 
 def awaiting(sid: str, gid: str, turn_ids: list[int], turn: int) -> dict[str, Any]:
-    s = {**SAMPLE, "sample_id": sid, "group_id": gid, "status": "awaiting_input",
-         "output_ids": turn_ids, "output_logprobs": [-0.5] * len(turn_ids),
-         "turns": [{"start": 0, "end": len(turn_ids), "stop": CALL}]}  # fmt: skip
+    s = {
+        **SAMPLE,
+        "sample_id": sid,
+        "group_id": gid,
+        "status": "awaiting_input",
+        "output_ids": turn_ids,
+        "output_logprobs": [-0.5] * len(turn_ids),
+        "turns": [{"start": 0, "end": len(turn_ids), "stop": CALL}],
+    }
     return {"event": "sample_awaiting", "sample": s, "turn": turn, "batch_id": "b"}
 
 
 def test_each_awaiting_turn_gets_the_tool_answer_once_with_its_groups_row() -> None:
-    events = [awaiting("g/0", "g", [65, CALL], 1), awaiting("h/1", "h", [66, CALL], 1),
-              awaiting("g/0", "g", [65, CALL], 1)]  # fmt: skip  # announced again: no 2nd post
+    events = [
+        awaiting("g/0", "g", [65, CALL], 1),
+        awaiting("h/1", "h", [66, CALL], 1),
+        awaiting("g/0", "g", [65, CALL], 1),
+    ]  # announced again: no 2nd post
     body = b"".join(json.dumps(e).encode() + b"\n" for e in events) + DONE_LINE
     posted: list[tuple[str, Any]] = []
 
@@ -89,13 +98,27 @@ def test_a_tool_needs_turns_and_an_answer() -> None:
 
 
 def test_rows_hold_the_whole_response_with_only_the_tool_tokens_masked() -> None:
-    s0 = Sample(**{**SAMPLE, "status": "truncated", "output_ids": [10, 11, CALL, 12, 13],
-                   "output_logprobs": [-1.0, -2.0, -3.0, -4.0, -5.0],
-                   "appended": [Appended(at=3, ids=[80, 81])],
-                   "segments": [seg(5)]})  # fmt: skip
-    s1 = Sample(**{**SAMPLE, "sample_id": "g/1", "index": 1, "status": "completed",
-                   "output_ids": [20], "output_logprobs": [-0.5],
-                   "segments": [seg(1)]})  # fmt: skip
+    s0 = Sample(
+        **{
+            **SAMPLE,
+            "status": "truncated",
+            "output_ids": [10, 11, CALL, 12, 13],
+            "output_logprobs": [-1.0, -2.0, -3.0, -4.0, -5.0],
+            "appended": [Appended(at=3, ids=[80, 81])],
+            "segments": [seg(5)],
+        }
+    )
+    s1 = Sample(
+        **{
+            **SAMPLE,
+            "sample_id": "g/1",
+            "index": 1,
+            "status": "completed",
+            "output_ids": [20],
+            "output_logprobs": [-0.5],
+            "segments": [seg(1)],
+        }
+    )
     group = Group(group_id="g", samples=[s1, s0], metadata={"secret": "4"})
     rows, calls = tool_rows([group], 2, "0", "keep")
     assert rows.completion_ids == [[10, 11, CALL, 80, 81, 12, 13], [20]]

@@ -23,9 +23,17 @@ def recorder() -> tuple[list[tuple[str, str, Any]], httpx.MockTransport]:
         body = json.loads(request.content) if request.content else None
         seen.append((request.method, request.url.path, body))
         if request.url.path == "/april/v1/weights/group":
-            return httpx.Response(200, json={"ranks": 2, "weight_version": "3", "group": "g",
-                                             "world_size": 3, "in_sync": False,
-                                             "behind": ["e1"]})  # fmt: skip
+            return httpx.Response(
+                200,
+                json={
+                    "ranks": 2,
+                    "weight_version": "3",
+                    "group": "g",
+                    "world_size": 3,
+                    "in_sync": False,
+                    "behind": ["e1"],
+                },
+            )
         return httpx.Response(200, json={"success": True, "message": "ok"})
 
     return seen, httpx.MockTransport(handler)
@@ -38,20 +46,39 @@ def test_the_sync_client_sends_sglangs_weight_routes() -> None:
         assert info == WeightGroupInfo(2, "3", "g", 3, False, ["e1"])
         c.init_weights_update_group("10.0.0.5", 29500, 3, "g", "gloo")
         c.begin_weight_update()
-        c.update_weights_from_distributed(["w", "b"], ["float32", "bfloat16"], [[2, 3], [3]],
-                                          "g", weight_version="7")  # fmt: skip
+        c.update_weights_from_distributed(
+            ["w", "b"], ["float32", "bfloat16"], [[2, 3], [3]], "g", weight_version="7"
+        )
         c.end_weight_update()
         c.destroy_weights_update_group("g")
     assert seen[1:] == [
-        ("POST", "/init_weights_update_group", {"master_address": "10.0.0.5", "master_port": 29500,
-         "rank_offset": 1, "world_size": 3, "group_name": "g", "backend": "gloo"}),
+        (
+            "POST",
+            "/init_weights_update_group",
+            {
+                "master_address": "10.0.0.5",
+                "master_port": 29500,
+                "rank_offset": 1,
+                "world_size": 3,
+                "group_name": "g",
+                "backend": "gloo",
+            },
+        ),
         ("POST", "/begin_weight_update", {}),
-        ("POST", "/update_weights_from_distributed", {"names": ["w", "b"],
-         "dtypes": ["float32", "bfloat16"], "shapes": [[2, 3], [3]], "group_name": "g",
-         "weight_version": "7"}),
+        (
+            "POST",
+            "/update_weights_from_distributed",
+            {
+                "names": ["w", "b"],
+                "dtypes": ["float32", "bfloat16"],
+                "shapes": [[2, 3], [3]],
+                "group_name": "g",
+                "weight_version": "7",
+            },
+        ),
         ("POST", "/end_weight_update", {}),
         ("POST", "/destroy_weights_update_group", {"group_name": "g"}),
-    ]  # fmt: skip
+    ]
 
 
 def test_the_async_client_sends_the_same() -> None:
@@ -67,8 +94,10 @@ def test_the_async_client_sends_the_same() -> None:
 
     asyncio.run(go())
     assert [p for _, p, _ in seen] == [
-        "/april/v1/weights/group", "/init_weights_update_group", "/update_weights_from_distributed",
-    ]  # fmt: skip
+        "/april/v1/weights/group",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+    ]
     assert seen[1][2]["backend"] == "nccl" and seen[2][2]["group_name"] == "weight_update_group"
 
 

@@ -93,8 +93,9 @@ def main() -> int:
 
     assert host_budget(8 << 30, 2, 4) == 1 << 30 and host_budget(100, 1, 1) == 100
     assert whole_dp_rank({"snapshot_bytes_used": 10, "snapshots": 3}, 4) == {
-        "snapshot_bytes_used": 40, "snapshots": 3,
-    }  # fmt: skip
+        "snapshot_bytes_used": 40,
+        "snapshots": 3,
+    }
     check_envelope()
     print("scheduler kv check OK")
     return 0

@@ -187,9 +187,14 @@ def test_cuda_path_copies_into_a_pooled_slab_and_waits_before_returning():
         return out.copy_(source)
 
     kept = store.save_snapshot(
-        "a", [1, 2, 3, 4], copy, shape=(2, 2, 4, 2, 4), dtype=torch.float32, device=CUDA,
+        "a",
+        [1, 2, 3, 4],
+        copy,
+        shape=(2, 2, 4, 2, 4),
+        dtype=torch.float32,
+        device=CUDA,
         uses=(slots,),
-    )  # fmt: skip
+    )
     snap = store.get("a")
     assert kept and snap is not None and snap.kv is seen[0]
     assert snap.slab is not None and snap.kv.data_ptr() == snap.slab.data_ptr()
@@ -239,8 +244,9 @@ def test_failed_copy_returns_its_slab_only_once_the_side_stream_is_past_it():
         raise ValueError("bad slot ids")
 
     with pytest.raises(ValueError, match="bad slot"):
-        store.save_snapshot("a", [1], broken, shape=(2, 2, 1, 2, 4), dtype=torch.float32,
-                            device=CUDA)  # fmt: skip
+        store.save_snapshot(
+            "a", [1], broken, shape=(2, 2, 1, 2, 4), dtype=torch.float32, device=CUDA
+        )
     assert "a" not in store and store.bytes_used == 0
     assert store.pinned_stats()["pinned_pending"] == 1
     store._side_streams[CUDA].fences[0].done = True
@@ -267,8 +273,14 @@ def test_cpu_path_is_the_old_one():
     assert store.pool is None and store.pinned_stats() == {}
     assert store.save.total_bytes == kv.numel() * 4
     big = torch.zeros(2, 2, 11, 2, 4)
-    assert not store.save_snapshot("b", [0] * 11, lambda out: big, shape=tuple(big.shape),
-                                   dtype=big.dtype, device=torch.device("cpu"))  # fmt: skip
+    assert not store.save_snapshot(
+        "b",
+        [0] * 11,
+        lambda out: big,
+        shape=tuple(big.shape),
+        dtype=big.dtype,
+        device=torch.device("cpu"),
+    )
     assert store.rejected == 1 and store.save.total_bytes == kv.numel() * 4
 
 
@@ -321,8 +333,10 @@ def test_routing_beside_the_kv_counts_in_the_budget_and_goes_with_it() -> None:
     stats = store.stats()
     assert stats["snapshot_bytes_used"] == 144 * 8 and stats["snapshot_routing_bytes"] == 16 * 8
     assert stats["snapshot_tokens"] == 8 and store.info("a") == {
-        "tokens": 4, "bytes": 576, "routing_bytes": 64,
-    }  # fmt: skip
+        "tokens": 4,
+        "bytes": 576,
+        "routing_bytes": 64,
+    }
     assert store.put("c", moe_snap(4))  # 12 x 144 bytes > the budget: the oldest goes
     assert "a" not in store and store.stats()["snapshot_routing_bytes"] == 16 * 8
     store.drop("b")

@@ -13,8 +13,12 @@ def test_restore_frees_its_slots_on_failure_and_keeps_its_namespace() -> None:
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run(
-        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "scheduler kv check OK" in proc.stdout

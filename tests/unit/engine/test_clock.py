@@ -55,11 +55,14 @@ def test_step_timer_counts_gaps_between_decode_steps_only() -> None:
     real = hooks.time.perf_counter
     hooks.time.perf_counter = lambda: now[0]  # type: ignore[assignment]
     try:
-        for t, batch in [(0.0, Batch("decode", 4, seq_lens_sum=40)),
-                         (0.1, Batch("decode", 4, seq_lens_sum=44)),
-                         (0.2, Batch("decode", 4, seq_lens_sum=48)),
-                         (0.3, Batch("decode", 4, seq_lens_sum=52)),
-                         (0.4, Batch("extend", 1, 50)), (0.9, Batch("decode", 5))]:  # fmt: skip
+        for t, batch in [
+            (0.0, Batch("decode", 4, seq_lens_sum=40)),
+            (0.1, Batch("decode", 4, seq_lens_sum=44)),
+            (0.2, Batch("decode", 4, seq_lens_sum=48)),
+            (0.3, Batch("decode", 4, seq_lens_sum=52)),
+            (0.4, Batch("extend", 1, 50)),
+            (0.9, Batch("decode", 5)),
+        ]:
             now[0] = t
             timer.on_batch(batch)
     finally:

@@ -21,11 +21,18 @@ from examples.train_report import (
 
 def rows(mode: str, rewards: list[float], step_s: float) -> list[dict[str, object]]:
     return [
-        {"mode": mode, "step": i + 1, "wall_s": step_s * (i + 1), "reward_mean": r,
-         "output_tokens": 100, "stale_tokens": 25 if mode == "april" else 0,
-         "rollout_s": step_s * 0.75, "train_s": step_s * 0.25}
+        {
+            "mode": mode,
+            "step": i + 1,
+            "wall_s": step_s * (i + 1),
+            "reward_mean": r,
+            "output_tokens": 100,
+            "stale_tokens": 25 if mode == "april" else 0,
+            "rollout_s": step_s * 0.75,
+            "train_s": step_s * 0.25,
+        }
         for i, r in enumerate(rewards)
-    ]  # fmt: skip
+    ]
 
 
 def test_trailing_means() -> None:

@@ -38,9 +38,16 @@ class GroupServers(FakeServers):
         if path == "/april/v1/engine/info":
             tp, group = self.tp.get(host, 1), self.group[host]
             info = EngineInfo(
-                512, 256, 1, self.version[host], False, True, "/nowhere",
-                tp_size=tp, weight_group=group,
-            )  # fmt: skip
+                512,
+                256,
+                1,
+                self.version[host],
+                False,
+                True,
+                "/nowhere",
+                tp_size=tp,
+                weight_group=group,
+            )
             return httpx.Response(200, content=encoder.encode(info))
         if path.endswith(("_weights_update_group", "_weight_update", "_from_distributed")):
             body = json.loads(request.content)
@@ -87,8 +94,14 @@ def test_init_gives_each_engine_its_ranks_and_checks_the_world_size() -> None:
         weights = FleetWeights(fleet.weights, lambda: None)
         info = fleet.weight_group()
         assert (info.ranks, info.group, info.in_sync) == (3, None, False)
-        body = {"master_address": "t", "master_port": 9, "rank_offset": 1, "world_size": 3,
-                "group_name": "g1", "backend": "gloo"}  # fmt: skip
+        body = {
+            "master_address": "t",
+            "master_port": 9,
+            "rank_offset": 1,
+            "world_size": 3,
+            "group_name": "g1",
+            "backend": "gloo",
+        }
         with pytest.raises(ApiError) as bad:
             await weights.init(body)
         assert bad.value.code == "invalid_world_size" and "must be 4" in bad.value.message

@@ -9,8 +9,13 @@ from tests.chaos.ledger import ChaosLedger, whole
 
 
 def sample(sid: str, n: int, status: str = "completed") -> dict[str, Any]:
-    return {"sample_id": sid, "output_ids": [1] * n, "output_logprobs": [0.0] * n,
-            "segments": [{"start": 0, "end": n}], "status": status}  # fmt: skip
+    return {
+        "sample_id": sid,
+        "output_ids": [1] * n,
+        "output_logprobs": [0.0] * n,
+        "segments": [{"start": 0, "end": n}],
+        "status": status,
+    }
 
 
 def group(gid: str, n: int = 3) -> dict[str, Any]:

@@ -18,9 +18,10 @@ from tests.unit.project.test_structure import ROOT
 # holder that builds it. The fleet builds on those to drive engines on other machines. `entry`
 # (the command line, the model builder, the launcher that starts a server as a child process)
 # wires a process from all of them. The client sits on top; its wire types
-# (`april_client.protocol`) are the server's wire layer, shared. The bench (clients/bench/), which
-# launches servers and speaks through the client, is above it. The GPU-check harness
-# (april_bench.gpu_check) starts servers and benchmarks, so it is above everything.
+# (`april_client.protocol`) are the server's wire layer, shared. The bench
+# (clients/april_bench/), which launches servers and speaks through the client, is above it.
+# The GPU-check harness (april_bench.gpu_check) starts servers and benchmarks, so it is above
+# everything.
 LAYERS = [
     "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
     "root", "door", "http", "fleet", "entry", "april_client", "april_bench", "harness",
@@ -51,10 +52,8 @@ def layer_of(module: str) -> int | None:
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[:2] == ["clients", "bench"]:  # the bench's own distribution: april_bench
-        parts = parts[2:]
-    elif parts[0] == "clients":
-        parts[0] = "april_client"
+    if parts[0] == "clients":  # clients/april_client/, clients/april_bench/: named as imported
+        parts = parts[1:]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -120,8 +119,8 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert at("april_client.protocol") > at("april_server.settings.config")
     assert at("april_server.buffer.store") > at("april_client.protocol")
     assert layer_of("torch") is None
-    assert module_name(ROOT / "clients" / "bench" / "april_bench" / "cli.py") == "april_bench.cli"
-    assert module_name(ROOT / "clients" / "_sync.py") == "april_client._sync"
+    assert module_name(ROOT / "clients" / "april_bench" / "cli.py") == "april_bench.cli"
+    assert module_name(ROOT / "clients" / "april_client" / "_sync.py") == "april_client._sync"
     assert resolve("wire", 1, "april_server.fleet.remote", False) == "april_server.fleet.wire"
 
 

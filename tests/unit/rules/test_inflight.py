@@ -97,11 +97,13 @@ def staggered_groups() -> list[GroupSpec]:
     """Ten groups of 2 whose budgets cycle 5, 25, 45 tokens."""
     return [
         GroupSpec(
-            group_id=f"g{i}", n=2, input_ids=[1, 2],
+            group_id=f"g{i}",
+            n=2,
+            input_ids=[1, 2],
             sampling_params={"ignore_eos": True, "max_new_tokens": 5 + 20 * (i % 3)},
         )
         for i in range(10)
-    ]  # fmt: skip
+    ]
 
 
 def test_auto_refills_up_to_the_target_and_never_beyond_what_was_sent() -> None:

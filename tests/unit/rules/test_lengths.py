@@ -207,8 +207,9 @@ def test_model_order_is_stable_and_unknown_counts_as_the_mean_finished_length() 
     from april_server.rules.samples import build_group
 
     def grp(gid: str, prompt: list[int], budget: int) -> Any:
-        spec = GroupSpec(group_id=gid, input_ids=prompt, n=1,
-                         sampling_params={"max_new_tokens": budget})  # fmt: skip
+        spec = GroupSpec(
+            group_id=gid, input_ids=prompt, n=1, sampling_params={"max_new_tokens": budget}
+        )
         return build_group(spec, prompt, 512, None)
 
     m = LengthModel()

@@ -232,8 +232,14 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
         assert [(x.running, x.kv_tokens) for x in loads] == [(0, 0.0), (0, 0.0)]
         assert (mgr.admission.samples, mgr.admission.tokens) == (0, 0.0)
         eng.ran.clear()
-        await mgr.rollout(RolloutReq(groups=[GroupSpec("t", input_ids=[3], sampling_params={
-            "max_new_tokens": 2, **NO_EOS})], resume_first=False))  # fmt: skip
+        await mgr.rollout(
+            RolloutReq(
+                groups=[
+                    GroupSpec("t", input_ids=[3], sampling_params={"max_new_tokens": 2, **NO_EOS})
+                ],
+                resume_first=False,
+            )
+        )
         assert list(eng.ran.values()) == [0]  # the tie goes to the lowest rank
 
     asyncio.run(go())
@@ -272,14 +278,23 @@ def test_placement_is_durable_and_old_rows_load_with_defaults(tmp_path: Path) ->
     st2.close()
     # A body written before placement existed (no engine, no dp_rank, no snapshot slot).
     old = {
-        "group_id": "old", "created_at": 1.0,
-        "samples": [{
-            "sample_id": "old/0", "group_id": "old", "index": 0, "status": "partial",
-            "prompt_ids": [1], "output_ids": [2], "output_logprobs": [0.0],
-            "segments": [{"start": 0, "end": 1, "weight_version": "0", "kv": "fresh"}],
-            "max_new_tokens": 4, "finish_reason": None,
-        }],
-    }  # fmt: skip
+        "group_id": "old",
+        "created_at": 1.0,
+        "samples": [
+            {
+                "sample_id": "old/0",
+                "group_id": "old",
+                "index": 0,
+                "status": "partial",
+                "prompt_ids": [1],
+                "output_ids": [2],
+                "output_logprobs": [0.0],
+                "segments": [{"start": 0, "end": 1, "weight_version": "0", "kv": "fresh"}],
+                "max_new_tokens": 4,
+                "finish_reason": None,
+            }
+        ],
+    }
     for body in (msgspec.msgpack.encode(old), msgspec.json.encode(old)):
         g = store_mod.decode_group(body)
         seg = g.samples[0].segments[0]

@@ -137,8 +137,10 @@ def test_routing_round_trips_through_json_and_msgpack() -> None:
     s = sample()
     run_segment(s, new=4, start=0, cached=0, version=0)
     run_segment(s, new=2, start=0, cached=3, version=1)
-    for enc, dec in ((msgspec.json.encode, msgspec.json.decode),
-                     (msgspec.msgpack.encode, msgspec.msgpack.decode)):  # fmt: skip
+    for enc, dec in (
+        (msgspec.json.encode, msgspec.json.decode),
+        (msgspec.msgpack.encode, msgspec.msgpack.decode),
+    ):
         back = dec(enc(s), type=Sample)
         assert back.routing == s.routing
     body = msgspec.json.decode(msgspec.json.encode(s.routing))

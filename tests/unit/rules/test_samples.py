@@ -13,12 +13,18 @@ def test_a_continuation_owes_only_what_is_left_of_min_new_tokens() -> None:
 
     def partial(generated: int) -> Sample:
         return Sample(
-            sample_id="g/0", group_id="g", index=0, status="partial", prompt_ids=[1, 2],
-            output_ids=[3] * generated, output_logprobs=[-0.1] * generated,
+            sample_id="g/0",
+            group_id="g",
+            index=0,
+            status="partial",
+            prompt_ids=[1, 2],
+            output_ids=[3] * generated,
+            output_logprobs=[-0.1] * generated,
             segments=[Segment(0, generated, "0", "fresh", "abort")] if generated else [],
-            max_new_tokens=512, finish_reason=None,
+            max_new_tokens=512,
+            finish_reason=None,
             sampling_params={"max_new_tokens": 512, "min_new_tokens": 64},
-        )  # fmt: skip
+        )
 
     for generated, owed in ((0, 64), (40, 24), (64, 0), (500, 0)):
         params = plan_continuation(partial(generated), "0", None).sampling_params

@@ -12,10 +12,19 @@ from april_server.rules.placement import LOCAL, Slot
 
 def sample(bytes_: int, version: str | None) -> Sample:
     return Sample(
-        sample_id="g/0", group_id="g", index=0, status="partial", prompt_ids=[1],
-        output_ids=[2], output_logprobs=[0.0], segments=[], max_new_tokens=8,
-        finish_reason=None, snapshot_bytes=bytes_, snapshot_weight_version=version,
-    )  # fmt: skip
+        sample_id="g/0",
+        group_id="g",
+        index=0,
+        status="partial",
+        prompt_ids=[1],
+        output_ids=[2],
+        output_logprobs=[0.0],
+        segments=[],
+        max_new_tokens=8,
+        finish_reason=None,
+        snapshot_bytes=bytes_,
+        snapshot_weight_version=version,
+    )
 
 
 @pytest.mark.parametrize(

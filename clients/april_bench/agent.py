@@ -48,15 +48,26 @@ QUICK: dict[str, Any] = {"steps": 6, "groups": 4, "n": 2, "max_tokens": 160}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("agent workload (--agent)")
     a = g.add_argument
-    a("--agent", action="store_true", help="multi-turn agent workload: sync vs APRIL with turns "
-      "(defaults " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()) + "; with --quick "
-      + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")  # fmt: skip
+    a(
+        "--agent",
+        action="store_true",
+        help="multi-turn agent workload: sync vs APRIL with turns "
+        "(defaults "
+        + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items())
+        + "; with --quick "
+        + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+        + ")",
+    )
     a("--agent-max-turns", type=int, default=6, help="turns per episode at most (its p99)")
     a("--agent-turns-p50", type=float, default=2.0, help="median turns per episode")
     a("--agent-tool-p50-s", type=float, default=1.0, help="median tool latency (s)")
     a("--agent-tool-p99-s", type=float, default=8.0, help="99th percentile tool latency (s)")
-    a("--agent-turn-stops", default=None, metavar="ID[,ID...]",
-      help="turn stop token ids (default: the tiny model's 6 most frequent tokens)")  # fmt: skip
+    a(
+        "--agent-turn-stops",
+        default=None,
+        metavar="ID[,ID...]",
+        help="turn stop token ids (default: the tiny model's 6 most frequent tokens)",
+    )
 
 
 def agent_defaults(quick: bool) -> dict[str, Any]:
@@ -170,9 +181,11 @@ class SyncAgent:
         wl, stops = self.run.wl, set(self.run.wl.s.turn_stop_ids)
         context, generated, turns, awaited, answered = list(g.input_ids), 0, 0, 0.0, 0
         while True:
-            params = {**wl.sampling_params(self.run.temperature),
-                      "max_new_tokens": wl.s.max_tokens - generated,
-                      "stop_token_ids": sorted(stops)}  # fmt: skip
+            params = {
+                **wl.sampling_params(self.run.temperature),
+                "max_new_tokens": wl.s.max_tokens - generated,
+                "stop_token_ids": sorted(stops),
+            }
             body = {"input_ids": context, "sampling_params": params}
             out = check(await self.run.http.post("/generate", json=body), "POST /generate")
             ids = list(out["output_ids"])
@@ -207,9 +220,13 @@ class AprilAgent:
 
     def spec(self, g: AgentGroup) -> dict[str, Any]:
         wl = self.run.wl
-        return {"group_id": self.run.gid("april", g), "input_ids": list(g.input_ids),
-                "n": wl.s.n, "sampling_params": wl.sampling_params(self.run.temperature),
-                "turns": wl.turns(g)}  # fmt: skip
+        return {
+            "group_id": self.run.gid("april", g),
+            "input_ids": list(g.input_ids),
+            "n": wl.s.n,
+            "sampling_params": wl.sampling_params(self.run.temperature),
+            "turns": wl.turns(g),
+        }
 
     async def step(self, step: int) -> None:
         run = self.run
@@ -223,14 +240,15 @@ class AprilAgent:
             "target_groups": run.groups,
             "resume_first": True,
             "on_quota": "snapshot",
-            "max_inflight_groups": total if self.max_inflight == "all" else (
-                self.max_inflight if self.max_inflight == "auto" else int(self.max_inflight)),
+            "max_inflight_groups": total
+            if self.max_inflight == "all"
+            else (self.max_inflight if self.max_inflight == "auto" else int(self.max_inflight)),
             "stream": True,
             "request_id": f"{run.tag}-april-s{step}",
             # Declares turns for the call too, so that it waits for answers even in a step
             # that sends no new group (every group carries its own `max_turns`).
             "turns": {"stop_token_ids": list(run.wl.s.turn_stop_ids)},
-        }  # fmt: skip
+        }
         t0 = time.perf_counter()
         done: dict[str, Any] | None = None
         async for ev in rollout_events(run.http, body):
@@ -309,10 +327,16 @@ def settings(args: argparse.Namespace, vocab: int) -> AgentSettings:
     if args.agent_turn_stops:
         stops = tuple(int(x) for x in args.agent_turn_stops.split(","))
     return AgentSettings(
-        n=args.n, max_tokens=args.max_tokens, max_turns=args.agent_max_turns,
-        turns_p50=args.agent_turns_p50, tool_p50_s=args.agent_tool_p50_s,
-        tool_p99_s=args.agent_tool_p99_s, turn_stop_ids=stops, seed=args.seed, vocab_size=vocab,
-    )  # fmt: skip
+        n=args.n,
+        max_tokens=args.max_tokens,
+        max_turns=args.agent_max_turns,
+        turns_p50=args.agent_turns_p50,
+        tool_p50_s=args.agent_tool_p50_s,
+        tool_p99_s=args.agent_tool_p99_s,
+        turn_stop_ids=stops,
+        seed=args.seed,
+        vocab_size=vocab,
+    )
 
 
 async def measure_mode(
@@ -322,8 +346,11 @@ async def measure_mode(
     for step in range(steps):
         await (runner.step() if isinstance(runner, SyncAgent) else runner.step(step))
         if progress:
-            print(f"  {runner.fig.mode} step {step + 1}/{steps}: {runner.fig.steps[-1]:.1f}s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  {runner.fig.mode} step {step + 1}/{steps}: {runner.fig.steps[-1]:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     clock1 = await engine_clock(http)
     if clock0 and clock1:
         delta = {k: round(v - clock0.get(k, 0.0), 6) for k, v in clock1.items()}
@@ -342,8 +369,10 @@ async def session(url: str, args: argparse.Namespace) -> tuple[list[dict[str, An
         wl = AgentWorkload(settings(args, info.vocab_size))
         run = AgentRun(http, wl, args.groups, args.temperature, f"agent{uuid.uuid4().hex[:6]}")
         for _ in range(args.warmup):  # first-call costs stay out of the first mode
-            body = {"input_ids": list(wl.group(10**6).input_ids),
-                    "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}  # fmt: skip
+            body = {
+                "input_ids": list(wl.group(10**6).input_ids),
+                "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
+            }
             for r in await asyncio.gather(*(http.post("/generate", json=body) for _ in range(4))):
                 check(r, "warm-up /generate")
         progress = not args.no_progress
@@ -359,14 +388,19 @@ async def session(url: str, args: argparse.Namespace) -> tuple[list[dict[str, An
 
 def table(recs: list[dict[str, Any]]) -> str:
     cols = [
-        ("mode", "mode", "s"), ("consumed tok/s", "consumed_tokens_per_s", ".2f"),
-        ("engine idle", "engine_idle_share", "pct"), ("decode batch", "mean_decode_batch", ".2f"),
+        ("mode", "mode", "s"),
+        ("consumed tok/s", "consumed_tokens_per_s", ".2f"),
+        ("engine idle", "engine_idle_share", "pct"),
+        ("decode batch", "mean_decode_batch", ".2f"),
         ("awaiting s", "awaiting_input_s", ".1f"),
-        ("s/answer", "awaiting_s_per_answer", ".2f"), ("answers", "tool_answers", "d"),
-        ("turns/ep", "turns_per_episode", ".2f"), ("consumed tok", "consumed_tokens", "d"),
-        ("wall s", "wall_s", ".1f"), ("generated tok", "generated_tokens", "d"),
+        ("s/answer", "awaiting_s_per_answer", ".2f"),
+        ("answers", "tool_answers", "d"),
+        ("turns/ep", "turns_per_episode", ".2f"),
+        ("consumed tok", "consumed_tokens", "d"),
+        ("wall s", "wall_s", ".1f"),
+        ("generated tok", "generated_tokens", "d"),
         ("leftover groups", "leftover_groups", "d"),
-    ]  # fmt: skip
+    ]
 
     def cell(v: Any, spec: str) -> str:
         if v is None:

@@ -1,13 +1,10 @@
-"""`AprilClient`: the blocking client over one `httpx.Client` (its asyncio twin is `_async.py`).
-
-Each route method is one line over `_routes.py`; `_send` is the one generic send, with opt-in
-retries of idempotent calls; streamed rollouts are `RolloutStream`s (`_stream.py`).
-"""
+"""`AsyncAprilClient`: the asyncio twin of `AprilClient` (`_sync.py`), over one
+`httpx.AsyncClient`, with the same arguments and methods (awaited)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -18,7 +15,7 @@ from . import _weight_routes as weights
 from ._base import DEFAULT_TIMEOUT, LIMITS, UNHEALTHY, GroupArg, _ClientBase
 from ._errors import AprilError
 from ._routes import Call
-from ._stream import RolloutStream
+from ._stream import AsyncRolloutStream
 from .protocol import (
     AbortResp,
     DeleteResp,
@@ -38,13 +35,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class AprilClient(_ClientBase):
-    """Blocking client over one `httpx.Client`.
-
-    `retries` (default 0) retries idempotent calls only (GETs, `abort`, `rollout` with a
-    `request_id`) after a transport error or a 5xx, waiting `retry_backoff_s * 2**k`.
-    `transport` replaces the network, e.g. with `httpx.MockTransport` in tests.
-    """
+class AsyncAprilClient(_ClientBase):
+    """Asyncio twin of `AprilClient`, over one `httpx.AsyncClient`; same arguments."""
 
     def __init__(
         self,
@@ -55,10 +47,10 @@ class AprilClient(_ClientBase):
         retries: int = 0,
         retry_backoff_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
-        transport: httpx.BaseTransport | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(base_url, api_key, headers, retries, retry_backoff_s)
-        self._http = httpx.Client(
+        self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=self._headers,
             timeout=self._timeout(timeout),
@@ -68,50 +60,52 @@ class AprilClient(_ClientBase):
 
     # ---- sending -----------------------------------------------------------------------------
 
-    def _retrying(self, call: Call[Any], attempt: Callable[[], R]) -> R:
+    async def _retrying(self, call: Call[Any], attempt: Callable[[], Awaitable[R]]) -> R:
         n = 0
         while True:
             try:
-                return attempt()
+                return await attempt()
             except AprilError as exc:
                 delay = self.retry.next_delay(call, exc, n)
                 if delay is None:
                     raise
-            time.sleep(delay)
+            await asyncio.sleep(delay)
             n += 1
 
-    def _send_once(self, call: Call[T]) -> T:
+    async def _send_once(self, call: Call[T]) -> T:
         try:
-            r = self._http.request(call.method, call.path, content=call.body, headers=call.headers)
+            r = await self._http.request(
+                call.method, call.path, content=call.body, headers=call.headers
+            )
         except httpx.RequestError as exc:
             raise self._transport_error(call, exc) from exc
         return routes.finish(call, self._url(call), r.status_code, r.content)
 
-    def _send(self, call: Call[T]) -> T:
-        return self._retrying(call, lambda: self._send_once(call))
+    async def _send(self, call: Call[T]) -> T:
+        return await self._retrying(call, lambda: self._send_once(call))
 
-    def _open_stream_once(self, call: Call[Any]) -> httpx.Response:
+    async def _open_stream_once(self, call: Call[Any]) -> httpx.Response:
         request = self._http.build_request(
             call.method, call.path, content=call.body, headers=call.headers
         )
         try:
-            response = self._http.send(request, stream=True)
+            response = await self._http.send(request, stream=True)
             if not response.is_success:
                 try:
-                    content = response.read()
+                    content = await response.aread()
                 finally:
-                    response.close()
+                    await response.aclose()
                 routes.check_status(call, self._url(call), response.status_code, content)
         except httpx.RequestError as exc:
             raise self._transport_error(call, exc) from exc
         return response
 
-    def _open_stream(self, call: Call[Any]) -> httpx.Response:
-        return self._retrying(call, lambda: self._open_stream_once(call))
+    async def _open_stream(self, call: Call[Any]) -> httpx.Response:
+        return await self._retrying(call, lambda: self._open_stream_once(call))
 
     # ---- april routes ------------------------------------------------------------------------
 
-    def rollout(
+    async def rollout(
         self,
         groups: GroupArg,
         target_groups: int,
@@ -126,7 +120,7 @@ class AprilClient(_ClientBase):
     ) -> RolloutResp:
         """POST /rollouts: run until `target_groups` groups finish; the rest is buffered.
         `return_routed_experts`: every new group's samples carry their routing (MoE)."""
-        return self._send(
+        return await self._send(
             routes.rollout(
                 groups,
                 target_groups,
@@ -152,8 +146,8 @@ class AprilClient(_ClientBase):
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
-    ) -> RolloutStream:
-        """POST /rollouts with `stream: true`: iterate the events as groups finish."""
+    ) -> AsyncRolloutStream:
+        """POST /rollouts with `stream: true`: `async for` the events as groups finish."""
         call = routes.rollout(
             groups,
             target_groups,
@@ -165,9 +159,9 @@ class AprilClient(_ClientBase):
             stream=True,
             turns=turns,
         )
-        return RolloutStream(call, self._url(call), lambda: self._open_stream(call))
+        return AsyncRolloutStream(call, self._url(call), lambda: self._open_stream(call))
 
-    def add_groups(
+    async def add_groups(
         self,
         groups: GroupArg,
         *,
@@ -178,7 +172,7 @@ class AprilClient(_ClientBase):
     ) -> GroupsResp:
         """POST /groups: hand groups in without waiting (prefetch); `background` generates
         them between calls, `idle` only buffers them. A later call serves them."""
-        return self._send(
+        return await self._send(
             routes.add_groups(
                 groups,
                 start=start,
@@ -188,11 +182,11 @@ class AprilClient(_ClientBase):
             )
         )
 
-    def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
+    async def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
         """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""
-        return self._send(routes.reject(batch_id, group_ids))
+        return await self._send(routes.reject(batch_id, group_ids))
 
-    def abort(
+    async def abort(
         self,
         batch_id: str | None = None,
         *,
@@ -202,9 +196,9 @@ class AprilClient(_ClientBase):
         keep: Keep = "tokens",
     ) -> AbortResp:
         """Stop generation in scope; returns once nothing in scope is generating."""
-        return self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))
+        return await self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))
 
-    def resume(
+    async def resume(
         self,
         sample_ids: Sequence[str],
         append_ids: Mapping[str, Sequence[int]] | None = None,
@@ -212,9 +206,9 @@ class AprilClient(_ClientBase):
         sampling_params: Mapping[str, Any] | None = None,
     ) -> ResumeResp:
         """Continue buffered samples; returns once they finish."""
-        return self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
+        return await self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
 
-    def post_input(
+    async def post_input(
         self,
         sample_id: str,
         append_ids: Sequence[int] | None = None,
@@ -227,9 +221,9 @@ class AprilClient(_ClientBase):
         once (`batch_id` names the call); after it, the answer is kept and the member waits
         for the next call. `Conflict` (409 `not_awaiting`) when it is not awaiting input, or
         (with `turn`, the event's) not for that turn: a late retry never answers a later one."""
-        return self._send(routes.post_input(sample_id, append_ids, text, turn))
+        return await self._send(routes.post_input(sample_id, append_ids, text, turn))
 
-    def partials_page(
+    async def partials_page(
         self,
         limit: int | None = None,
         cursor: str | None = None,
@@ -239,9 +233,11 @@ class AprilClient(_ClientBase):
         weight_version: str | None = None,
     ) -> PartialsResp:
         """One page of the idle buffer (oldest first); pass its `next_cursor` for the next."""
-        return self._send(routes.partials_page(limit, cursor, status, min_age_s, weight_version))
+        return await self._send(
+            routes.partials_page(limit, cursor, status, min_age_s, weight_version)
+        )
 
-    def partials(
+    async def partials(
         self,
         *,
         status: Literal["partial", "finished"] | None = None,
@@ -253,7 +249,7 @@ class AprilClient(_ClientBase):
         groups: list[Group] = []
         cursor: str | None = None
         while True:
-            page = self.partials_page(
+            page = await self.partials_page(
                 None, cursor, status=status, min_age_s=min_age_s, weight_version=weight_version
             )
             groups += page.groups
@@ -261,96 +257,106 @@ class AprilClient(_ClientBase):
                 return groups
             cursor = page.next_cursor
 
-    def partial(self, group_id: str) -> Group:
-        return self._send(routes.partial(group_id))
+    async def partial(self, group_id: str) -> Group:
+        return await self._send(routes.partial(group_id))
 
-    def delete_partial(self, group_id: str) -> DeleteResp:
-        return self._send(routes.delete_partial(group_id))
+    async def delete_partial(self, group_id: str) -> DeleteResp:
+        return await self._send(routes.delete_partial(group_id))
 
-    def stats(self) -> dict[str, Any]:
-        return self._send(routes.stats())
+    async def stats(self) -> dict[str, Any]:
+        return await self._send(routes.stats())
 
     # ---- SGLang native routes ----------------------------------------------------------------
 
-    def metrics(self) -> str:
+    async def metrics(self) -> str:
         """Prometheus text exposition."""
-        return self._send(routes.metrics())
+        return await self._send(routes.metrics())
 
-    def health(self) -> bool:
+    async def health(self) -> bool:
         """True when /health answers 2xx; False on a 5xx or no connection (starting, down)."""
         try:
-            self._send(routes.health())
+            await self._send(routes.health())
         except UNHEALTHY:
             return False
         return True
 
-    def generate(
+    async def generate(
         self,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
         sampling_params: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> Any:
         """POST /generate (SGLang's answer: a dict, or a list of dicts for a batch)."""
-        return self._send(routes.generate(input_ids, sampling_params, extra))
+        return await self._send(routes.generate(input_ids, sampling_params, extra))
 
-    def update_weights_from_disk(
+    async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, **extra: Any
     ) -> dict[str, Any]:
-        return self._send(weights.update_weights_from_disk(model_path, weight_version, extra))
+        return await self._send(weights.update_weights_from_disk(model_path, weight_version, extra))
 
     # ---- weights over the wire (`april_client.weight_sync` drives these) ---------------------
 
-    def weight_group(self) -> WeightGroupInfo:
+    async def weight_group(self) -> WeightGroupInfo:
         """GET /april/v1/weights/group: the ranks a weight-update group needs, and its state."""
-        return self._send(weights.weight_group())
+        return await self._send(weights.weight_group())
 
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl", rank_offset: int = 1,
-    ) -> dict[str, Any]:  # fmt: skip
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        rank_offset: int = 1,
+    ) -> dict[str, Any]:
         """Returns once every rank joined: the trainer joins at the same time (rank 0)."""
         call = weights.init_weights_update_group(
             master_address, master_port, world_size, group_name, backend, rank_offset
         )
-        return self._send(call)
+        return await self._send(call)
 
-    def destroy_weights_update_group(
+    async def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"
     ) -> dict[str, Any]:
-        return self._send(weights.destroy_weights_update_group(group_name))
+        return await self._send(weights.destroy_weights_update_group(group_name))
 
-    def begin_weight_update(self) -> dict[str, Any]:
-        return self._send(weights.weight_session("begin"))
+    async def begin_weight_update(self) -> dict[str, Any]:
+        return await self._send(weights.weight_session("begin"))
 
-    def end_weight_update(self) -> dict[str, Any]:
-        return self._send(weights.weight_session("end"))
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self._send(weights.weight_session("end"))
 
-    def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-        group_name: str = "weight_update_group", weight_version: str | None = None, **extra: Any,
-    ) -> dict[str, Any]:  # fmt: skip
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
         """Returns once the trainer's broadcast of these tensors (in this order) arrived."""
         call = weights.update_weights_from_distributed(
             names, dtypes, shapes, group_name, weight_version, extra
         )
-        return self._send(call)
+        return await self._send(call)
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self) -> None:
         """POST /flush_cache; SGLang answers 400 (`InvalidRequest`) while requests run."""
-        self._send(routes.flush_cache())
+        await self._send(routes.flush_cache())
 
     # ---- lifetime ----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        self._http.close()
+    async def aclose(self) -> None:
+        await self._http.aclose()
 
-    def __enter__(self) -> AprilClient:
+    async def __aenter__(self) -> AsyncAprilClient:
         return self
 
-    def __exit__(
+    async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        await self.aclose()

@@ -80,9 +80,15 @@ def join_group(
         else "pg_options"
     )
     pg, _ = helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=name,
-        timeout=timeout, **{options: None},
-    )  # fmt: skip
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=name,
+        timeout=timeout,
+        **{options: None},
+    )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -126,9 +132,12 @@ class WeightBroadcaster:
             with ThreadPoolExecutor(1) as pool:
                 answer = pool.submit(
                     self.client.update_weights_from_distributed,
-                    names, dtypes, shapes, group_name=self.name,
+                    names,
+                    dtypes,
+                    shapes,
+                    group_name=self.name,
                     weight_version=weight_version,
-                )  # fmt: skip
+                )
                 for _, t in tensors:
                     dist.broadcast(t, src=0, group=self.group)
                 out: dict[str, Any] = answer.result()

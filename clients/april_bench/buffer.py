@@ -154,8 +154,13 @@ def in_process(state: Path, samples: int, add_groups: int) -> Table:
     buffer = PartialBuffer(store)
     load_s = time.perf_counter() - t0
     per_sample = (rss_bytes() - rss0) / max(1, buffer.idle.samples)
-    t.add("restart_load_s", f"restart: load {buffer.idle.samples:,} samples", load_s,
-          "{:.2f} s", "<= 10 s")  # fmt: skip
+    t.add(
+        "restart_load_s",
+        f"restart: load {buffer.idle.samples:,} samples",
+        load_s,
+        "{:.2f} s",
+        "<= 10 s",
+    )
     t.add("rss_per_sample_b", "RSS per buffered sample (index in memory)", per_sample, "{:.0f} B")
     mgr = RolloutManager(InstantEngine(), store, buffer=buffer)
     app = FastAPI()
@@ -173,10 +178,20 @@ def in_process(state: Path, samples: int, add_groups: int) -> Table:
 
             body = {"groups": new_groups("add", add_groups), "resume_first": False}
             wall, stall, _ = await timed(probe, lambda: post(body))
-            t.add("add_call_s", f"call adding {add_groups:,} groups (server time)", wall,
-                  "{:.3f} s", "<= 1 s")  # fmt: skip
-            t.add("add_call_loop_stall_s", "  longest event-loop stall during it", stall,
-                  f"{stall * 1e3:.0f} ms", "<= 200 ms")  # fmt: skip
+            t.add(
+                "add_call_s",
+                f"call adding {add_groups:,} groups (server time)",
+                wall,
+                "{:.3f} s",
+                "<= 1 s",
+            )
+            t.add(
+                "add_call_loop_stall_s",
+                "  longest event-loop stall during it",
+                stall,
+                f"{stall * 1e3:.0f} ms",
+                "<= 200 ms",
+            )
             walls, stalls, served = [], [], []
             for k in range(5):
                 small = {"groups": new_groups(f"small{k}", 1)}  # default: resume_first
@@ -184,22 +199,37 @@ def in_process(state: Path, samples: int, add_groups: int) -> Table:
                 walls.append(w)
                 stalls.append(stall)
                 served.append(r.json()["groups"][0]["group_id"])
-            t.add("small_call_s", "small call, default: 1 group sent, resumes the oldest "
-                  f"(median of 5; served {', '.join(served)})", statistics.median(walls),
-                  "{:.3f} s", "<= 50 ms")  # fmt: skip
-            t.add("small_call_loop_stall_s", "  longest event-loop stall during them",
-                  max(stalls), f"{max(stalls) * 1e3:.0f} ms")  # fmt: skip
+            t.add(
+                "small_call_s",
+                "small call, default: 1 group sent, resumes the oldest "
+                f"(median of 5; served {', '.join(served)})",
+                statistics.median(walls),
+                "{:.3f} s",
+                "<= 50 ms",
+            )
+            t.add(
+                "small_call_loop_stall_s",
+                "  longest event-loop stall during them",
+                max(stalls),
+                f"{max(stalls) * 1e3:.0f} ms",
+            )
             for name, url in [
                 ("first /partials page (1000 groups)", R + "/partials?limit=1000"),
                 ("/partials page at the middle", f"{R}/partials?limit=1000&cursor={groups // 2}"),
-                ("/partials filtered (weight_version=0, status=partial)",
-                 R + "/partials?limit=1000&weight_version=0&status=partial"),
+                (
+                    "/partials filtered (weight_version=0, status=partial)",
+                    R + "/partials?limit=1000&weight_version=0&status=partial",
+                ),
                 ("GET /stats", R + "/stats"),
-            ]:  # fmt: skip
+            ]:
                 w, stall, resp = await timed(probe, functools.partial(c.get, url))
                 resp.raise_for_status()
-                t.add(name, name, w, f"{w:.3f} s, {len(resp.content) / 1e6:.1f} MB, "
-                      f"loop stall {stall * 1e3:.0f} ms")  # fmt: skip
+                t.add(
+                    name,
+                    name,
+                    w,
+                    f"{w:.3f} s, {len(resp.content) / 1e6:.1f} MB, loop stall {stall * 1e3:.0f} ms",
+                )
         mgr.store.close()
 
     asyncio.run(go())
@@ -216,8 +246,9 @@ def end_to_end(state: Path, add_groups: int) -> Table:
     srv.log_path = state.parent / "server.log"
     t0 = time.perf_counter()
     srv.start()
-    t.add("e2e_start_s", "server start (SGLang + buffer load)", time.perf_counter() - t0,
-          "{:.1f} s")  # fmt: skip
+    t.add(
+        "e2e_start_s", "server start (SGLang + buffer load)", time.perf_counter() - t0, "{:.1f} s"
+    )
     polls: list[tuple[float, float]] = []
     stop = threading.Event()
 
@@ -235,8 +266,7 @@ def end_to_end(state: Path, add_groups: int) -> Table:
     try:
         with httpx.Client(base_url=srv.url, timeout=600) as c:
             stats = c.get(R + "/stats").json()
-            t.add("e2e_buffered", "buffered samples at start", stats["buffered_samples"],
-                  "{:,}")  # fmt: skip
+            t.add("e2e_buffered", "buffered samples at start", stats["buffered_samples"], "{:,}")
             poller.start()
             time.sleep(1.0)
 
@@ -252,13 +282,26 @@ def end_to_end(state: Path, add_groups: int) -> Table:
                 return {"groups": new_groups(f"e2e-own{k}", 1, budget=4), "resume_first": False}
 
             plan: list[tuple[str, str, Callable[[int], dict[str, Any]], int]] = [
-                ("e2e_add_call_s", f"call adding {add_groups:,} groups, resume_first false",
-                 big, BIG_CALLS),
-                ("e2e_default_call_s", "default call beside the buffer, 1 group sent "
-                 "(resumes the oldest: real generation)", small, SMALL_CALLS),
-                ("e2e_own_call_s", "1-group call, resume_first false (its own 4 tokens)",
-                 alone, SMALL_CALLS),
-            ]  # fmt: skip
+                (
+                    "e2e_add_call_s",
+                    f"call adding {add_groups:,} groups, resume_first false",
+                    big,
+                    BIG_CALLS,
+                ),
+                (
+                    "e2e_default_call_s",
+                    "default call beside the buffer, 1 group sent "
+                    "(resumes the oldest: real generation)",
+                    small,
+                    SMALL_CALLS,
+                ),
+                (
+                    "e2e_own_call_s",
+                    "1-group call, resume_first false (its own 4 tokens)",
+                    alone,
+                    SMALL_CALLS,
+                ),
+            ]
             for key, what, make, repeat in plan:
                 walls, started, peak, met = [], 0, 0, True
                 for k in range(repeat):
@@ -273,9 +316,13 @@ def end_to_end(state: Path, add_groups: int) -> Table:
                     peak = max(peak, st["peak_running_samples"])
                     met = met and st["quota_met"]
                 wall = statistics.median(walls)
-                t.add(key, f"{what} (median of {repeat})", wall,
-                      f"{wall:.2f} s (max {max(walls):.2f}; quota met every time: {met}; at most "
-                      f"{started} groups started, {peak} samples running)")  # fmt: skip
+                t.add(
+                    key,
+                    f"{what} (median of {repeat})",
+                    wall,
+                    f"{wall:.2f} s (max {max(walls):.2f}; quota met every time: {met}; at most "
+                    f"{started} groups started, {peak} samples running)",
+                )
             time.sleep(0.5)
             lag = c.get(R + "/stats").json()
     finally:
@@ -289,16 +336,28 @@ def end_to_end(state: Path, add_groups: int) -> Table:
             if len(during) > 1
             else during * 99
         )
-        t.add("health_p50_ms", f"/health while calls ran ({len(during)} polls): p50",
-              statistics.median(during) * 1e3, "{:.1f} ms")  # fmt: skip
+        t.add(
+            "health_p50_ms",
+            f"/health while calls ran ({len(during)} polls): p50",
+            statistics.median(during) * 1e3,
+            "{:.1f} ms",
+        )
         t.add("health_p99_ms", "  p99", q[98] * 1e3, "{:.1f} ms", "<= 50 ms")
         t.add("health_max_ms", "  max", max(during) * 1e3, "{:.1f} ms", "<= 200 ms")
     # The server's own clock of its loop (`/stats`): a slow /health with a prompt loop is the
     # CPU (2 cores shared with the scheduler and this client), not blocking work on the loop.
-    t.add("loop_lag_p99_ms", "server's event-loop lag over the last minute: p99",
-          lag["event_loop_lag_p99_s"] * 1e3, "{:.1f} ms")  # fmt: skip
-    t.add("loop_lag_max_ms", "  max since the server started",
-          lag["event_loop_lag_max_s"] * 1e3, "{:.1f} ms")  # fmt: skip
+    t.add(
+        "loop_lag_p99_ms",
+        "server's event-loop lag over the last minute: p99",
+        lag["event_loop_lag_p99_s"] * 1e3,
+        "{:.1f} ms",
+    )
+    t.add(
+        "loop_lag_max_ms",
+        "  max since the server started",
+        lag["event_loop_lag_max_s"] * 1e3,
+        "{:.1f} ms",
+    )
     return t
 
 

@@ -18,8 +18,7 @@ def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str
     base = sync.totals() if sync else {}
     out = []
     for r in results:
-        rec: dict[str, Any] = {**run, "mode": r.mode, "available": r.available,
-                               "reason": r.reason}  # fmt: skip
+        rec: dict[str, Any] = {**run, "mode": r.mode, "available": r.available, "reason": r.reason}
         if not r.available or not r.steps:
             rec["output_throughput"] = None
             out.append(rec)
@@ -176,14 +175,20 @@ def plot(results: Sequence[ModeResult], plot_dir: Path, title: str) -> list[Path
     if not shown:
         return []
     paths = []
-    fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.6 * len(shown) + 0.6), sharey=True,
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(shown), 1, figsize=(10, 2.6 * len(shown) + 0.6), sharey=True, squeeze=False
+    )
     for ax, r in zip(axes[:, 0], shown, strict=True):
         ts = [t for t, _ in r.timeline]
         ax.step(ts, [n for _, n in r.timeline], where="post", label="running requests")
         for i, s in enumerate(r.steps):
-            ax.axvspan(s.t_start, s.t_end, color="tab:green", alpha=0.08,
-                       label="rollout phase" if i == 0 else None)  # fmt: skip
+            ax.axvspan(
+                s.t_start,
+                s.t_end,
+                color="tab:green",
+                alpha=0.08,
+                label="rollout phase" if i == 0 else None,
+            )
         full = r.steps[0].consumed_samples
         ax.axhline(full, color="gray", ls="--", lw=0.8, label=f"K x n = {full}")
         ax.set_title(f"{r.mode}: SGLang running batch over time")

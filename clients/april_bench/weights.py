@@ -44,8 +44,10 @@ def load_model(name: str) -> Any:
 def background(c: httpx.Client, tag: str) -> None:
     """Two long greedy samples generating in the background (no call running)."""
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 3000}
-    groups = [{"group_id": f"{tag}{i}", "input_ids": [40 + i, 9], "n": 1,
-               "sampling_params": params} for i in range(2)]  # fmt: skip
+    groups = [
+        {"group_id": f"{tag}{i}", "input_ids": [40 + i, 9], "n": 1, "sampling_params": params}
+        for i in range(2)
+    ]
     c.post(R + "/groups", json={"groups": groups, "start": "background"}).raise_for_status()
     end = time.monotonic() + 120
     while c.get(R + "/stats").json()["background_running_samples"] < 2:
@@ -119,8 +121,10 @@ def fmt(xs: list[float]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | weights | disk push | wire push | disk/wire | disk push, busy "
-            "| wire push, busy |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    head = (
+        "| model | weights | disk push | wire push | disk/wire | disk push, busy "
+        "| wire push, busy |\n|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for r in rows:
         t = r["times_s"]

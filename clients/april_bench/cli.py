@@ -53,14 +53,24 @@ def config(args: argparse.Namespace) -> BenchConfig:
             raise SystemExit("--train-s sets the training time: drop --train-time")
         train_time, bump, step_versions = (0.0 if auto else args.train_s), True, True
     return BenchConfig(
-        steps=args.steps, groups=args.groups, n=args.n, over_sampling=args.over_sampling,
-        max_tokens=args.max_tokens, temperature=args.temperature, train_time=train_time,
+        steps=args.steps,
+        groups=args.groups,
+        n=args.n,
+        over_sampling=args.over_sampling,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        train_time=train_time,
         train_auto=auto,
-        bump_version=bump, step_versions=step_versions, max_inflight=args.max_inflight,
-        max_staleness=args.max_staleness, stream_sync=args.stream_sync, poll_hz=args.poll_hz,
-        run_tag=f"bench{uuid.uuid4().hex[:6]}", keep_buffer=args.keep_buffer,
+        bump_version=bump,
+        step_versions=step_versions,
+        max_inflight=args.max_inflight,
+        max_staleness=args.max_staleness,
+        stream_sync=args.stream_sync,
+        poll_hz=args.poll_hz,
+        run_tag=f"bench{uuid.uuid4().hex[:6]}",
+        keep_buffer=args.keep_buffer,
         interleave=args.interleave,
-    )  # fmt: skip
+    )
 
 
 def simulation(
@@ -70,14 +80,24 @@ def simulation(
     probed = (meta or {}).get("cost_model")
     if probed:
         cost = sim.CostModel(**{**probed, "assumptions": tuple(probed["assumptions"])})
-        local = sim.SimSetup(steps=args.steps, groups=args.groups, n=args.n,
-                             over_sampling=args.over_sampling, max_tokens=args.max_tokens,
-                             engines=1, prompt_len=40, seed=args.seed)  # fmt: skip
+        local = sim.SimSetup(
+            steps=args.steps,
+            groups=args.groups,
+            n=args.n,
+            over_sampling=args.over_sampling,
+            max_tokens=args.max_tokens,
+            engines=1,
+            prompt_len=40,
+            seed=args.seed,
+        )
         print("\n== simulated replay of this run's setup, cost model measured on its server ==")
         print(sim.report(local, cost, modes))
         recs = records(measured, {})
-        seen = ", ".join(f"{r['mode']} x{r['output_throughput_vs_sync']}" for r in recs
-                         if r.get("output_throughput_vs_sync"))  # fmt: skip
+        seen = ", ".join(
+            f"{r['mode']} x{r['output_throughput_vs_sync']}"
+            for r in recs
+            if r.get("output_throughput_vs_sync")
+        )
         print(f"measured in this run (vs sync): {seen or 'n/a'}")
         sync = next((r for r in measured if r.mode == "sync" and r.steps), None)
         if sync is not None:
@@ -85,16 +105,25 @@ def simulation(
     cost = sim.H200_8B
     if args.sim_a_ms is not None or args.sim_c_ms is not None:
         cost = sim.CostModel(
-            "given constants", a=(args.sim_a_ms or cost.a * 1e3) / 1e3,
-            c=(args.sim_c_ms or cost.c * 1e3) / 1e3, prefill_s=cost.prefill_s,
-            restore_s=cost.restore_s, assumptions=cost.assumptions[2:],
-        )  # fmt: skip
+            "given constants",
+            a=(args.sim_a_ms or cost.a * 1e3) / 1e3,
+            c=(args.sim_c_ms or cost.c * 1e3) / 1e3,
+            prefill_s=cost.prefill_s,
+            restore_s=cost.restore_s,
+            assumptions=cost.assumptions[2:],
+        )
     per_engine = None if args.sim_groups is not None else args.sim_groups_per_engine
     k = args.sim_groups or args.sim_groups_per_engine * args.sim_engines[0]
-    big = sim.SimSetup(steps=args.sim_steps, groups=k, n=args.sim_n,
-                       over_sampling=args.over_sampling, max_tokens=args.sim_max_tokens,
-                       engines=args.sim_engines[0], seed=args.seed,
-                       routing=args.sim_routing)  # fmt: skip
+    big = sim.SimSetup(
+        steps=args.sim_steps,
+        groups=k,
+        n=args.sim_n,
+        over_sampling=args.over_sampling,
+        max_tokens=args.sim_max_tokens,
+        engines=args.sim_engines[0],
+        seed=args.seed,
+        routing=args.sim_routing,
+    )
     print("\n== projection at scale ==")
     print(sim.report(big, cost, modes, args.sim_engines, per_engine))
 
@@ -138,8 +167,11 @@ def measure(
         if url is None:
             extra = ["--april-model", args.model, *args.server_arg]
             server = LaunchedServer(extra)
-            print(f"launching april-server ({' '.join(extra)}) on {server.url} ...",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"launching april-server ({' '.join(extra)}) on {server.url} ...",
+                file=sys.stderr,
+                flush=True,
+            )
             server.start()
             print(f"server healthy after {time.perf_counter() - t0:.0f}s", file=sys.stderr)
             url = server.url
@@ -152,9 +184,11 @@ def measure(
             server.stop()
     load = (round(load0, 2), round(os.getloadavg()[0], 2))
     run_info: dict[str, Any] = {
-        **meta, "wall_clock_s": round(time.perf_counter() - t0, 1), "cpu_count": os.cpu_count(),
+        **meta,
+        "wall_clock_s": round(time.perf_counter() - t0, 1),
+        "cpu_count": os.cpu_count(),
         "loadavg_1m_start_end": load,
-    }  # fmt: skip
+    }
     recs = records(results, run_info)
     print(f"\n{meta['title']}")
     print(summary_table(recs))
@@ -194,9 +228,15 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise SystemExit("--repeat must be at least 1")
     by_label = {s.label: s for s in specs}
     for i, point in enumerate(points):
-        one = argparse.Namespace(**{**vars(args), "model": point.model,
-                                    "max_tokens": point.max_tokens, "groups": point.groups,
-                                    "n": point.n})  # fmt: skip
+        one = argparse.Namespace(
+            **{
+                **vars(args),
+                "model": point.model,
+                "max_tokens": point.max_tokens,
+                "groups": point.groups,
+                "n": point.n,
+            }
+        )
         point_recs: list[dict[str, Any]] = []
         for rep in range(args.repeat):
             order = repeat_order(list(by_label), rep)
@@ -223,10 +263,15 @@ def run_sweep(args: argparse.Namespace) -> int:
     cfg = config(args)
     wall = bool(cfg.train_time) or cfg.train_auto
     trains = "sync's rollout time in" if cfg.train_auto else f"{cfg.train_time:g} s"
-    what = (f"consumed tokens per wall second, {trains} training per step included"
-            if wall else "consumed-token throughput")  # fmt: skip
-    print(f"\n== sweep: {what} vs sync ({labels}; {args.steps} steps, "
-          f"over-sampling {args.over_sampling}, seed {args.seed}{reps}) ==")  # fmt: skip
+    what = (
+        f"consumed tokens per wall second, {trains} training per step included"
+        if wall
+        else "consumed-token throughput"
+    )
+    print(
+        f"\n== sweep: {what} vs sync ({labels}; {args.steps} steps, "
+        f"over-sampling {args.over_sampling}, seed {args.seed}{reps}) =="
+    )
     print(sweep_table(done, wall=wall))
     if args.json_out:
         print(f"wrote {args.json_out}")

@@ -63,7 +63,10 @@ async def measure_cost_model(
     err = float(np.mean(np.abs(x @ np.array([a, c]) - y) / np.maximum(y, 1e-9)))
     cost = CostModel(
         "measured on this server (decode probes at batch " + ", ".join(map(str, BATCHES)) + ")",
-        a=a, c=c, prefill_s=prefill_s, restore_s=0.0,
+        a=a,
+        c=c,
+        prefill_s=prefill_s,
+        restore_s=0.0,
         assumptions=(
             "t(b) points (ms/iteration): "
             + ", ".join(f"b={b}: {t * 1e3:.2f}" for b, t in points)
@@ -73,5 +76,5 @@ async def measure_cost_model(
             "not modelled: HTTP submission of K x n requests per sync step, abort/drain and "
             "bookkeeping per APRIL step (on 2 CPUs these are a visible share of a step)",
         ),
-    )  # fmt: skip
+    )
     return cost, points

@@ -1,10 +1,13 @@
-"""`AsyncAprilClient`: the asyncio twin of `AprilClient` (`_sync.py`), over one
-`httpx.AsyncClient`, with the same arguments and methods (awaited)."""
+"""`AprilClient`: the blocking client over one `httpx.Client` (its asyncio twin is `_async.py`).
+
+Each route method is one line over `_routes.py`; `_send` is the one generic send, with opt-in
+retries of idempotent calls; streamed rollouts are `RolloutStream`s (`_stream.py`).
+"""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -15,7 +18,7 @@ from . import _weight_routes as weights
 from ._base import DEFAULT_TIMEOUT, LIMITS, UNHEALTHY, GroupArg, _ClientBase
 from ._errors import AprilError
 from ._routes import Call
-from ._stream import AsyncRolloutStream
+from ._stream import RolloutStream
 from .protocol import (
     AbortResp,
     DeleteResp,
@@ -35,8 +38,13 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class AsyncAprilClient(_ClientBase):
-    """Asyncio twin of `AprilClient`, over one `httpx.AsyncClient`; same arguments."""
+class AprilClient(_ClientBase):
+    """Blocking client over one `httpx.Client`.
+
+    `retries` (default 0) retries idempotent calls only (GETs, `abort`, `rollout` with a
+    `request_id`) after a transport error or a 5xx, waiting `retry_backoff_s * 2**k`.
+    `transport` replaces the network, e.g. with `httpx.MockTransport` in tests.
+    """
 
     def __init__(
         self,
@@ -47,10 +55,10 @@ class AsyncAprilClient(_ClientBase):
         retries: int = 0,
         retry_backoff_s: float = 0.5,
         headers: Mapping[str, str] | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         super().__init__(base_url, api_key, headers, retries, retry_backoff_s)
-        self._http = httpx.AsyncClient(
+        self._http = httpx.Client(
             base_url=self.base_url,
             headers=self._headers,
             timeout=self._timeout(timeout),
@@ -60,52 +68,50 @@ class AsyncAprilClient(_ClientBase):
 
     # ---- sending -----------------------------------------------------------------------------
 
-    async def _retrying(self, call: Call[Any], attempt: Callable[[], Awaitable[R]]) -> R:
+    def _retrying(self, call: Call[Any], attempt: Callable[[], R]) -> R:
         n = 0
         while True:
             try:
-                return await attempt()
+                return attempt()
             except AprilError as exc:
                 delay = self.retry.next_delay(call, exc, n)
                 if delay is None:
                     raise
-            await asyncio.sleep(delay)
+            time.sleep(delay)
             n += 1
 
-    async def _send_once(self, call: Call[T]) -> T:
+    def _send_once(self, call: Call[T]) -> T:
         try:
-            r = await self._http.request(
-                call.method, call.path, content=call.body, headers=call.headers
-            )
+            r = self._http.request(call.method, call.path, content=call.body, headers=call.headers)
         except httpx.RequestError as exc:
             raise self._transport_error(call, exc) from exc
         return routes.finish(call, self._url(call), r.status_code, r.content)
 
-    async def _send(self, call: Call[T]) -> T:
-        return await self._retrying(call, lambda: self._send_once(call))
+    def _send(self, call: Call[T]) -> T:
+        return self._retrying(call, lambda: self._send_once(call))
 
-    async def _open_stream_once(self, call: Call[Any]) -> httpx.Response:
+    def _open_stream_once(self, call: Call[Any]) -> httpx.Response:
         request = self._http.build_request(
             call.method, call.path, content=call.body, headers=call.headers
         )
         try:
-            response = await self._http.send(request, stream=True)
+            response = self._http.send(request, stream=True)
             if not response.is_success:
                 try:
-                    content = await response.aread()
+                    content = response.read()
                 finally:
-                    await response.aclose()
+                    response.close()
                 routes.check_status(call, self._url(call), response.status_code, content)
         except httpx.RequestError as exc:
             raise self._transport_error(call, exc) from exc
         return response
 
-    async def _open_stream(self, call: Call[Any]) -> httpx.Response:
-        return await self._retrying(call, lambda: self._open_stream_once(call))
+    def _open_stream(self, call: Call[Any]) -> httpx.Response:
+        return self._retrying(call, lambda: self._open_stream_once(call))
 
     # ---- april routes ------------------------------------------------------------------------
 
-    async def rollout(
+    def rollout(
         self,
         groups: GroupArg,
         target_groups: int,
@@ -120,7 +126,7 @@ class AsyncAprilClient(_ClientBase):
     ) -> RolloutResp:
         """POST /rollouts: run until `target_groups` groups finish; the rest is buffered.
         `return_routed_experts`: every new group's samples carry their routing (MoE)."""
-        return await self._send(
+        return self._send(
             routes.rollout(
                 groups,
                 target_groups,
@@ -146,8 +152,8 @@ class AsyncAprilClient(_ClientBase):
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
-    ) -> AsyncRolloutStream:
-        """POST /rollouts with `stream: true`: `async for` the events as groups finish."""
+    ) -> RolloutStream:
+        """POST /rollouts with `stream: true`: iterate the events as groups finish."""
         call = routes.rollout(
             groups,
             target_groups,
@@ -159,9 +165,9 @@ class AsyncAprilClient(_ClientBase):
             stream=True,
             turns=turns,
         )
-        return AsyncRolloutStream(call, self._url(call), lambda: self._open_stream(call))
+        return RolloutStream(call, self._url(call), lambda: self._open_stream(call))
 
-    async def add_groups(
+    def add_groups(
         self,
         groups: GroupArg,
         *,
@@ -172,7 +178,7 @@ class AsyncAprilClient(_ClientBase):
     ) -> GroupsResp:
         """POST /groups: hand groups in without waiting (prefetch); `background` generates
         them between calls, `idle` only buffers them. A later call serves them."""
-        return await self._send(
+        return self._send(
             routes.add_groups(
                 groups,
                 start=start,
@@ -182,11 +188,11 @@ class AsyncAprilClient(_ClientBase):
             )
         )
 
-    async def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
+    def reject(self, batch_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
         """Un-count finished groups of a running streamed rollout (DAPO-style filtering)."""
-        return await self._send(routes.reject(batch_id, group_ids))
+        return self._send(routes.reject(batch_id, group_ids))
 
-    async def abort(
+    def abort(
         self,
         batch_id: str | None = None,
         *,
@@ -196,9 +202,9 @@ class AsyncAprilClient(_ClientBase):
         keep: Keep = "tokens",
     ) -> AbortResp:
         """Stop generation in scope; returns once nothing in scope is generating."""
-        return await self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))
+        return self._send(routes.abort(batch_id, group_ids, sample_ids, all, keep))
 
-    async def resume(
+    def resume(
         self,
         sample_ids: Sequence[str],
         append_ids: Mapping[str, Sequence[int]] | None = None,
@@ -206,9 +212,9 @@ class AsyncAprilClient(_ClientBase):
         sampling_params: Mapping[str, Any] | None = None,
     ) -> ResumeResp:
         """Continue buffered samples; returns once they finish."""
-        return await self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
+        return self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
 
-    async def post_input(
+    def post_input(
         self,
         sample_id: str,
         append_ids: Sequence[int] | None = None,
@@ -221,9 +227,9 @@ class AsyncAprilClient(_ClientBase):
         once (`batch_id` names the call); after it, the answer is kept and the member waits
         for the next call. `Conflict` (409 `not_awaiting`) when it is not awaiting input, or
         (with `turn`, the event's) not for that turn: a late retry never answers a later one."""
-        return await self._send(routes.post_input(sample_id, append_ids, text, turn))
+        return self._send(routes.post_input(sample_id, append_ids, text, turn))
 
-    async def partials_page(
+    def partials_page(
         self,
         limit: int | None = None,
         cursor: str | None = None,
@@ -233,11 +239,9 @@ class AsyncAprilClient(_ClientBase):
         weight_version: str | None = None,
     ) -> PartialsResp:
         """One page of the idle buffer (oldest first); pass its `next_cursor` for the next."""
-        return await self._send(
-            routes.partials_page(limit, cursor, status, min_age_s, weight_version)
-        )
+        return self._send(routes.partials_page(limit, cursor, status, min_age_s, weight_version))
 
-    async def partials(
+    def partials(
         self,
         *,
         status: Literal["partial", "finished"] | None = None,
@@ -249,7 +253,7 @@ class AsyncAprilClient(_ClientBase):
         groups: list[Group] = []
         cursor: str | None = None
         while True:
-            page = await self.partials_page(
+            page = self.partials_page(
                 None, cursor, status=status, min_age_s=min_age_s, weight_version=weight_version
             )
             groups += page.groups
@@ -257,96 +261,106 @@ class AsyncAprilClient(_ClientBase):
                 return groups
             cursor = page.next_cursor
 
-    async def partial(self, group_id: str) -> Group:
-        return await self._send(routes.partial(group_id))
+    def partial(self, group_id: str) -> Group:
+        return self._send(routes.partial(group_id))
 
-    async def delete_partial(self, group_id: str) -> DeleteResp:
-        return await self._send(routes.delete_partial(group_id))
+    def delete_partial(self, group_id: str) -> DeleteResp:
+        return self._send(routes.delete_partial(group_id))
 
-    async def stats(self) -> dict[str, Any]:
-        return await self._send(routes.stats())
+    def stats(self) -> dict[str, Any]:
+        return self._send(routes.stats())
 
     # ---- SGLang native routes ----------------------------------------------------------------
 
-    async def metrics(self) -> str:
+    def metrics(self) -> str:
         """Prometheus text exposition."""
-        return await self._send(routes.metrics())
+        return self._send(routes.metrics())
 
-    async def health(self) -> bool:
+    def health(self) -> bool:
         """True when /health answers 2xx; False on a 5xx or no connection (starting, down)."""
         try:
-            await self._send(routes.health())
+            self._send(routes.health())
         except UNHEALTHY:
             return False
         return True
 
-    async def generate(
+    def generate(
         self,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
         sampling_params: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> Any:
         """POST /generate (SGLang's answer: a dict, or a list of dicts for a batch)."""
-        return await self._send(routes.generate(input_ids, sampling_params, extra))
+        return self._send(routes.generate(input_ids, sampling_params, extra))
 
-    async def update_weights_from_disk(
+    def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, **extra: Any
     ) -> dict[str, Any]:
-        return await self._send(weights.update_weights_from_disk(model_path, weight_version, extra))
+        return self._send(weights.update_weights_from_disk(model_path, weight_version, extra))
 
     # ---- weights over the wire (`april_client.weight_sync` drives these) ---------------------
 
-    async def weight_group(self) -> WeightGroupInfo:
+    def weight_group(self) -> WeightGroupInfo:
         """GET /april/v1/weights/group: the ranks a weight-update group needs, and its state."""
-        return await self._send(weights.weight_group())
+        return self._send(weights.weight_group())
 
-    async def init_weights_update_group(
-        self, master_address: str, master_port: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl", rank_offset: int = 1,
-    ) -> dict[str, Any]:  # fmt: skip
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        rank_offset: int = 1,
+    ) -> dict[str, Any]:
         """Returns once every rank joined: the trainer joins at the same time (rank 0)."""
         call = weights.init_weights_update_group(
             master_address, master_port, world_size, group_name, backend, rank_offset
         )
-        return await self._send(call)
+        return self._send(call)
 
-    async def destroy_weights_update_group(
+    def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"
     ) -> dict[str, Any]:
-        return await self._send(weights.destroy_weights_update_group(group_name))
+        return self._send(weights.destroy_weights_update_group(group_name))
 
-    async def begin_weight_update(self) -> dict[str, Any]:
-        return await self._send(weights.weight_session("begin"))
+    def begin_weight_update(self) -> dict[str, Any]:
+        return self._send(weights.weight_session("begin"))
 
-    async def end_weight_update(self) -> dict[str, Any]:
-        return await self._send(weights.weight_session("end"))
+    def end_weight_update(self) -> dict[str, Any]:
+        return self._send(weights.weight_session("end"))
 
-    async def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-        group_name: str = "weight_update_group", weight_version: str | None = None, **extra: Any,
-    ) -> dict[str, Any]:  # fmt: skip
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
         """Returns once the trainer's broadcast of these tensors (in this order) arrived."""
         call = weights.update_weights_from_distributed(
             names, dtypes, shapes, group_name, weight_version, extra
         )
-        return await self._send(call)
+        return self._send(call)
 
-    async def flush_cache(self) -> None:
+    def flush_cache(self) -> None:
         """POST /flush_cache; SGLang answers 400 (`InvalidRequest`) while requests run."""
-        await self._send(routes.flush_cache())
+        self._send(routes.flush_cache())
 
     # ---- lifetime ----------------------------------------------------------------------------
 
-    async def aclose(self) -> None:
-        await self._http.aclose()
+    def close(self) -> None:
+        self._http.close()
 
-    async def __aenter__(self) -> AsyncAprilClient:
+    def __enter__(self) -> AprilClient:
         return self
 
-    async def __aexit__(
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        self.close()

@@ -63,8 +63,13 @@ def parser() -> argparse.ArgumentParser:
         "generates meanwhile. Sets --train-time S and --bump-version. 'auto': as long as sync's "
         "rollout (each sync step its own, the other modes sync's mean; sync must run first)",
     )
-    a("--train-time", type=float, default=0.0, help="simulated training seconds per step "
-      "(older spelling; --train-s also names versions by step)")  # fmt: skip
+    a(
+        "--train-time",
+        type=float,
+        default=0.0,
+        help="simulated training seconds per step "
+        "(older spelling; --train-s also names versions by step)",
+    )
     a(
         "--bump-version",
         action=argparse.BooleanOptionalAction,
@@ -168,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sim-a-ms", type=float, help="fixed ms per decode iteration")
     g.add_argument("--sim-c-ms", type=float, help="ms per running sequence per iteration")
     agent.add_arguments(p)
-    return p  # fmt: skip
+    return p
 
 
 def positive_int(text: str) -> int:

@@ -36,15 +36,23 @@ def interrupted_pair(c: httpx.Client, tag: str, length: int) -> None:
     params = {"temperature": 0.0, "ignore_eos": True}
     body = {
         "groups": [
-            {"group_id": tag, "input_ids": prompt, "n": 2,
-             "sampling_params": {**params, "max_new_tokens": 4 + TAIL}},
-            {"group_id": tag + "-t", "input_ids": [1, 2], "n": 1,
-             "sampling_params": {**params, "max_new_tokens": 3}},
+            {
+                "group_id": tag,
+                "input_ids": prompt,
+                "n": 2,
+                "sampling_params": {**params, "max_new_tokens": 4 + TAIL},
+            },
+            {
+                "group_id": tag + "-t",
+                "input_ids": [1, 2],
+                "n": 1,
+                "sampling_params": {**params, "max_new_tokens": 3},
+            },
         ],
         "target_groups": 1,
         "on_quota": "snapshot",
         "resume_first": False,
-    }  # fmt: skip
+    }
     _ok(c.post(R + "/rollouts", json=body))
     c.delete(f"{R}/partials/{tag}-t")
 
@@ -105,10 +113,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"resume after interruption + flush_cache; {TAIL} tokens decoded after; median of "
-          f"{args.repeats}; CPU")  # fmt: skip
-    print("| model | partial tokens | re-prefill s | restore s | speed-up | cached tokens "
-          "(restore) | restore GB/s (mean) |")  # fmt: skip
+    print(
+        f"resume after interruption + flush_cache; {TAIL} tokens decoded after; median of "
+        f"{args.repeats}; CPU"
+    )
+    print(
+        "| model | partial tokens | re-prefill s | restore s | speed-up | cached tokens "
+        "(restore) | restore GB/s (mean) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         bench_model(model, lengths, args.repeats)

@@ -44,8 +44,17 @@ COLUMNS = [
 def bench(url: str, bench_args: list[str]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "bench.jsonl"
-        cmd = [sys.executable, "-m", "april_bench.cli", "--url", url, "--json-out",
-               str(out), "--no-progress", *bench_args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "april_bench.cli",
+            "--url",
+            url,
+            "--json-out",
+            str(out),
+            "--no-progress",
+            *bench_args,
+        ]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 

@@ -37,10 +37,15 @@ def _ok(r: httpx.Response) -> Any:
 def _groups(tag: str, groups: int, n: int, max_tokens: int) -> list[dict[str, Any]]:
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": max_tokens}
     return [
-        {"group_id": f"{tag}-{g}", "input_ids": [5 + g, 9, 11, 13 + g], "n": n,
-         "sampling_params": params, "seed": g}
+        {
+            "group_id": f"{tag}-{g}",
+            "input_ids": [5 + g, 9, 11, 13 + g],
+            "n": n,
+            "sampling_params": params,
+            "seed": g,
+        }
         for g in range(groups)
-    ]  # fmt: skip
+    ]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,14 +96,23 @@ def snapshot_cost(c: httpx.Client) -> dict[str, float]:
     params = {"temperature": 0.0, "ignore_eos": True}
     body = {
         "groups": [
-            {"group_id": "snap", "input_ids": [7, 8, 9], "sampling_params":
-             {**params, "max_new_tokens": 400}},
-            {"group_id": "snap-t", "input_ids": [1, 2], "sampling_params":
-             {**params, "max_new_tokens": 200}},
+            {
+                "group_id": "snap",
+                "input_ids": [7, 8, 9],
+                "sampling_params": {**params, "max_new_tokens": 400},
+            },
+            {
+                "group_id": "snap-t",
+                "input_ids": [1, 2],
+                "sampling_params": {**params, "max_new_tokens": 200},
+            },
         ],
-        "target_groups": 1, "on_quota": "snapshot", "resume_first": False,
-        "max_inflight_groups": 2, "return_routed_experts": True,
-    }  # fmt: skip
+        "target_groups": 1,
+        "on_quota": "snapshot",
+        "resume_first": False,
+        "max_inflight_groups": 2,
+        "return_routed_experts": True,
+    }
     _ok(c.post(R + "/rollouts", json=body))
     s = _ok(c.get(R + "/partials/snap"))["samples"][0]
     after = _ok(c.get(R + "/stats"))
@@ -161,21 +175,29 @@ def main() -> None:
         **snap,
         "runs": runs,  # every call's figures, in run order per mode
     }
-    print(f"tiny MoE (2 layers, 8 experts, top-2), CPU; {args.groups}x{args.n} samples of "
-          f"{args.max_tokens} tokens, greedy; median of {args.repeats}, rotated")  # fmt: skip
+    print(
+        f"tiny MoE (2 layers, 8 experts, top-2), CPU; {args.groups}x{args.n} samples of "
+        f"{args.max_tokens} tokens, greedy; median of {args.repeats}, rotated"
+    )
     cpu_base = med(modes[0], "cpu_s_per_1k_tokens")
-    print("| server / call | output tok/s | vs no capture | server CPU s / 1k tokens | vs no "
-          "capture | response bytes / output token |")  # fmt: skip
+    print(
+        "| server / call | output tok/s | vs no capture | server CPU s / 1k tokens | vs no "
+        "capture | response bytes / output token |"
+    )
     print("|---|---|---|---|---|---|")
     for m in modes:
         tps, cpu = med(m, "tokens_per_s"), med(m, "cpu_s_per_1k_tokens")
         resp = med(m, "resp_bytes_per_token")
-        print(f"| {m} | {tps:.1f} | x{tps / base:.2f} | {cpu:.3f} | x{cpu / cpu_base:.2f} | "
-              f"{resp:.1f} |")  # fmt: skip
-    print(f"routing on the wire: {result['routing_wire_bytes_per_position']:.2f} bytes/position "
-          f"(JSON, base64); snapshot of {snap['snapshot_tokens']} tokens: "
-          f"{snap['snapshot_bytes_per_token']:.1f} bytes/token, of which routing "
-          f"{snap['snapshot_routing_bytes_per_token']:.1f}")  # fmt: skip
+        print(
+            f"| {m} | {tps:.1f} | x{tps / base:.2f} | {cpu:.3f} | x{cpu / cpu_base:.2f} | "
+            f"{resp:.1f} |"
+        )
+    print(
+        f"routing on the wire: {result['routing_wire_bytes_per_position']:.2f} bytes/position "
+        f"(JSON, base64); snapshot of {snap['snapshot_tokens']} tokens: "
+        f"{snap['snapshot_bytes_per_token']:.1f} bytes/token, of which routing "
+        f"{snap['snapshot_routing_bytes_per_token']:.1f}"
+    )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)

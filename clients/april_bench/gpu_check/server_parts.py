@@ -34,13 +34,18 @@ RESUME_LENGTHS = (1024, 4096, 16384)
 RESUME_REPEATS = 3
 # An 8B-shaped model with random weights: the real architecture and KV size, no download.
 SERVER_ARGS = [
-    "--model-path", str(MODEL_DIR),
-    "--load-format", "dummy",
+    "--model-path",
+    str(MODEL_DIR),
+    "--load-format",
+    "dummy",
     "--skip-tokenizer-init",  # token ids only: no tokenizer files are shipped
-    "--mem-fraction-static", "0.80",
-    "--cuda-graph-max-bs-decode", "80",  # the bench runs <= 64 samples; less to capture
-    "--april-kv-host-bytes", str(16 << 30),  # two 16k-token 8B snapshots are 4 GiB
-]  # fmt: skip
+    "--mem-fraction-static",
+    "0.80",
+    "--cuda-graph-max-bs-decode",
+    "80",  # the bench runs <= 64 samples; less to capture
+    "--april-kv-host-bytes",
+    str(16 << 30),  # two 16k-token 8B snapshots are 4 GiB
+]
 BENCH_ARGS = [
     "--modes", "sync,april@all,april@auto",
     "--steps", "6", "--groups", "8", "--n", "4", "--max-tokens", "512",
@@ -64,8 +69,9 @@ def ensure_plugin_entry_point(out_dir: Path) -> str:
     site = out_dir / "site"
     info = site / "april_server_gpu_check-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: april-server-gpu-check\n"
-                                   "Version: 0.0\n")  # fmt: skip
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: april-server-gpu-check\nVersion: 0.0\n"
+    )
     (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN}\n")
     paths = (str(site), os.environ.get("PYTHONPATH"))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)

@@ -254,9 +254,11 @@ class ModeRunner:
             return self.result
         self.finished = True
         self.result.timeline = [
-            (local + t - a0, r) for a0, a1, local in self.windows for t, r in poller.samples
+            (local + t - a0, r)
+            for a0, a1, local in self.windows
+            for t, r in poller.samples
             if a0 <= t <= a1
-        ]  # fmt: skip
+        ]
         self.result.run_idle_frac = windows_idle_frac(poller.samples, self.run_windows)
         if self.mode == "april-async" and self.result.available:
             # Stop our background work first, so that what is counted as leftover stays put
@@ -304,9 +306,17 @@ class ModeRunner:
             for c, v in group:
                 add(hist, version_lag(v, self.version, self.history), c.tokens)
         tokens = sum(c.tokens for c in consumed)
-        rec = StepRecord(step, wall, wall, len(consumed), tokens, tokens,
-                         offpolicy_tokens=offpolicy_tokens(hist), weight_version=self.version,
-                         staleness=hist)  # fmt: skip
+        rec = StepRecord(
+            step,
+            wall,
+            wall,
+            len(consumed),
+            tokens,
+            tokens,
+            offpolicy_tokens=offpolicy_tokens(hist),
+            weight_version=self.version,
+            staleness=hist,
+        )
         return StepOutcome(rec, consumed)
 
     async def sync_group(self, g: WorkGroup, t0: float, step: int) -> list[tuple[Consumed, str]]:
@@ -318,8 +328,12 @@ class ModeRunner:
     async def generate(self, g: WorkGroup, j: int) -> tuple[Consumed, str]:
         params = g.sampling_params(self.cfg.max_tokens, self.cfg.temperature)
         params["max_new_tokens"] = g.budgets[j] if g.ignore_eos else self.cfg.max_tokens
-        body = {**self.prompt(g), "sampling_params": params, "return_logprob": True,
-                "stream": self.cfg.stream_sync}  # fmt: skip
+        body = {
+            **self.prompt(g),
+            "sampling_params": params,
+            "return_logprob": True,
+            "stream": self.cfg.stream_sync,
+        }
         start = time.perf_counter()
         chunks: list[float] = []
         if self.cfg.stream_sync:
@@ -358,9 +372,14 @@ class ModeRunner:
 
     def group_spec(self, g: WorkGroup) -> dict[str, Any]:
         cfg = self.cfg
-        return {"group_id": self.gid(g), **self.prompt(g), "n": g.n,
-                "sampling_params": g.sampling_params(cfg.max_tokens, cfg.temperature),
-                "member_params": g.member_params(), "metadata": {"answer": g.answer}}  # fmt: skip
+        return {
+            "group_id": self.gid(g),
+            **self.prompt(g),
+            "n": g.n,
+            "sampling_params": g.sampling_params(cfg.max_tokens, cfg.temperature),
+            "member_params": g.member_params(),
+            "metadata": {"answer": g.answer},
+        }
 
     async def prefetch(self, step: int) -> int:
         """april-async: hand in `step`'s new groups now, generating in the background, so that
@@ -393,7 +412,7 @@ class ModeRunner:
             "length_order": LENGTH_ORDER.get(self.mode),
             "stream": True,
             "request_id": f"{cfg.run_tag}-{self.spec.slug}-s{step}",
-        }  # fmt: skip
+        }
         t0 = time.perf_counter()
         finished: list[dict[str, Any]] = []
         ttq: float | None = None
@@ -419,21 +438,27 @@ class ModeRunner:
             )
         version = str(stats.get("weight_version", self.version))
         consumed = [
-            Consumed(s["sample_id"], grp["group_id"], s["index"], len(s["output_ids"]),
-                     s["status"])
-            for grp in finished for s in grp["samples"]
-        ]  # fmt: skip
+            Consumed(s["sample_id"], grp["group_id"], s["index"], len(s["output_ids"]), s["status"])
+            for grp in finished
+            for s in grp["samples"]
+        ]
         hist = sample_histogram((s for g in finished for s in g["samples"]), version, self.history)
         rec = StepRecord(
-            step, wall, ttq if ttq is not None else float(stats.get("time_to_quota_s") or wall),
-            len(consumed), sum(c.tokens for c in consumed), int(stats.get("output_tokens", 0)),
-            offpolicy_tokens=offpolicy_tokens(hist), staleness=hist,
+            step,
+            wall,
+            ttq if ttq is not None else float(stats.get("time_to_quota_s") or wall),
+            len(consumed),
+            sum(c.tokens for c in consumed),
+            int(stats.get("output_tokens", 0)),
+            offpolicy_tokens=offpolicy_tokens(hist),
+            staleness=hist,
             restored_kv_tokens=int(stats.get("restored_kv_tokens", 0)),
             recomputed_tokens=int(stats.get("recomputed_tokens", 0)),
             resumed_samples=int(stats.get("resumed_samples", 0)),
-            buffered_groups=len(buffered), weight_version=version,
+            buffered_groups=len(buffered),
+            weight_version=version,
             inflight_target=stats.get("inflight_target"),
-        )  # fmt: skip
+        )
         return StepOutcome(rec, consumed)
 
     async def collect_leftover(self) -> None:

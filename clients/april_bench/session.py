@@ -38,8 +38,15 @@ def make_workload(args: argparse.Namespace, cfg: BenchConfig, vocab: int) -> Wor
         if args.lengths_file is None:
             raise BenchError("--workload jsonl needs --lengths-file")
         lengths = load_lengths(args.lengths_file)
-    return Workload(args.workload, cfg.n, cfg.max_tokens, seed=args.seed, vocab_size=vocab,
-                    lengths=lengths, prompts=getattr(args, "prompts", 8))  # fmt: skip
+    return Workload(
+        args.workload,
+        cfg.n,
+        cfg.max_tokens,
+        seed=args.seed,
+        vocab_size=vocab,
+        lengths=lengths,
+        prompts=getattr(args, "prompts", 8),
+    )
 
 
 async def warmup(http: httpx.AsyncClient, cfg: BenchConfig, wl: Workload, rounds: int) -> None:

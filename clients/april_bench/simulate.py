@@ -79,7 +79,10 @@ class CostModel:
 
 H200_8B = CostModel(
     "8B dense model (bf16) on H200, one engine per GPU (assumed constants, not measured)",
-    a=6e-3, c=2e-4, prefill_s=4e-5, restore_s=2.6e-6,
+    a=6e-3,
+    c=2e-4,
+    prefill_s=4e-5,
+    restore_s=2.6e-6,
     assumptions=(
         "a = 6 ms: 16 GB of weights read per iteration at ~3.4 TB/s effective HBM bandwidth "
         "plus ~1.5 ms scheduling/launch overhead (CUDA graphs)",
@@ -90,7 +93,7 @@ H200_8B = CostModel(
         "no KV-capacity limit, retraction or chunked-prefill overlap; no request submission, "
         "abort/drain or training-side cost",
     ),
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -225,8 +228,9 @@ def run_sim(mode: str, setup: SimSetup, cost: CostModel) -> SimResult:
     )
     for step in range(setup.steps):
         fresh = want - len(buffer)
-        groups = buffer + [[_Member(b) for b in wl.group(i).budgets]
-                           for i in range(next_idx, next_idx + fresh)]  # fmt: skip
+        groups = buffer + [
+            [_Member(b) for b in wl.group(i).budgets] for i in range(next_idx, next_idx + fresh)
+        ]
         next_idx += fresh
         active = [m for g in groups for m in g if not m.finished]
         per_engine: list[list[_Member]] = [[] for _ in range(setup.engines)]
@@ -245,11 +249,21 @@ def run_sim(mode: str, setup: SimSetup, cost: CostModel) -> SimResult:
             else:
                 pre[e] += m.done * cost.prefill_s
                 res.recomputed += setup.prompt_len + m.done
-        engines = [_Engine([m.budget - m.done for m in ms], pre[e], cost)
-                   for e, ms in enumerate(per_engine)]  # fmt: skip
-        done_at = [max((engines[m.engine].finish_time(m.budget - m.done)
-                        for m in g if not m.finished and m.engine is not None), default=0.0)
-                   for g in groups]  # fmt: skip
+        engines = [
+            _Engine([m.budget - m.done for m in ms], pre[e], cost)
+            for e, ms in enumerate(per_engine)
+        ]
+        done_at = [
+            max(
+                (
+                    engines[m.engine].finish_time(m.budget - m.done)
+                    for m in g
+                    if not m.finished and m.engine is not None
+                ),
+                default=0.0,
+            )
+            for g in groups
+        ]
         order = sorted(range(len(groups)), key=lambda i: (done_at[i], i))
         take = order[: setup.groups]
         wall = max(done_at[i] for i in take)
@@ -303,12 +317,17 @@ def calibrate(sync_steps: Sequence[StepRecord]) -> tuple[CostModel, str]:
     pred = x @ np.array([a, c])
     err = float(np.mean(np.abs(pred - y) / y)) if len(y) else 0.0
     cm = CostModel(
-        "calibrated from this run's sync steps", a=float(a), c=float(c), prefill_s=float(c),
+        "calibrated from this run's sync steps",
+        a=float(a),
+        c=float(c),
+        prefill_s=float(c),
         restore_s=0.0,
-        assumptions=(f"least-squares fit over {len(y)} sync steps, mean abs error {100 * err:.1f}%",
-                     "re-prefill costs c per token (the marginal cost of one more sequence-token)",
-                     "restore is free (no snapshots measured)"),
-    )  # fmt: skip
+        assumptions=(
+            f"least-squares fit over {len(y)} sync steps, mean abs error {100 * err:.1f}%",
+            "re-prefill costs c per token (the marginal cost of one more sequence-token)",
+            "restore is free (no snapshots measured)",
+        ),
+    )
     return cm, f"a = {a * 1e3:.3f} ms/iteration, c = {c * 1e3:.4f} ms/sequence"
 
 
@@ -322,17 +341,22 @@ def report(
     """The cost model, the assumptions and one row per (engine count, mode); `engines`
     defaults to `setup.engines`, K per step as in `sweep`."""
     counts = list(engines) if engines else [setup.engines]
-    lines = ["SIMULATION (a model, not a measurement)", f"cost model: {cost.name}",
-             f"  t(b) = {cost.a * 1e3:.3f} ms + {cost.c * 1e3:.4f} ms x b per decode iteration; "
-             f"prefill {cost.prefill_s * 1e6:.2f} us/token; restore {cost.restore_s * 1e6:.2f} "
-             "us/token"]  # fmt: skip
+    lines = [
+        "SIMULATION (a model, not a measurement)",
+        f"cost model: {cost.name}",
+        f"  t(b) = {cost.a * 1e3:.3f} ms + {cost.c * 1e3:.4f} ms x b per decode iteration; "
+        f"prefill {cost.prefill_s * 1e6:.2f} us/token; restore {cost.restore_s * 1e6:.2f} "
+        "us/token",
+    ]
     lines += [f"  assumption: {a}" for a in cost.assumptions]
     if max(counts) > 1:
         lines.append(f"  assumption: placement {ROUTING_TEXT[setup.routing]}")
         lines += [f"  assumption: {a}" for a in PLACEMENT_ASSUMPTIONS]
     if groups_per_engine is not None:
-        batch = (f"K = {groups_per_engine} groups per engine per step (weak scaling: "
-                 f"K = {groups_per_engine} x engines)")  # fmt: skip
+        batch = (
+            f"K = {groups_per_engine} groups per engine per step (weak scaling: "
+            f"K = {groups_per_engine} x engines)"
+        )
     elif len(counts) > 1:
         batch = f"K = {setup.groups} groups per step at every engine count (strong scaling)"
     else:
@@ -344,9 +368,11 @@ def report(
         f"{setup.seed}"
     )
     results = sweep(setup, cost, modes, counts, groups_per_engine)
-    lines.append(f"{'engines':>7} {'K':>5} {'mode':>9} {'s/step':>9} {'tok/s':>11} {'x sync':>7} "
-                 f"{'offpol %':>9} {'batch/eng':>9} {'imbal':>6} {'restore %':>9} "
-                 f"{'recomp tok':>11}")  # fmt: skip
+    lines.append(
+        f"{'engines':>7} {'K':>5} {'mode':>9} {'s/step':>9} {'tok/s':>11} {'x sync':>7} "
+        f"{'offpol %':>9} {'batch/eng':>9} {'imbal':>6} {'restore %':>9} "
+        f"{'recomp tok':>11}"
+    )
     base: dict[int, float] = {r.engines: r.throughput for r in results if r.mode == "sync"}
     for r in results:
         wall = sum(r.walls)

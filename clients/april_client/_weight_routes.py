@@ -39,9 +39,14 @@ def init_weights_update_group(
 ) -> Call[dict[str, Any]]:
     if world_size < 2 or not 0 < rank_offset < world_size:
         raise ValueError(f"world_size {world_size} with rank_offset {rank_offset}")
-    body = {"master_address": master_address, "master_port": int(master_port),
-            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
-            "backend": backend}  # fmt: skip
+    body = {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
     return Call("POST", "/init_weights_update_group", _dict_decoder.decode, _encode_obj(body))
 
 

@@ -171,9 +171,16 @@ class ToolLoop:
         for s in specs:
             self.metadata[s["group_id"]] = s.get("metadata") or {}
         return rollout_with_tool(
-            client, specs, target, tool=self.tool, tokenizer=tokenizer, turns=self.turns,
-            metadata=self.metadata, calls=self.calls, **kw,
-        )  # fmt: skip
+            client,
+            specs,
+            target,
+            tool=self.tool,
+            tokenizer=tokenizer,
+            turns=self.turns,
+            metadata=self.metadata,
+            calls=self.calls,
+            **kw,
+        )
 
     def rows(
         self, groups: Sequence[Group], n: int, version: str, stale: StaleTokens

@@ -1,7 +1,7 @@
 """TRL adapter: `GRPOTrainer(..., rollout_func=AprilRollout(client))` generates on april-server.
 
-Install with `pip install "./clients[trl]"` (april-client's `trl` extra: the client alone,
-with TRL pinned to 1.16.0; `rollout_func` is experimental there, set
+Install with `pip install "./clients/april_client[trl]"` (april-client's `trl` extra: the client
+alone, with TRL pinned to 1.16.0; `rollout_func` is experimental there, set
 `TRL_EXPERIMENTAL_SILENCE=1`). What one call does, in order:
 
 1. Weights: once per optimizer step the trainer's model becomes weight version
@@ -219,8 +219,10 @@ class AprilRollout:
         call = self._calls
         self._calls += 1
         params = sampling_params(trainer)
-        specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
-                 for k, p in enumerate(chosen)]  # fmt: skip
+        specs = [
+            self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
+            for k, p in enumerate(chosen)
+        ]
         sent = [s["group_id"] for s in specs]
         t0 = time.perf_counter()
         self.ledger.on_sent(sent, step)
@@ -252,10 +254,22 @@ class AprilRollout:
         wall_s = time.perf_counter() - t0
         prefetched = self._prefetch(firsts, n, params, trainer, step) if training else []
         restarts = [s.staleness_restarts for g in resp.groups for s in g.samples]
-        record = StepRecord(call, step, "train" if training else "eval", version, sent,
-                            returned, rows.stale_tokens, resp.stats.output_tokens, wall_s,
-                            prefetched, sum(len(c) for c in rows.completion_ids), push_s,
-                            sum(1 for r in restarts if r), sum(restarts))  # fmt: skip
+        record = StepRecord(
+            call,
+            step,
+            "train" if training else "eval",
+            version,
+            sent,
+            returned,
+            rows.stale_tokens,
+            resp.stats.output_tokens,
+            wall_s,
+            prefetched,
+            sum(len(c) for c in rows.completion_ids),
+            push_s,
+            sum(1 for r in restarts if r),
+            sum(restarts),
+        )
         self.records.append(record)
         self._warn_restarts(record, len(restarts))
         out: dict[str, list[Any]] = {
@@ -285,9 +299,12 @@ class AprilRollout:
             "for max_staleness=%s (%d restarts in all): their answers take longer to generate "
             "than the bound allows, and every restart throws work away. Raise max_staleness "
             "(see docs/trainers.md, 'Choosing max_staleness'). Warned once per run.",
-            record.restarted_samples, samples, record.step, self.max_staleness,
+            record.restarted_samples,
+            samples,
+            record.step,
+            self.max_staleness,
             record.staleness_restarts,
-        )  # fmt: skip
+        )
 
     def _prefetch(
         self, firsts: list[Any], n: int, params: dict[str, Any], trainer: Any, step: int
@@ -303,8 +320,10 @@ class AprilRollout:
             return []
         call = self._calls  # its own call number: ids and seeds unique in the run
         self._calls += 1
-        specs = [self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
-                 for k, p in enumerate(chosen)]  # fmt: skip
+        specs = [
+            self._spec(f"{self.run_id}.c{call}.{k}", p, n, params, trainer, call, k)
+            for k, p in enumerate(chosen)
+        ]
         ids = [s["group_id"] for s in specs]
         self.ledger.on_sent(ids, step)  # before sending: close() cleans up even a failed send
         self.client.add_groups(
