@@ -39,7 +39,7 @@ from april_server.engine.weight_session import WeightSession
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.ranks import merge_rank_stats
-from april_server.rules.routing import RoutingRows, dtype_for
+from april_server.rules.routing_replay import RoutingRows, dtype_for
 from april_server.rules.samples import SegmentResult
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy

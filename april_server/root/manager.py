@@ -28,9 +28,9 @@ from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
 from april_server.operations.abort import Abort
 from april_server.operations.delete import Delete
+from april_server.operations.forget_lengths import ForgetLengths
 from april_server.operations.groups import AddGroups
 from april_server.operations.inputs import PostInput
-from april_server.operations.lengths import ForgetLengths
 from april_server.operations.partials import Partials
 from april_server.operations.resume import Resume
 from april_server.root.durable import Durable

@@ -22,7 +22,7 @@ from april_server.engine import segment_runner
 from april_server.engine.base import EngineUnavailable
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import CallTally
-from april_server.fleet.wire import encoder
+from april_server.fleet.engine_wire import encoder
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules import samples, snapshots

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tests.unit.project.test_structure import ROOT
 
-# Lowest first, one subpackage of april_server each (README, "Architecture"). `kernels` imports
-# nothing of ours (its GPU-check parts included). Then the bookkeeping, plain Python: settings; the
-# wire contract; pure rules; the buffer and its store; the engine side (what an engine offers, the
+# Lowest first, one subpackage of april_server each (docs/architecture.md, "Layers"). `kernels`
+# imports nothing of ours (its GPU-check parts included). Then the bookkeeping, plain Python:
+# settings; the wire contract; pure rules; the buffer and its store; the engine side (what an engine offers, the
 # segment runner); the runtime (background, live calls, persister, sweep); the call state machine;
 # the other operations; the composition root that builds and wires all of them (`root`). The door
 # runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one root and the

@@ -42,6 +42,7 @@ from april_server.rules.placement import (
 from april_server.rules.ranks import merge_rank_stats
 from april_server.rules.samples import SegmentResult
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.idle import idle_bodies
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_EOS = {"ignore_eos": True}
@@ -183,7 +184,7 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         # Five fresh samples over two idle ranks: spread, not piled on one.
         ranks = list(eng.ran.values())
         assert sorted(ranks.count(k) for k in (0, 1)) == [2, 3]
-        held = {s.sample_id: s for g in mgr.buffer.load_idle() for s in g.samples}
+        held = {s.sample_id: s for g in idle_bodies(mgr.buffer) for s in g.samples}
         for sid, s in held.items():
             assert s.snapshot_bytes > 0
             rank = s.segments[-1].dp_rank
