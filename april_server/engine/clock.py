@@ -53,11 +53,29 @@ class StepTimer:
         return out
 
 
+def batch_bucket(size: int) -> int:
+    """The lower edge of `size`'s decode-batch bucket: half an octave wide (1, 2, 3, 4, 6, 8,
+    11, 16, 23, 32, 45, 64, 91, 128, ...), so a reader can split decode time at any of them
+    (at a full batch or below it) with at most ~25 keys up to 4096 running requests."""
+    if size < 1:
+        return 0
+    k = 2 * (size.bit_length() - 1)  # the power of two at or below `size`
+    if bucket_edge(k + 1) <= size:
+        k += 1
+    return bucket_edge(k)
+
+
+def bucket_edge(k: int) -> int:
+    return max(1, round(2 ** (k / 2)))
+
+
 class EngineClock:
     """Seconds inside `run_batch` and tokens processed, by forward kind: how much of a rollout
-    the engine spent prefilling (re-prefill of continuations included) vs decoding. On CPU the
-    forward runs inside the call, so this is compute time; with SGLang's overlap scheduler on
-    a GPU it is launch time only and undercounts."""
+    the engine spent prefilling (re-prefill of continuations included) vs decoding, and decode
+    seconds by batch size (`batch_bucket`: `decode_s_b<edge>`, `decode_batches_b<edge>`,
+    `decode_tokens_b<edge>`), which separates forwards at a full batch from the tail's. On CPU
+    the forward runs inside the call, so this is compute time; with SGLang's overlap scheduler
+    on a GPU it is launch time only and undercounts."""
 
     RECENT_S = 60  # `/stats` `engine_idle_share` looks this far back
 
@@ -71,6 +89,8 @@ class EngineClock:
         # Context attended by decode steps (sum of sequence lengths): with the same batch size a
         # step over longer contexts costs more, so this separates "bigger batch" from "longer".
         self.decode_context_tokens = 0
+        self.prefill_requests = 0  # each makes its request's first token (prefill_tokens: input)
+        self.decode_by_bucket: dict[int, list[float]] = {}  # edge -> [seconds, batches, tokens]
 
     def add(self, batch: Any, seconds: float) -> None:
         if batch is None:
@@ -79,8 +99,13 @@ class EngineClock:
         if mode.is_decode():
             acc, tokens = self.totals["decode"], int(batch.batch_size())
             self.decode_context_tokens += int(getattr(batch, "seq_lens_sum", 0) or 0)
+            bucket = self.decode_by_bucket.setdefault(batch_bucket(tokens), [0.0, 0, 0])
+            bucket[0] += seconds
+            bucket[1] += 1
+            bucket[2] += tokens
         elif mode.is_extend():  # prefill, chunked prefill, mixed
             acc, tokens = self.totals["prefill"], int(getattr(batch, "extend_num_tokens", 0) or 0)
+            self.prefill_requests += int(batch.batch_size())
         else:  # idle batches (data parallel padding) cost nothing worth counting
             return
         acc[0] += seconds
@@ -111,6 +136,11 @@ class EngineClock:
             out[f"{kind}_s"], out[f"{kind}_batches"] = round(seconds, 6), batches
             out[f"{kind}_tokens"] = tokens
         out["decode_context_tokens"] = self.decode_context_tokens
+        out["prefill_requests"] = self.prefill_requests
+        for edge, (seconds, batches, tokens) in sorted(self.decode_by_bucket.items()):
+            out[f"decode_s_b{edge}"] = round(seconds, 6)
+            out[f"decode_batches_b{edge}"] = batches
+            out[f"decode_tokens_b{edge}"] = tokens
         return out
 
 

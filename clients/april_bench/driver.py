@@ -30,6 +30,7 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from .accounting import Consumed, Ledger
+from .gap import decode_buckets
 from .length_stats import length_figures, score_delta
 from .metrics import ModeResult, StepRecord, timeline_stats, windows_idle_frac
 from .server_api import (
@@ -229,6 +230,8 @@ class ModeRunner:
             rec.decode_steps = int(clock.get("decode_batches", 0))
             rec.decode_tokens = int(clock.get("decode_tokens", 0))
             rec.decode_context_tokens = int(clock.get("decode_context_tokens", 0))
+            rec.prefill_requests = int(clock.get("prefill_requests", 0))
+            rec.decode_by_bucket = decode_buckets(clock)
         local = self.result.steps[-1].t_end if self.result.steps else 0.0
         rec.t_start, rec.t_end = local, local + rec.wall_s
         self.windows.append((a0, a0 + rec.wall_s, local))

@@ -39,6 +39,20 @@ Definitions (printed by `april-bench --help-metrics`):
   scheduler on a GPU.
   april-async: the clock is read around each call, so background forwards that ran between the
   reading and the call pausing them are in it too (engine_other_s can go below 0).
+- bound (`bound_tok_s`, `bound.py`): the engine's saturated generation throughput, measured
+  on the same server before the modes: a closed-loop backlog of the workload's own samples on
+  `/generate` at concurrency 8, 16, ... up to what the engine holds; the best level's tokens
+  per second. `x bound` (`output_throughput_vs_bound`) = a mode's consumed tokens per rollout
+  second over it; `bound_full_batch` = the mean decode batch of the smallest level within 5 %
+  of the best (the knee).
+- thrown away (`thrown_away_share`) = tokens_wasted / generated; never consumed
+  (`unconsumed_share`) = leftover / generated.
+- wall by cause (`wall_by_cause`, `gap.py`): decode forwards at a full batch (the knee's batch
+  bucket and above) and below it, prefill of resumed work (the prefill time's share of
+  recomputed tokens) and of new prompts, outside forwards; they add up to the rollout wall.
+- the gap (`gap_to_bound`): shares of bound x rollout wall: `consumed` (= x bound), outside
+  forwards, prefill, decode below the bound's rate (bound x decode s - generated), generated
+  but not consumed; they add up to 1.
 - TTFT / TPOT / ITL / E2E follow sglang.bench_serving: TPOT = (E2E - TTFT) / (tokens - 1),
   ITL = gaps between streamed chunks; `{mean,median,std,p90,p95,p99}_{name}_ms`.
 """
@@ -171,6 +185,10 @@ class StepRecord:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_context_tokens: int = 0
+    prefill_requests: int = 0  # requests prefilled: each made its first token there
+    # Decode forwards by batch-size bucket (`engine/clock.py` batch_bucket): lower edge ->
+    # [seconds, steps, tokens]; splits decode time at a full batch from the tail's.
+    decode_by_bucket: dict[int, list[float]] = field(default_factory=dict)
     t_start: float = 0.0  # seconds since the mode started
     t_end: float = 0.0
 
@@ -187,6 +205,7 @@ class StepRecord:
         d = asdict(self)
         d["output_throughput"] = round(self.output_throughput, 3)
         d["staleness"] = {str(k): v for k, v in sorted(self.staleness.items())}
+        d["decode_by_bucket"] = {str(k): v for k, v in sorted(self.decode_by_bucket.items())}
         d["span_s"] = round(self.span_s, 4)
         return d
 
@@ -200,6 +219,12 @@ def engine_time_totals(steps: list[StepRecord], wall: float) -> dict[str, Any]:
     prefill = sum(r.prefill_s or 0.0 for r in steps)
     decode = sum(r.decode_s or 0.0 for r in steps)
     decode_steps = sum(r.decode_steps for r in steps)
+    buckets: dict[int, list[float]] = {}
+    for r in steps:
+        for edge, figures in r.decode_by_bucket.items():
+            acc = buckets.setdefault(edge, [0.0, 0.0, 0.0])
+            for i, v in enumerate(figures):
+                acc[i] += v
     return {
         "engine_prefill_s": round(prefill, 4),
         "engine_prefill_tokens": sum(r.prefill_tokens for r in steps),
@@ -215,6 +240,10 @@ def engine_time_totals(steps: list[StepRecord], wall: float) -> dict[str, Any]:
         if decode_steps
         else None,
         "engine_other_s": round(wall - prefill - decode, 4),
+        "engine_prefill_requests": sum(r.prefill_requests for r in steps),
+        "engine_decode_by_bucket": {
+            str(k): [round(v[0], 6), int(v[1]), int(v[2])] for k, v in sorted(buckets.items())
+        },
     }
 
 
@@ -261,6 +290,7 @@ class ModeResult:
             "consumed_samples": samples,
             "consumed_tokens": consumed,
             "generated_tokens": generated,
+            "generated_in_calls": in_calls,
             "output_throughput": round(consumed / wall, 3) if wall else None,
             "samples_per_s": round(samples / wall, 4) if wall else None,
             "generated_throughput": round(in_calls / wall, 3) if wall else None,

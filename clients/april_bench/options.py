@@ -96,6 +96,15 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--poll-hz", type=float, default=20.0, help="running-batch sampling rate (0 = off)")
     a("--warmup", type=int, default=1, help="warm-up rounds before measuring")
+    a(
+        "--bound-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds to measure the engine's saturated throughput before the modes (the bound "
+        "every mode's 'x bound' is a fraction of: a closed-loop backlog of the workload at "
+        "concurrency 8, 16, ... up to what the engine holds); 0 = skip",
+    )
     a("--json-out", type=Path, help="append one JSON line per mode")
     a("--plot-dir", type=Path, help="write running_requests.png and step_throughput.png")
     a("--clear-buffer", action="store_true", help="delete every buffered group first")

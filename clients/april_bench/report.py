@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .bound import bound_line
+from .gap import gap_line, gap_to_bound, shares_of_generated, wall_by_cause, wall_line
 from .length_stats import lengths_line
 from .metrics import ModeResult
 from .staleness import describe
@@ -34,6 +36,12 @@ def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str
         ):
             b = base.get(key)
             rec[f"{key}_vs_sync"] = round(tot[key] / b, 4) if b and tot[key] else None
+        bound = run.get("bound_tok_s")
+        for key in ("output_throughput", "generated_throughput"):
+            rec[f"{key}_vs_bound"] = round(tot[key] / bound, 4) if bound and tot[key] else None
+        rec["thrown_away_share"], rec["unconsumed_share"] = shares_of_generated(tot)
+        rec["wall_by_cause"] = wall_by_cause(tot, run.get("bound_full_batch"))
+        rec["gap_to_bound"] = gap_to_bound(tot, bound)
         rec.update(r.latencies.summary())
         rec["checks_ok"] = not r.checks
         rec["checks"] = r.checks
@@ -64,6 +72,7 @@ COLUMNS = [  # (header, key, format)
     ("mode", "mode", ""),
     ("out tok/s", "output_throughput", ".1f"),
     ("x sync", "output_throughput_vs_sync", ".2f"),
+    ("x bound", "output_throughput_vs_bound", ".2f"),
     ("wall tok/s", "wall_throughput", ".1f"),
     ("wall x sync", "wall_throughput_vs_sync", ".2f"),
     ("run idle %", "run_idle_frac", "pct"),
@@ -76,7 +85,9 @@ COLUMNS = [  # (header, key, format)
     ("tail %", "tail_frac", "pct"),
     ("offpol %", "offpolicy_frac", "pct"),
     ("wasted", "tokens_wasted", ""),
+    ("thrown %", "thrown_away_share", "pct"),
     ("leftover", "leftover_tokens", ""),
+    ("unused %", "unconsumed_share", "pct"),
     ("recomp", "recomputed_tokens", ""),
     ("restored", "restored_kv_tokens", ""),
     ("checks", "checks_ok", ""),
@@ -86,6 +97,7 @@ COLUMNS = [  # (header, key, format)
 def summary_table(recs: Sequence[dict[str, Any]]) -> str:
     rows = [[h for h, _, _ in COLUMNS]]
     notes = []
+    bound = next((r for r in recs if r.get("bound_levels") is not None), None)
     for rec in recs:
         if not rec.get("available") or rec.get("output_throughput") is None:
             notes.append(f"{rec['mode']}: unavailable - {rec.get('reason')}")
@@ -103,6 +115,8 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if bound is not None:
+        lines.append(bound_line(bound))
     lat = [r for r in recs if r.get("median_e2e_latency_ms") is not None]
     for r in lat:
         lines.append(
@@ -120,6 +134,10 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
             )
         if r.get("engine_prefill_s") is not None:
             lines.append(engine_time_line(r))
+        if r.get("wall_by_cause"):
+            lines.append(wall_line(r["mode"], r["rollout_wall_s"], r["wall_by_cause"]))
+        if r.get("gap_to_bound"):
+            lines.append(gap_line(r["mode"], r["gap_to_bound"]))
         if r.get("staleness_hist") is not None:
             lines.append(staleness_line(r))
         if r.get("push_count") or r.get("idle_push_s") is not None:

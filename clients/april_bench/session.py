@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from .accounting import compare_modes
+from .bound import Bound, measure_bound
 from .calibrate import measure_cost_model
 from .driver import BenchConfig, ModeRunner, ModeSpec
 from .metrics import ModeResult
@@ -187,6 +188,16 @@ async def run_modes(
             )
         wl = make_workload(args, cfg, info.vocab_size)
         await warmup(http, cfg, wl, args.warmup)
+        bound: Bound | None = None
+        if getattr(args, "bound_s", 0) > 0:
+            print(
+                f"measuring the engine's saturated throughput (~{args.bound_s:.0f} s) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            bound = await measure_bound(
+                http, wl, cfg.max_tokens, cfg.temperature, args.bound_s, cfg.run_tag
+            )
         bar = progress_bar(cfg.steps * cfg.groups * len(modes), args.no_progress)
         runners = [ModeRunner(http, m, cfg, wl, info, bar) for m in modes]
         poller = LoadPoller(http, cfg.poll_hz, time.perf_counter())
@@ -246,5 +257,6 @@ async def run_modes(
         "seed": args.seed,
         "mode_checks": compare_modes(ledgers),
         "cost_model": cost,
+        **({} if bound is None else bound.to_json()),
     }
     return results, meta

@@ -93,9 +93,13 @@ def sweep_table(
         t: t.replace("april-tail", "april", 1) for t in labels if t.startswith("april-tail")
     }
     tail_base = {t: b for t, b in tail_base.items() if b in labels}
-    head = ["configuration", f"sync {unit}"]
+    # The engine's bound, measured in each run (`bound.py`): every mode's fraction of it.
+    bounded = any(r.get("bound_tok_s") for _, recs in results for r in recs)
+    head = ["configuration"] + (["bound tok/s"] if bounded else []) + [f"sync {unit}"]
+    head += ["sync x bound"] if bounded else []
     for label in labels:
         head += [f"{label} {unit}", "x sync"] + (["steady x sync"] if wall else [])
+        head += ["x bound", "thrown %"] if bounded else []
         if "auto" in label:
             head.append("running target")
         if vs_april and label == "april-async":
@@ -108,7 +112,10 @@ def sweep_table(
         by_mode: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
             by_mode.setdefault(r["mode"], []).append(r)
-        row = [point.name, median_cell(by_mode.get("sync", []), key, "{:.1f}")]
+        sync = by_mode.get("sync", [])
+        row = [point.name] + ([median_cell(sync, "bound_tok_s", "{:.0f}")] if bounded else [])
+        row.append(median_cell(sync, key, "{:.1f}"))
+        row += [median_cell(sync, "output_throughput_vs_bound", "{:.2f}")] if bounded else []
         for label in labels:
             runs = by_mode.get(label, [])
             row += [
@@ -117,6 +124,9 @@ def sweep_table(
             ]
             if wall:
                 row.append(median_cell(runs, "steady_wall_throughput_vs_sync", "x{:.2f}"))
+            if bounded:
+                row.append(median_cell(runs, "output_throughput_vs_bound", "{:.2f}"))
+                row.append(median_cell(runs, "thrown_away_share", "{:.1%}"))
             if "auto" in label:
                 row.append(_targets(runs))
             if vs_april and label == "april-async":

@@ -194,3 +194,50 @@ def test_sweep_table_with_training_compares_wall_throughput_and_async_to_april()
         "(x1.00-x1.50)",
         "ok",
     ]
+
+
+def test_sweep_table_gives_each_modes_fraction_of_the_bound_measured_in_its_run() -> None:
+    def rec(mode: str, tok: float, bound: float, thrown: float) -> dict:
+        return {
+            "mode": mode,
+            "available": True,
+            "output_throughput": tok,
+            "output_throughput_vs_sync": tok / 100.0,
+            "bound_tok_s": bound,
+            "output_throughput_vs_bound": tok / bound,
+            "thrown_away_share": thrown,
+            "checks_ok": True,
+        }
+
+    runs = [rec("sync", 100.0, 400.0, 0.0), rec("april", 300.0, 400.0, 0.02)]
+    table = sweep_table([(SweepPoint("tiny", 512, 8, 4), runs)]).splitlines()
+    assert table[0].split() == [
+        "configuration",
+        "bound",
+        "tok/s",
+        "sync",
+        "tok/s",
+        "sync",
+        "x",
+        "bound",
+        "april",
+        "tok/s",
+        "x",
+        "sync",
+        "x",
+        "bound",
+        "thrown",
+        "%",
+        "checks",
+    ]
+    assert table[2].split() == [
+        "tiny:512:8x4",
+        "400",
+        "100.0",
+        "0.25",
+        "300.0",
+        "x3.00",
+        "0.75",
+        "2.0%",
+        "ok",
+    ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from april_server.engine.clock import EngineClock, StepTimer, idle_shares
+from april_server.engine.clock import EngineClock, StepTimer, batch_bucket, idle_shares
 
 
 @dataclass
@@ -96,3 +96,23 @@ def test_idle_share_covers_the_last_minute_and_the_time_since_start() -> None:
     # Merged over two ranks (sums), the share is busy over both ranks' capacity.
     merged = {"recent_busy_s": 30.0, "recent_window_s": 120.0, "uptime_s": 0.0}
     assert idle_shares(merged) == {"engine_idle_share": 0.75, "engine_idle_share_since_start": None}
+
+
+# A batch size -> the lower edge of its bucket (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, ...).
+BUCKETS = {1: 1, 2: 2, 3: 3, 5: 4, 7: 6, 8: 8, 10: 8, 11: 11, 16: 16, 22: 16, 23: 23, 90: 64,
+           91: 91, 128: 128, 300: 256}  # fmt: skip
+
+
+def test_decode_time_is_kept_by_half_octave_batch_bucket() -> None:
+    assert {b: batch_bucket(b) for b in BUCKETS} == BUCKETS
+    clock = EngineClock()
+    clock.add(Batch("decode", 30), 0.01)
+    clock.add(Batch("decode", 24), 0.02)
+    clock.add(Batch("decode", 100), 0.04)
+    clock.add(Batch("extend", 3, extend_num_tokens=90), 0.5)
+    snap = clock.snapshot()
+    assert snap["decode_s_b23"] == 0.03 and snap["decode_batches_b23"] == 2
+    assert snap["decode_tokens_b23"] == 54
+    assert snap["decode_s_b91"] == 0.04 and snap["decode_tokens_b91"] == 100
+    assert "decode_s_b32" not in snap  # only buckets that ran
+    assert snap["prefill_requests"] == 3  # one first token each

@@ -1,0 +1,165 @@
+"""The no-bubble bound (`bound.py`): its levels, its time shares, its token count from the
+engine clock, its knee; and the phase end to end against a fake engine whose clock counts what
+its `/generate` made."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from april_bench import bound as bound_mod
+from april_bench.bound import (
+    Bound,
+    BoundLevel,
+    bound_line,
+    level_budgets,
+    levels,
+    mean_need,
+    measure_bound,
+    window_tokens,
+)
+from april_bench.workload import Workload
+
+
+def level(c: int, tok_s: float, batch: float | None = None) -> BoundLevel:
+    return BoundLevel(c, 1.0, int(tok_s), batch, None, None, None, True)
+
+
+def test_levels_double_up_to_what_the_engine_holds() -> None:
+    assert levels(100) == [8, 16, 32, 64, 100]
+    assert levels(64) == [8, 16, 32, 64]
+    assert levels(5) == [5]
+
+
+def test_bigger_levels_get_more_of_the_phase() -> None:
+    budgets = level_budgets([8, 16, 32, 64, 128], 62.0)
+    assert budgets[-1] == pytest.approx(62.0 * 128 / 248)
+    assert budgets[0] == pytest.approx(2.5 * bound_mod.MIN_WINDOW_S)  # the floor
+
+
+def test_window_tokens_are_decode_tokens_plus_one_first_token_per_prefill() -> None:
+    before = {"decode_tokens": 100.0, "prefill_requests": 4.0, "decode_s": 1.0}
+    after = {"decode_tokens": 1100.0, "prefill_requests": 14.0, "decode_s": 2.0}
+    tokens, delta = window_tokens(before, after)
+    assert tokens == 1010 and delta["decode_s"] == 1.0
+
+
+def test_the_bound_is_the_best_level_and_the_knee_the_smallest_near_it() -> None:
+    b = Bound(
+        levels=[
+            level(8, 2000, 8),
+            level(16, 4000, 15.6),
+            level(32, 5900, 31),
+            level(64, 6000, 62),
+            level(128, 5800, 120),
+        ]
+    )
+    assert b.tok_s == 6000 and b.best is not None and b.best.concurrency == 64
+    assert b.knee is not None and b.knee.concurrency == 32  # 5900 >= 0.95 x 6000
+    assert b.full_batch == 31
+    js = b.to_json()
+    assert js["bound_tok_s"] == 6000 and js["bound_knee_concurrency"] == 32
+    assert "6000.0 tok/s at concurrency 64" in bound_line(js)
+    assert Bound().tok_s is None and Bound().full_batch is None
+
+
+def test_mean_need_is_prompt_plus_the_clipped_lognormal_mean() -> None:
+    wl = Workload("longtail", 4, 512)
+    need = mean_need(wl, 512)
+    # Median 77 tokens, mean above it (the tail), below the maximum; prompts 16-64 tokens.
+    assert 40 + 77 < need < 40 + 200
+
+
+class FakeEngine:
+    """`/generate` answers at once with its budget; the clock counts those tokens as one
+    prefill (the first) and decode steps (the rest) at a fixed cost per token, in steps of
+    `holds` requests (what its KV pool holds)."""
+
+    def __init__(self, max_running: int = 16, holds: int = 16) -> None:
+        self.holds = holds
+        self.clock = {
+            "decode_tokens": 0.0,
+            "decode_batches": 0.0,
+            "decode_s": 0.0,
+            "prefill_s": 0.0,
+            "prefill_requests": 0.0,
+            "decode_context_tokens": 0.0,
+        }
+        self.max_running = max_running
+        self.aborted: list[str] = []
+        self.app = FastAPI()
+        self.app.post("/generate")(self.generate)
+        self.app.post("/abort_request")(self.abort)
+        self.app.get("/april/v1/stats")(
+            lambda: {
+                "engine_time": dict(self.clock),
+                "max_running_requests": self.max_running,
+                "max_total_tokens": 10**6,
+            }
+        )
+
+    async def generate(self, request: Request) -> dict[str, Any]:
+        body = await request.json()
+        k = body["sampling_params"]["max_new_tokens"]
+        await asyncio.sleep(0.001)
+        self.clock["prefill_requests"] += 1
+        self.clock["decode_tokens"] += k - 1
+        self.clock["decode_batches"] += (k - 1) / self.holds
+        self.clock["decode_s"] += 0.0001 * k
+        return {"output_ids": [7] * k, "meta_info": {"completion_tokens": k}}
+
+    async def abort(self, request: Request) -> dict[str, Any]:
+        self.aborted.append((await request.json())["rid"])
+        return {}
+
+
+def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bound_mod, "MIN_WINDOW_S", 0.05)
+    engine = FakeEngine(max_running=16)
+
+    async def go() -> Bound:
+        transport = httpx.ASGITransport(app=engine.app)
+        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+            return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 0.3)
+
+    b = asyncio.run(go())
+    assert [lv.concurrency for lv in b.levels] == [8, 16]
+    assert b.capacity == (16, 10**6) and b.level_cap == 16
+    assert all(lv.tokens > 0 and lv.window_s > 0 for lv in b.levels)
+    assert b.tok_s is not None and "the most the engine holds" in b.stopped
+
+
+def test_the_phase_stops_once_the_running_batch_no_longer_follows_the_concurrency(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bound_mod, "MIN_WINDOW_S", 0.05)
+    engine = FakeEngine(max_running=64, holds=10)
+
+    async def go() -> Bound:
+        transport = httpx.ASGITransport(app=engine.app)
+        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+            return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 0.3)
+
+    b = asyncio.run(go())
+    assert [lv.concurrency for lv in b.levels] == [8, 16]  # 10 running of 16: full
+    assert "averaged 10: the engine holds no more" in b.stopped
+
+
+def test_a_server_without_an_engine_clock_gets_no_bound() -> None:
+    app = FastAPI()
+    app.get("/april/v1/stats")(lambda: {})
+
+    async def go() -> Bound:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+            return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 10.0)
+
+    b = asyncio.run(go())
+    assert b.levels == [] and b.tok_s is None and "no engine clock" in b.stopped
+    assert "no engine clock" in bound_line(b.to_json())

@@ -1,0 +1,45 @@
+"""The printed and written figures (`report.py`): each mode's fraction of the bound beside its
+ratio to sync, the shares of generated tokens thrown away or left unconsumed, the wall by
+cause and the gap, and the bound's own line."""
+
+from __future__ import annotations
+
+from april_bench.bound import Bound, BoundLevel
+from april_bench.metrics import ModeResult, StepRecord
+from april_bench.report import records, summary_table
+
+
+def mode(name: str, consumed: int, generated: int, wasted: int = 0) -> ModeResult:
+    step = StepRecord(0, 2.0, 2.0, 8, consumed, generated)
+    step.prefill_s, step.decode_s, step.prefill_tokens = 0.2, 1.6, 400
+    step.decode_by_bucket = {16: [0.6, 100, 1600], 32: [1.0, 100, 3200]}
+    r = ModeResult(mode=name, steps=[step])
+    r.leftover_tokens = generated - consumed - wasted
+    return r
+
+
+def test_every_mode_gets_its_fraction_of_the_bound_and_its_gap() -> None:
+    b = Bound(
+        levels=[
+            BoundLevel(16, 1.0, 2000, 15.5, 8.0, 100.0, 0.9, True),
+            BoundLevel(32, 1.0, 4000, 31.0, 8.0, 100.0, 0.9, True),
+        ]
+    )
+    recs = records([mode("sync", 4000, 4000), mode("april", 6000, 7000, wasted=350)], b.to_json())
+    sync, april = recs
+    assert sync["output_throughput_vs_bound"] == 0.5  # 2000 tok/s of 4000
+    assert april["output_throughput_vs_bound"] == 0.75
+    assert april["output_throughput_vs_sync"] == 1.5
+    assert april["thrown_away_share"] == 0.05 and april["unconsumed_share"] == round(650 / 7000, 4)
+    causes = april["wall_by_cause"]
+    assert causes["full_batch_from"] == 23 and causes["decode_full_s"] == 1.0  # bucket 32 only
+    assert abs(sum(april["gap_to_bound"].values()) - 1.0) < 1e-3
+    table = summary_table(recs)
+    assert "x bound" in table and "4000.0 tok/s at concurrency 32" in table
+    assert "april wall by cause" in table and "april vs the bound: consumed 0.75" in table
+
+
+def test_without_a_bound_the_fractions_are_absent() -> None:
+    recs = records([mode("sync", 4000, 4000)], {})
+    assert recs[0]["output_throughput_vs_bound"] is None and recs[0]["gap_to_bound"] is None
+    assert "vs the bound" not in summary_table(recs)
