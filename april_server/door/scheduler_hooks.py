@@ -9,6 +9,8 @@ pyproject.toml); `april-server` sets `SGLANG_PLUGINS=april`. Hooks, each a short
 - AFTER `Scheduler.flush_cache`: a flush drops the whole tree, so our tree locks go with it.
 - AROUND `Scheduler.run_batch`: decode step times by batch size (the in-flight policy's curve)
   and seconds spent per forward kind (where the engine's time goes, `/stats` `engine_time`).
+- AROUND `Scheduler.on_idle`: seconds the scheduler had no batch to run (waiting for work),
+  which splits the time outside forwards into the engine idling and its own scheduling.
 With `--dp-size N` each rank has its own `SchedulerKv` (its share of the host budget, its
 snapshots); SGLang's DP controller broadcasts our messages, and only the addressed rank acts.
 """
@@ -79,6 +81,9 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", _around_run_batch, HookType.AROUND
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.on_idle", _around_on_idle, HookType.AROUND
+    )
 
 
 def _after_init_dispatcher(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -122,6 +127,16 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
     except Exception:
         logger.exception("april: engine timing failed")
     return result
+
+
+def _around_on_idle(original: Any, scheduler: Any, *args: Any, **kw: Any) -> Any:
+    if _active is None:
+        return original(scheduler, *args, **kw)
+    t0 = time.perf_counter()
+    try:
+        return original(scheduler, *args, **kw)
+    finally:
+        _active.clock.add_idle(time.perf_counter() - t0)
 
 
 def dp_position() -> tuple[int, int]:

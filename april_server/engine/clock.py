@@ -75,7 +75,7 @@ class EngineClock:
     seconds by batch size (`batch_bucket`: `decode_s_b<edge>`, `decode_batches_b<edge>`,
     `decode_tokens_b<edge>`), which separates forwards at a full batch from the tail's. On CPU
     the forward runs inside the call, so this is compute time; with SGLang's overlap scheduler
-    on a GPU it is launch time only and undercounts."""
+    on a GPU it is launch time only and undercounts. `idle_s`: seconds with no batch to run."""
 
     RECENT_S = 60  # `/stats` `engine_idle_share` looks this far back
 
@@ -90,6 +90,9 @@ class EngineClock:
         # step over longer contexts costs more, so this separates "bigger batch" from "longer".
         self.decode_context_tokens = 0
         self.prefill_requests = 0  # each makes its request's first token (prefill_tokens: input)
+        # Seconds the scheduler found no batch to run (SGLang's idle housekeeping and sleep):
+        # the engine waiting for work, as opposed to its own scheduling between forwards.
+        self.idle_s = 0.0
         self.decode_by_bucket: dict[int, list[float]] = {}  # edge -> [seconds, batches, tokens]
 
     def add(self, batch: Any, seconds: float) -> None:
@@ -118,6 +121,9 @@ class EngineClock:
             self.recent.append([second, seconds])
         self._forget_old(second)
 
+    def add_idle(self, seconds: float) -> None:
+        self.idle_s += seconds
+
     def _forget_old(self, second: float) -> None:
         while self.recent and self.recent[0][0] < second - self.RECENT_S:
             self.recent.popleft()
@@ -137,6 +143,7 @@ class EngineClock:
             out[f"{kind}_tokens"] = tokens
         out["decode_context_tokens"] = self.decode_context_tokens
         out["prefill_requests"] = self.prefill_requests
+        out["idle_s"] = round(self.idle_s, 6)
         for edge, (seconds, batches, tokens) in sorted(self.decode_by_bucket.items()):
             out[f"decode_s_b{edge}"] = round(seconds, 6)
             out[f"decode_batches_b{edge}"] = batches

@@ -47,6 +47,7 @@ class BoundLevel:
     step_ms: float | None  # decode seconds per decode step
     mean_context: float | None  # tokens attended per decoding request
     forward_share: float | None  # share of the window inside forward passes
+    idle_share: float | None  # share of the window the scheduler had no batch to run
     settled: bool  # the running set turned over before the window opened
 
     @property
@@ -289,6 +290,7 @@ async def measure_level(
         if dec_tokens
         else None,
         forward_share=round(forwards / (w1 - w0), 4) if w1 > w0 and clock1 else None,
+        idle_share=round(d["idle_s"] / (w1 - w0), 4) if w1 > w0 and "idle_s" in d else None,
         settled=settled,
     )
 

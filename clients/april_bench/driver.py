@@ -231,6 +231,7 @@ class ModeRunner:
             rec.decode_tokens = int(clock.get("decode_tokens", 0))
             rec.decode_context_tokens = int(clock.get("decode_context_tokens", 0))
             rec.prefill_requests = int(clock.get("prefill_requests", 0))
+            rec.engine_idle_s = clock.get("idle_s")
             rec.decode_by_bucket = decode_buckets(clock)
         local = self.result.steps[-1].t_end if self.result.steps else 0.0
         rec.t_start, rec.t_end = local, local + rec.wall_s

@@ -59,7 +59,16 @@ def wall_by_cause(tot: Mapping[str, Any], full_batch: int | None) -> dict[str, f
         "prefill_resumed_s": round(prefill * resumed, 4),
         "prefill_new_s": round(prefill * (1 - resumed), 4),
         "outside_forwards_s": round(wall - prefill - decode, 4),
+        **_outside_split(tot, wall - prefill - decode),
     }
+
+
+def _outside_split(tot: Mapping[str, Any], outside: float) -> dict[str, float]:
+    idle = tot.get("engine_idle_s")
+    if idle is None:
+        return {}
+    idle = min(float(idle), max(outside, 0.0))
+    return {"engine_idle_s": round(idle, 4), "scheduling_s": round(outside - idle, 4)}
 
 
 def gap_to_bound(tot: Mapping[str, Any], bound_tok_s: float | None) -> dict[str, float] | None:
@@ -107,15 +116,23 @@ def wall_line(mode: str, wall: float, causes: Mapping[str, float]) -> str:
         return f"{name} {s:.2f} ({100 * s / wall:.0f}%)" if wall > 0 else f"{name} {s:.2f}"
 
     edge = int(causes["full_batch_from"])
-    return f"{mode} wall by cause (s): " + ", ".join(
-        [
-            part(
-                f"decode at full batch (>= {edge})" if edge else "decode at full batch",
-                "decode_full_s",
-            ),
-            part("decode below it", "decode_tail_s"),
-            part("prefill of resumed work", "prefill_resumed_s"),
-            part("prefill of new prompts", "prefill_new_s"),
-            part("outside forwards", "outside_forwards_s"),
-        ]
+    return (
+        f"{mode} wall by cause (s): "
+        + ", ".join(
+            [
+                part(
+                    f"decode at full batch (>= {edge})" if edge else "decode at full batch",
+                    "decode_full_s",
+                ),
+                part("decode below it", "decode_tail_s"),
+                part("prefill of resumed work", "prefill_resumed_s"),
+                part("prefill of new prompts", "prefill_new_s"),
+                part("outside forwards", "outside_forwards_s"),
+            ]
+        )
+        + (
+            f" [engine idle {causes['engine_idle_s']:.2f}, scheduling {causes['scheduling_s']:.2f}]"
+            if "engine_idle_s" in causes
+            else ""
+        )
     )

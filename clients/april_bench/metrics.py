@@ -186,6 +186,7 @@ class StepRecord:
     decode_tokens: int = 0
     decode_context_tokens: int = 0
     prefill_requests: int = 0  # requests prefilled: each made its first token there
+    engine_idle_s: float | None = None  # the scheduler had no batch to run (waiting for work)
     # Decode forwards by batch-size bucket (`engine/clock.py` batch_bucket): lower edge ->
     # [seconds, steps, tokens]; splits decode time at a full batch from the tail's.
     decode_by_bucket: dict[int, list[float]] = field(default_factory=dict)
@@ -241,6 +242,9 @@ def engine_time_totals(steps: list[StepRecord], wall: float) -> dict[str, Any]:
         else None,
         "engine_other_s": round(wall - prefill - decode, 4),
         "engine_prefill_requests": sum(r.prefill_requests for r in steps),
+        "engine_idle_s": None
+        if any(r.engine_idle_s is None for r in steps)
+        else round(sum(r.engine_idle_s or 0.0 for r in steps), 4),
         "engine_decode_by_bucket": {
             str(k): [round(v[0], 6), int(v[1]), int(v[2])] for k, v in sorted(buckets.items())
         },

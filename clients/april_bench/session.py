@@ -195,9 +195,14 @@ async def run_modes(
                 file=sys.stderr,
                 flush=True,
             )
-            bound = await measure_bound(
-                http, wl, cfg.max_tokens, cfg.temperature, args.bound_s, cfg.run_tag
-            )
+            # Its own client: hundreds of connections the modes must not find in their pool
+            # after the server closed them as idle (a POST on one is a read error, not retried).
+            async with httpx.AsyncClient(
+                base_url=url, timeout=timeout, limits=limits, transport=transport
+            ) as backlog_http:
+                bound = await measure_bound(
+                    backlog_http, wl, cfg.max_tokens, cfg.temperature, args.bound_s, cfg.run_tag
+                )
         bar = progress_bar(cfg.steps * cfg.groups * len(modes), args.no_progress)
         runners = [ModeRunner(http, m, cfg, wl, info, bar) for m in modes]
         poller = LoadPoller(http, cfg.poll_hz, time.perf_counter())

@@ -26,7 +26,7 @@ from april_bench.workload import Workload
 
 
 def level(c: int, tok_s: float, batch: float | None = None) -> BoundLevel:
-    return BoundLevel(c, 1.0, int(tok_s), batch, None, None, None, True)
+    return BoundLevel(c, 1.0, int(tok_s), batch, None, None, None, None, True)
 
 
 def test_levels_double_up_to_what_the_engine_holds() -> None:

@@ -71,6 +71,14 @@ def test_the_wall_splits_at_the_full_batchs_bucket() -> None:
     assert "decode at full batch (>= 64) 5.00 (50%)" in wall_line("april", 10.0, causes)
 
 
+def test_outside_forwards_split_into_the_engine_idle_and_scheduling() -> None:
+    causes = wall_by_cause(totals(engine_idle_s=0.5), full_batch=64)
+    assert causes is not None
+    assert causes["engine_idle_s"] == 0.5 and causes["scheduling_s"] == pytest.approx(1.5)
+    assert "[engine idle 0.50, scheduling 1.50]" in wall_line("april", 10.0, causes)
+    assert "engine_idle_s" not in (wall_by_cause(totals(), 64) or {})  # an older server
+
+
 def test_without_a_bound_no_decode_counts_as_full() -> None:
     causes = wall_by_cause(totals(), full_batch=None)
     assert causes is not None and causes["decode_full_s"] == 0.0

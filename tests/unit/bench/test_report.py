@@ -21,8 +21,8 @@ def mode(name: str, consumed: int, generated: int, wasted: int = 0) -> ModeResul
 def test_every_mode_gets_its_fraction_of_the_bound_and_its_gap() -> None:
     b = Bound(
         levels=[
-            BoundLevel(16, 1.0, 2000, 15.5, 8.0, 100.0, 0.9, True),
-            BoundLevel(32, 1.0, 4000, 31.0, 8.0, 100.0, 0.9, True),
+            BoundLevel(16, 1.0, 2000, 15.5, 8.0, 100.0, 0.9, 0.0, True),
+            BoundLevel(32, 1.0, 4000, 31.0, 8.0, 100.0, 0.9, 0.0, True),
         ]
     )
     recs = records([mode("sync", 4000, 4000), mode("april", 6000, 7000, wasted=350)], b.to_json())

@@ -116,3 +116,6 @@ def test_decode_time_is_kept_by_half_octave_batch_bucket() -> None:
     assert snap["decode_s_b91"] == 0.04 and snap["decode_tokens_b91"] == 100
     assert "decode_s_b32" not in snap  # only buckets that ran
     assert snap["prefill_requests"] == 3  # one first token each
+    clock.add_idle(0.25)
+    clock.add_idle(0.5)
+    assert clock.snapshot()["idle_s"] == 0.75
