@@ -47,8 +47,8 @@ class Refill:
         """Step 4: start groups whole, in order, while under the running target, the groups
         limit and the engine's admission bound."""
         state = self.state
-        while len(state.active) < limit and not state.quota.met:
-            gid = await self._next_group(limit, sample_target)
+        while len(state.active) < self.group_limit(limit) and not state.quota.met:
+            gid = await self._next_group(self.group_limit(limit), sample_target)
             if gid is None:
                 return
             started = self._start_group(gid)
@@ -65,6 +65,7 @@ class Refill:
         first, as many as its running target takes; they keep generating and count toward its
         quota. The rest of the background stops (`background.py`, 1)."""
         state = self.state
+        limit = self.group_limit(limit)
         if state.req.resume_first:
             room = [0, 0]  # groups, unfinished samples taken
 
@@ -182,9 +183,23 @@ class Refill:
         can_run = sum(len(claimed[g].samples) for g in [*state.ready, *state.fresh])
         if req.resume_first:
             can_run += idle.unfinished_samples
-        decision = await self.sizing.decide(demand, max(can_run, 1))
-        state.inflight_target = decision.running_target
-        return 1 << 30, decision.running_target
+        size = round(demand / len(sizes)) if sizes else None
+        pool = await self.sizing.decide(
+            demand, max(can_run, 1), req.target_groups, size, req.max_staleness
+        )
+        state.inflight_target = pool.decision.running_target
+        state.extra_groups, state.goodput = pool.extra_groups, pool.goodput
+        return 1 << 30, pool.decision.running_target
+
+    def group_limit(self, limit: int) -> int:
+        """Groups this call may have in progress now: `limit`, and for an "auto" call sized
+        for goodput, the groups its quota still needs plus its extra ones (so it ends with at
+        most that many carried over; a rejected group re-opens the room)."""
+        state = self.state
+        if state.extra_groups is None:
+            return limit
+        needed = max(0, state.quota.target - len(state.quota.accepted))
+        return min(limit, needed + state.extra_groups)
 
     def collect(self, done: set[asyncio.Task[None]]) -> None:
         """Step 6: account for finished segment tasks; a group counts once all its members

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from april_client.protocol import Group, RolloutReq, StreamEvent
 from april_server.engine.segment_state import CallTally
+from april_server.rules.goodput import GoodputChoice
 from april_server.rules.quota import QuotaTracker
 
 
@@ -35,6 +36,10 @@ class CallState:
         self.stopped = False
         self.wakeup = asyncio.Event()
         self.inflight_target: int | None = None
+        # "auto": groups in progress allowed beyond what the quota still needs, and the
+        # goodput play that chose it (`rules/goodput.py`); None: no length evidence yet.
+        self.extra_groups: int | None = None
+        self.goodput: GoodputChoice | None = None
         self.peak_running = 0
         self.discarded: list[Group] = []
         self.tasks: dict[asyncio.Task[None], str] = {}  # segment tasks not yet collected

@@ -131,6 +131,9 @@ class WindDown:
             else:
                 buffered.append(gid)
         groups = [claimed[g] for g in returned]
+        held = [claimed[g] for g in state.group_ids]
+        fresh = self.sizing.observe(req, held, groups if deliver else None, wall_s)
+        choice = state.goodput
         notes = list(state.tally.notes)
         on_quota = req.on_quota
         if on_quota == "snapshot" and not self.generation.planner.snapshots_enabled:
@@ -170,6 +173,10 @@ class WindDown:
                 4,
             ),
             notes=notes,
+            extra_groups=state.extra_groups,
+            goodput_expected_tok_s=None if choice is None else round(choice.expected.goodput, 3),
+            goodput_sync_tok_s=None if choice is None else round(choice.sync.goodput, 3),
+            goodput_tok_s=None if fresh is None or wall_s <= 0 else round(fresh / wall_s, 3),
         )
         resp = RolloutResp(
             batch_id=state.batch_id,

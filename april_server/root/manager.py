@@ -89,7 +89,7 @@ class RolloutManager:
             self.weight_cut,
         )
         self.calls = LiveCalls()
-        self.sizing = PoolSizing(engine, self.admission, self.lengths)
+        self.sizing = PoolSizing(engine, self.admission, self.lengths, self.versions)
         self.persister = Persister(self.buffer, store, self.running, self.lengths.history)
         self.background = Background(
             self.buffer,

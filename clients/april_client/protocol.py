@@ -330,6 +330,14 @@ class RolloutStats(_Resp):
     # offpolicy_tokens / all output tokens of the returned groups.
     offpolicy_fraction: float = 0.0
     notes: list[str] = []
+    # max_inflight_groups "auto": the groups it kept in progress beyond what its quota still
+    # needed (the pool that maximises tokens within max_staleness per second), the goodput
+    # its play expected at that pool and a synchronous trainer's; null without length
+    # evidence yet. What it got: its returned tokens within max_staleness per second of it.
+    extra_groups: int | None = None
+    goodput_expected_tok_s: float | None = None
+    goodput_sync_tok_s: float | None = None
+    goodput_tok_s: float | None = None
 
 
 class RolloutResp(_Resp):
