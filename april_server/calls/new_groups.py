@@ -13,7 +13,7 @@ from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.base import BaseEngine
 from april_server.rules import samples as sample_rules
 from april_server.rules import sampling_mask as mask_rules
-from april_server.rules.routing import check_wanted as check_routing
+from april_server.rules.routing_replay import check_wanted as check_routing
 from april_server.rules.turns import check_spec
 from april_server.wire.errors import bad_request, conflict
 from april_server.wire.ids import check_id

@@ -34,7 +34,7 @@ class SegmentCall:
     # Restore into, and generate within, this prefix-cache namespace (`snapshots.py`).
     cache_ns: str | None = None
     # Return the routed experts from this context position on (None: don't); a restore moves
-    # it to the restore point, which recomputes nothing before it (rules/routing.py).
+    # it to the restore point, which recomputes nothing before it (rules/routing_replay.py).
     routing_start: int | None = None
     # Return each generated token's sampling mask (rules/sampling_mask.py).
     sampling_mask: bool = False

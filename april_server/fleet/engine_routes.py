@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from april_server.engine.base import BaseEngine, SnapshotEngine
-from april_server.fleet.wire import (
+from april_server.fleet.engine_wire import (
     ENGINE_PREFIX,
     EngineInfo,
     KvResp,

@@ -23,7 +23,7 @@ from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as sample_rules
 from april_server.rules import sampling_mask as mask_rules
 from april_server.rules import turns as turn_rules
-from april_server.rules.routing import check_wanted as check_routing
+from april_server.rules.routing_replay import check_wanted as check_routing
 from april_server.runtime.background import Background
 from april_server.runtime.persister import Persister
 from april_server.runtime.run_to_end import run_to_end
@@ -83,7 +83,9 @@ class Resume:
             chosen = [self.buffer.claimed_sample(sid) for sid in req.sample_ids]
             self._check_resumable(req, chosen, appends)
             if req.return_routed_experts is not None:
-                for s in chosen:  # from this segment on (rules/routing.py: earlier rows unknown)
+                for (
+                    s
+                ) in chosen:  # from this segment on (rules/routing_replay.py: earlier rows unknown)
                     s.return_routed_experts = req.return_routed_experts
             if req.return_sampling_mask is not None:
                 for s in chosen:  # earlier tokens get empty rows (rules/sampling_mask.py)

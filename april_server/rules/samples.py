@@ -24,7 +24,7 @@ from april_client.protocol import (
     Segment,
     TurnsSpec,
 )
-from april_server.rules import routing as routing_rules
+from april_server.rules import routing_replay as routing_rules
 from april_server.rules import sampling_mask as mask_rules
 from april_server.rules.turns import check_params as check_turn_params
 from april_server.rules.turns import rule_of, with_turn_stops
@@ -47,7 +47,7 @@ class SegmentResult:
     dp_rank: int | None = None  # the data-parallel rank that ran it, when the engine says
     matched: str | int | None = None  # the stop string or token id that ended it, if any
     # MoE routing replay: where the engine was asked for routed experts from (None: not
-    # asked) and what it returned (None: nothing); rules/routing.py records them.
+    # asked) and what it returned (None: nothing); rules/routing_replay.py records them.
     routing_asked: int | None = None
     routing: routing_rules.RoutingRows | None = None
     # Each generated token's kept set and sampling logprob, when asked and returned

@@ -98,10 +98,6 @@ def check_params(params: dict[str, Any], max_tokens: int | None, where: str) -> 
     )
 
 
-def wanted(sample: Sample) -> bool:
-    return sample.return_sampling_mask
-
-
 def record(sample: Sample, rows: MaskRows | None, new_tokens: int) -> None:
     """Record the rows of a segment that added `new_tokens` output tokens (already appended to
     `output_ids`; a budget may have cut some of what the engine returned). Missing rows (the

@@ -80,7 +80,8 @@ class Routing(_Resp):
     """The experts a mixture-of-experts model routed each context position to (docs/api.md,
     Routing): `experts` is `[positions, num_layers, top_k]` of `dtype` (little-endian,
     row-major; base64 in JSON), row p for context token p as the model's input. The last
-    context token has no row until a later segment feeds it. `april_client.routing` decodes."""
+    context token has no row until a later segment feeds it. `april_client.routed_experts`
+    decodes it."""
 
     num_layers: int
     top_k: int

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from april_client import routing as decode
+from april_client import routed_experts as decode
 from tests.e2e.fleet import Fleet, cleared_owner
 from tests.e2e.test_moe_routing_e2e import as_sample, interrupt, sglang_routing
 from tests.e2e.test_rollouts_e2e import R, group, ok
