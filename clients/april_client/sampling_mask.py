@@ -46,11 +46,7 @@ def rows(mask: SamplingMask) -> list[list[int]]:
     return [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def response_ids_and_offsets(sample: Sample) -> tuple[list[int], list[int]]:
-    """The kept ids and offsets over `sample.response_ids` (output with the appended context at
-    its places): generated token j's row is `ids[offsets[j]:offsets[j + 1]]`, an appended
-    token's span is empty. `len(offsets) == len(response_ids) + 1`. Raises ValueError when the
-    sample carries no mask."""
+def _checked(sample: Sample) -> SamplingMask:
     mask = sample.sampling_mask
     if mask is None:
         raise ValueError(f"sample {sample.sample_id!r} has no sampling mask (return_sampling_mask)")
@@ -59,7 +55,15 @@ def response_ids_and_offsets(sample: Sample) -> tuple[list[int], list[int]]:
             f"sample {sample.sample_id!r}: {mask.num_rows} mask rows for "
             f"{len(sample.output_ids)} output tokens"
         )
-    ids = decode(mask.ids, mask.dtype)
+    return mask
+
+
+def response_ids_and_offsets(sample: Sample) -> tuple[list[int], list[int]]:
+    """The kept ids and offsets over `sample.response_ids` (output with the appended context at
+    its places): generated token j's row is `ids[offsets[j]:offsets[j + 1]]`, an appended
+    token's span is empty. `len(offsets) == len(response_ids) + 1`. Raises ValueError when the
+    sample carries no mask."""
+    mask = _checked(sample)
     per_row = counts(mask)
     out = [0]
     pos = 0
@@ -70,4 +74,19 @@ def response_ids_and_offsets(sample: Sample) -> tuple[list[int], list[int]]:
         pos = ap.at
     for n in per_row[pos:]:
         out.append(out[-1] + n)
-    return ids, out
+    return decode(mask.ids, mask.dtype), out
+
+
+def sampling_logprobs(sample: Sample) -> list[float]:
+    """Per `response_ids` token, the behaviour policy's logprob: a generated token's logprob
+    over its kept set (its `output_logprobs` entry where its row is empty), 0.0 on appended
+    context. Raises ValueError when the sample carries no mask."""
+    mask = _checked(sample)
+    rows_lps = zip(mask.logprobs, counts(mask), sample.output_logprobs, strict=True)
+    own = [kept if n else full for kept, n, full in rows_lps]
+    out: list[float] = []
+    pos = 0
+    for ap in sample.appended:
+        out += own[pos : ap.at] + [0.0] * len(ap.ids)
+        pos = ap.at
+    return out + own[pos:]

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from april_client import sampling_mask as decode
-from april_client.protocol import Appended, GroupSpec, Sample, SamplingMask
+from april_client.protocol import GroupSpec, Sample, SamplingMask
 from april_server.rules import samples
 from april_server.rules import sampling_mask as mask_rules
 from april_server.wire.errors import ApiError
@@ -119,19 +119,6 @@ def test_rows_of_a_wider_vocabulary_widen_the_record() -> None:
     mask = s.sampling_mask
     assert mask is not None and mask.dtype == "int32"
     assert decode.rows(mask) == [sorted(row_of(1)), sorted(row_of(2))]
-
-
-def test_response_offsets_leave_an_empty_span_at_every_appended_token() -> None:
-    s = sample()
-    samples.apply_segment(s, segment([1, 2], rows_for([1, 2])), "fresh")
-    s.appended.append(Appended(at=2, ids=[50, 51, 52]))
-    samples.apply_segment(s, segment([3], rows_for([3])), "recomputed")
-    ids, offsets = decode.response_ids_and_offsets(s)
-    assert len(offsets) == len(s.response_ids) + 1 == 7
-    assert offsets == [0, 3, 6, 6, 6, 6, 9]
-    assert ids[6:9] == sorted(row_of(3))
-    with pytest.raises(ValueError):
-        decode.response_ids_and_offsets(sample(mask=False))
 
 
 def test_the_record_survives_the_store_encoding() -> None:
