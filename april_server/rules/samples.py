@@ -250,10 +250,9 @@ def restart_for_staleness(sample: Sample) -> None:
 
 
 def clear_snapshot(sample: Sample) -> None:
-    """Forget the sample's KV snapshot figures and where it lived (it has none now)."""
+    """Forget the sample's KV snapshot figures (it has none now)."""
     sample.snapshot_bytes = 0
     sample.snapshot_weight_version = None
-    sample.snapshot_engine = sample.snapshot_dp_rank = None
 
 
 def apply_segment(

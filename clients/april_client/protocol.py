@@ -162,9 +162,6 @@ class Sample(_Resp):
     metadata: Any = None
     snapshot_bytes: int = 0
     snapshot_weight_version: str | None = None
-    # Where the KV snapshot lives (the slot of the segment it was taken from); null without one.
-    snapshot_engine: str | None = None
-    snapshot_dp_rank: int | None = None
     # Agent rollouts (docs/api.md, Turns): the member's turn rule and its finished turns.
     turn_rule: TurnRule | None = None
     turns: list[Turn] = []

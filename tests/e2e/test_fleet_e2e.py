@@ -151,16 +151,17 @@ def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
         for gid in ("l0", "l1")
         for s in ok(http.get(f"{R}/partials/{gid}"))["samples"]
     }
-    where = {sid: s["snapshot_engine"] for sid, s in held.items()}
+    # A snapshot lives where its segment ran (the owner's record, not the sample's; each
+    # engine's own listing below is the check).
+    where = {sid: s["segments"][-1]["engine"] for sid, s in held.items()}
     assert set(where.values()) == {fleet.name(0), fleet.name(1)}, where  # both engines
     for s in held.values():
         assert s["status"] == "partial" and s["snapshot_bytes"] > 0
-        assert s["segments"][-1]["engine"] == s["snapshot_engine"]  # it lives where it ran
     st = ok(http.get(R + "/stats"))
     per_engine = {e["engine"]: e["snapshots"] for e in st["engines"]}
     assert per_engine == {n: list(where.values()).count(n) for n in set(where.values())}
     # What the owner's snapshot sweep sees (`snapshot_sweep.py`): each engine lists exactly
-    # the snapshots the buffer records there, young, so none is a candidate.
+    # the snapshots of the samples that ran there last, young, so none is a candidate.
     for i, e in enumerate(fleet.engines):
         with e.client() as c:
             keys = ok(c.post("/april/v1/engine/kv", json={"op": "keys", "key": ""}))["info"]
@@ -198,7 +199,7 @@ def test_a_resume_on_the_second_engine_equals_the_uninterrupted_run(
     # slot); x runs on the other one.
     _, target = sorted([fleet.name(0), fleet.name(1)])
     s = interrupted_on_the_second_slot(http, prompt, budget)
-    assert s["snapshot_engine"] == target and s["snapshot_bytes"] > 0
+    assert s["segments"][-1]["engine"] == target and s["snapshot_bytes"] > 0
     assert ok(http.post("/flush_cache"))["success"]
     # The other engine is idle, the least loaded: only affinity sends the resume back.
     out = ok(http.post(R + "/resume", json={"sample_ids": ["x/0"], "kv": "auto"}))

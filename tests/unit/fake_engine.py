@@ -16,6 +16,7 @@ from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import Counters, Running
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
 from april_server.rules import sampling_mask as mask_rules
@@ -194,6 +195,9 @@ def segment_runner_over(engine: BaseEngine, allow_stale: bool = False) -> Segmen
     counters, admission = Counters(), Admission()
     versions, lengths = WeightVersions(engine), LengthModel()
     running: dict[str, Running] = {}
-    planner = SegmentPlanner(engine, counters, admission, allow_stale, lengths)
-    cut = WeightCut(engine, running, versions, planner)
-    return SegmentRunner(engine, counters, admission, versions, lengths, running, planner, cut)
+    places = SnapshotPlaces()
+    planner = SegmentPlanner(engine, counters, admission, allow_stale, lengths, places)
+    cut = WeightCut(engine, running, versions, planner, places)
+    return SegmentRunner(
+        engine, counters, admission, versions, lengths, running, planner, cut, places
+    )
