@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 
 from april_client import sampling_mask as decode
 from april_client.protocol import GroupSpec, GroupsReq, ResumeReq, RolloutReq, Sample
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.calls.test_rollout import make, reference, spec
 from tests.unit.fake_engine import FakeEngine, kept_logprob, kept_set
+from tests.unit.idle import idle_bodies
 
 VOCAB = 64
 
@@ -72,7 +73,7 @@ def test_the_rows_survive_a_restart_and_the_continuation_extends_them(tmp_path: 
         mgr = make(db)
         groups = [masked("short", 2, [1, 2]), masked("long", 300, [3, 4])]
         await mgr.rollout(RolloutReq(groups=groups, target_groups=1))
-        idle = mgr.buffer.load_idle()
+        idle = idle_bodies(mgr.buffer)
         await mgr.close()
         return idle
 
@@ -82,7 +83,7 @@ def test_the_rows_survive_a_restart_and_the_continuation_extends_them(tmp_path: 
     assert 0 < len(s.output_ids) < 300 and s.sampling_mask is not None
     assert_rows_of_an_uninterrupted_run(s)
     mgr = make(db)
-    assert mgr.buffer.load_idle() == before  # rows and all, as persisted
+    assert idle_bodies(mgr.buffer) == before  # rows and all, as persisted
     done = asyncio.run(mgr.rollout(RolloutReq(target_groups=1))).groups[0].samples[0]
     assert len(done.output_ids) == 300
     assert_rows_of_an_uninterrupted_run(done)
@@ -170,7 +171,7 @@ def test_an_engine_without_masks_refuses_them() -> None:
     class NoMasks(FakeEngine):
         sampling_mask_tokens = None
 
-    mgr = RolloutManager(NoMasks(), BufferStore(None))
+    mgr = RolloutManager(NoMasks(), Durable.open(None))
     req = RolloutReq(groups=[spec("a", 1, [3])], return_sampling_mask=True)
     with pytest.raises(ApiError) as e:
         asyncio.run(mgr.rollout(req))
