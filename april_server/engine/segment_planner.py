@@ -134,6 +134,7 @@ class SegmentPlanner:
             plan.drop,
             cont.cache_ns if plan.restore else None,
             0 if sample.return_routed_experts else None,  # a restore moves it (base.py)
+            sample.return_sampling_mask,
         )
 
     async def drop_unexecuted(self, call: SegmentCall) -> None:
