@@ -95,6 +95,7 @@ class RolloutCall:
             state.handed_in,
             req.turns,
             req.return_routed_experts,
+            req.return_sampling_mask,
         )
         await self._settle_own_groups()
         # From here to the claims below nothing awaits: what is decided is what is taken.

@@ -52,6 +52,7 @@ def engine_info(engine: BaseEngine) -> EngineInfo:
         tp_size=group.ranks,
         weight_group=group.group,
         routing_format=engine.routing_format,
+        sampling_mask_tokens=engine.sampling_mask_tokens,
     )
 
 

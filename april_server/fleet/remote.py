@@ -108,6 +108,7 @@ class RemoteEngine(SnapshotEngine):
         self.assigns_seeds = info.assigns_seeds
         self.snapshots_enabled = info.snapshots_enabled
         self.routing_format = info.routing_format
+        self.sampling_mask_tokens = info.sampling_mask_tokens
         self.failures = 0
 
     async def probe(self) -> EngineInfo:

@@ -68,7 +68,7 @@ def test_resume_through_the_owner_keeps_the_routing(
     _, mask = decode.recomputed(done.routing)
     last = done.segments[-1]
     if kv == "restore":
-        assert last.kv == "restored" and last.engine == s.snapshot_engine and not mask.any()
+        assert last.kv == "restored" and last.engine == s.segments[-1].engine and not mask.any()
     else:
         assert last.kv == "recomputed"
         assert np.flatnonzero(mask).tolist() == list(range(known))

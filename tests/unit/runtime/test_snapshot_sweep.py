@@ -31,7 +31,9 @@ class ListingEngine(SnapshotFakeEngine):
 
 def sweep_of(mgr: RolloutManager, min_age_s: float) -> SnapshotSweep:
     assert mgr.segments.snap is not None
-    return SnapshotSweep(mgr.segments.snap, mgr.segments.running, mgr.buffer, min_age_s=min_age_s)
+    return SnapshotSweep(
+        mgr.segments.snap, mgr.segments.running, mgr.buffer, mgr.places, min_age_s=min_age_s
+    )
 
 
 def spec(gid: str, tokens: int) -> GroupSpec:
