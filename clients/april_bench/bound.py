@@ -14,7 +14,8 @@ window's wall time. The best level's tokens per second is the bound; its new pro
 SGLang's scheduling and HTTP are inside it, as they are inside every mode.
 
 Time per level is shared out in proportion to its concurrency (a big batch takes longer to
-turn over), `budget_s` in all; a level cut short by its cap says so (`settled` false).
+turn over), `budget_s` in all, each at least a few seconds (a phase too short for every level
+leaves out the smallest); a level cut short by its cap says so (`settled` false).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .workload import PROMPT_LEN, Workload, lognormal_params
 FIRST_LEVEL = 8
 SETTLE_SHARE = 0.4  # of a level's time: letting the running set turn over before the window
 MIN_WINDOW_S = 1.0
+LEVEL_MIN_WINDOWS = 2.5  # a level gets at least this many minimal windows of time
 FULL_SHARE = 0.95  # the knee: the smallest level within 5 % of the best
 KV_FULL = 0.75  # a mean decode batch below this share of the concurrency: the pool is full
 BOUND_INDEX = 3 * 10**6  # the backlog's groups, outside the modes' stream and the warm-up's
@@ -140,7 +142,7 @@ def level_budgets(concurrencies: list[int], budget_s: float) -> list[float]:
     """Each level's share of the phase, in proportion to its concurrency, at least 2.5 windows'
     minimum."""
     total = sum(concurrencies) or 1
-    return [max(2.5 * MIN_WINDOW_S, budget_s * c / total) for c in concurrencies]
+    return [max(LEVEL_MIN_WINDOWS * MIN_WINDOW_S, budget_s * c / total) for c in concurrencies]
 
 
 def window_tokens(
@@ -233,6 +235,8 @@ async def measure_bound(
     need = mean_need(wl, max_tokens)
     cap = 512 if cap_info is None else max(1, min(cap_info[0], int(cap_info[1] / need)))
     plan = levels(cap)
+    while len(plan) > 1 and LEVEL_MIN_WINDOWS * MIN_WINDOW_S * len(plan) > budget_s:
+        plan.pop(0)  # a short phase keeps the large levels: the bound is found there
     budgets = level_budgets(plan, budget_s)
     out = Bound(capacity=cap_info, level_cap=cap)
     backlog = Backlog(http, wl, max_tokens, temperature, f"{tag}-{int(time.time())}")

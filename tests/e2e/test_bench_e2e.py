@@ -36,6 +36,8 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
             "--stream-sync",
             "--clear-buffer",
             "--no-progress",
+            "--bound-s",
+            "3",
             "--json-out",
             str(out),
             "--plot-dir",
@@ -65,6 +67,18 @@ def test_bench_sync_and_april_on_the_tiny_server(tiny_server: ServerProc, tmp_pa
     # Sync: every request's first token comes from its prefill, the rest from decode steps.
     sync = recs["sync"]
     assert sync["engine_decode_tokens"] + sync["consumed_samples"] == sync["generated_tokens"], sync
+    assert sync["engine_prefill_requests"] == sync["consumed_samples"]
+    # The bound, measured before the modes (a short phase: its largest level), and every
+    # mode's fraction of it; the wall by cause adds up to the wall, the gap's shares to 1.
+    assert sync["bound_tok_s"] > 0 and sync["bound_levels"], sync["bound_stopped"]
+    for r in recs.values():
+        assert r["output_throughput_vs_bound"] > 0
+        causes = r["wall_by_cause"]
+        parts = ("decode_full_s", "decode_tail_s", "prefill_resumed_s", "prefill_new_s")
+        total = sum(causes[k] for k in parts) + causes["outside_forwards_s"]
+        assert abs(total - r["rollout_wall_s"]) < 1e-3 * r["rollout_wall_s"] + 1e-3
+        assert causes["engine_idle_s"] >= 0  # the scheduler's idle hook ran
+        assert abs(sum(r["gap_to_bound"].values()) - 1.0) < 1e-3
     assert recs["sync"]["median_e2e_latency_ms"] is not None
     assert recs["april"]["output_throughput_vs_sync"] is not None
     for name in ("running_requests.png", "step_throughput.png"):
@@ -98,6 +112,8 @@ def test_sweep_compares_static_and_adaptive_side_by_side(
         "0",
         "--repeat",
         str(repeat),
+        "--bound-s",
+        "0",
         "--json-out",
         str(out),
     ]

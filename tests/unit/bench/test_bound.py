@@ -144,11 +144,24 @@ def test_the_phase_stops_once_the_running_batch_no_longer_follows_the_concurrenc
     async def go() -> Bound:
         transport = httpx.ASGITransport(app=engine.app)
         async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
-            return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 0.3)
+            return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 1.0)
 
     b = asyncio.run(go())
     assert [lv.concurrency for lv in b.levels] == [8, 16]  # 10 running of 16: full
     assert "averaged 10: the engine holds no more" in b.stopped
+
+
+def test_a_short_phase_leaves_out_the_smallest_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bound_mod, "MIN_WINDOW_S", 0.05)
+    engine = FakeEngine(max_running=64, holds=64)
+
+    async def go() -> Bound:
+        transport = httpx.ASGITransport(app=engine.app)
+        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+            # room for two levels of 2.5 minimal windows
+            return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 0.26)
+
+    assert [lv.concurrency for lv in asyncio.run(go()).levels] == [32, 64]
 
 
 def test_a_server_without_an_engine_clock_gets_no_bound() -> None:
