@@ -70,6 +70,7 @@ def config(args: argparse.Namespace) -> BenchConfig:
         run_tag=f"bench{uuid.uuid4().hex[:6]}",
         keep_buffer=args.keep_buffer,
         interleave=args.interleave,
+        size_pool=args.size_pool,
     )
 
 

@@ -113,6 +113,9 @@ class BenchConfig:
     run_tag: str = "bench"
     keep_buffer: bool = False
     interleave: bool = False  # step s of every mode, then step s+1 (one APRIL mode at most)
+    # Every APRIL mode under "auto" holds what the server advised (`stats.groups_wanted`), as
+    # april-tail always does: the pool the server sized for goodput.
+    size_pool: bool = False
 
 
 @dataclass
@@ -202,10 +205,11 @@ class ModeRunner:
 
     @property
     def want(self) -> int:
-        """Groups in flight at each call: over-sampling x K (at least K); april-tail: more
-        if the server advised more."""
+        """Groups in flight at each call: over-sampling x K (at least K); april-tail (and with
+        `size_pool` every "auto" mode): more if the server advised more."""
         base = max(self.cfg.groups, math.ceil(self.cfg.over_sampling * self.cfg.groups))
-        return max(base, self.advised) if self.mode == "april-tail" else base
+        sized = self.cfg.size_pool and self.spec.max_inflight == "auto"
+        return max(base, self.advised) if self.mode == "april-tail" or sized else base
 
     def outstanding(self) -> int:
         """Our groups on the server (buffered, generating or finished, not yet consumed).

@@ -90,6 +90,13 @@ def parser() -> argparse.ArgumentParser:
     a("--max-inflight", default="all", help="APRIL max_inflight_groups: all | auto | N")
     a("--max-staleness", type=int, default=None)
     a(
+        "--size-pool",
+        action="store_true",
+        help="every APRIL mode under max_inflight auto holds as many groups as the server's "
+        "last stats.groups_wanted advised (never fewer than over-sampling x K), as april-tail "
+        "does: the pool the server sizes for fresh tokens",
+    )
+    a(
         "--stream-sync",
         action="store_true",
         help="stream sync /generate to measure TTFT/TPOT/ITL (adds client and server work)",

@@ -34,6 +34,7 @@ class FakeServer:
         self.background: set[str] = set()
         self.background_tokens = 0
         self.calls: list[dict[str, Any]] = []  # every /rollouts body
+        self.advice: int | None = None  # stats.groups_wanted
         self.app = FastAPI()
         get, post = self.app.get, self.app.post
         get("/model_info")(lambda: {"model_path": "/fake", "weight_version": self.version})
@@ -154,6 +155,7 @@ class FakeServer:
             "restored_kv_tokens": 0,
             "resumed_samples": 0,
             "on_quota_effective": self.effective or body["on_quota"],
+            "groups_wanted": self.advice,
         }
         events = [{"event": "group_finished", "group": g} for g in take]
         events.append({"event": "done", "stats": stats, "buffered_group_ids": list(self.buffer)})
@@ -376,3 +378,14 @@ def test_train_s_auto_trains_as_long_as_syncs_rollout(tmp_path: Path) -> None:
         cli.mode_specs(cli.parse_args(["--modes", "april,sync", "--train-s", "auto"]))
     with pytest.raises(SystemExit, match="drop --train-time"):
         cli.config(cli.parse_args(["--train-s", "auto", "--train-time", "2"]))
+
+
+def test_size_pool_holds_what_the_server_advised_under_auto(tmp_path: Path) -> None:
+    server = FakeServer()
+    server.advice = 7
+    rc, _ = bench(server, tmp_path, "--modes", "april@auto,april@all", "--size-pool")
+    assert rc == 0
+    auto, static = server.calls[:3], server.calls[3:]
+    assert len(auto[0]["groups"]) == 4  # nothing advised yet: over-sampling 2 x 2 groups
+    assert [len(c["groups"]) for c in auto[1:]] == [5, 2]  # 7 held: 2 and 5 buffered before
+    assert all(len(c["groups"]) <= 2 for c in static[1:])  # pinned: over-sampling only
