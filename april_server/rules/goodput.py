@@ -317,6 +317,7 @@ def play_sync(step_time: StepTime, lengths: Sequence[int], shape: CallShape) -> 
 @dataclass(frozen=True, slots=True)
 class GoodputChoice:
     extra: int
+    running_target: int
     expected: Play
     sync: Play
     reason: str
@@ -330,24 +331,37 @@ def candidates(target_groups: int, most: int) -> list[int]:
     return sorted(x for x in out if 0 <= x <= most)
 
 
-def choose(step_time: StepTime, fit: LengthFit, shape: CallShape, most: int) -> GoodputChoice:
-    """The extra groups (in `[0, most]`) with the best goodput: the fewest within
-    `GOODPUT_EPS` of it (fewer carry less over)."""
+def choose(
+    step_time: StepTime, fit: LengthFit, shape: CallShape, most: int, max_running: int = 1 << 30
+) -> GoodputChoice:
+    """The extra groups (in `[0, most]`) and running target with the best goodput: the fewest
+    extra groups, then the smaller target, within `GOODPUT_EPS` of it (fewer carry less over).
+    Each pool is played at the call's running target (the step curve's knee,
+    `shape.running_target`) and at every sample it keeps in progress running (up to
+    `max_running`), since the knee is of raw throughput and a bigger batch may finish groups
+    sooner."""
     lengths = fit.draws()
-    plays = [play(step_time, lengths, shape, e) for e in candidates(shape.target_groups, most)]
-    best = max(p.goodput for p in plays)
-    chosen = next(p for p in plays if p.goodput >= (1 - GOODPUT_EPS) * best)
-    sync = plays[0] if plays[0].extra == 0 else play_sync(step_time, lengths, shape)
+    k, n = shape.target_groups, shape.group_size
+    plays: list[tuple[Play, int]] = []
+    for e in candidates(k, most):
+        for b in sorted(
+            {shape.running_target, max(shape.running_target, min(max_running, (k + e) * n))}
+        ):
+            trial = dataclasses.replace(shape, running_target=b)
+            plays.append((play(step_time, lengths, trial, e), b))
+    best = max(p.goodput for p, _ in plays)
+    chosen, target = next((p, b) for p, b in plays if p.goodput >= (1 - GOODPUT_EPS) * best)
+    sync = play_sync(step_time, lengths, shape)
     limit = (
         "no staleness bound"
         if shape.max_staleness is None
-        else (f"max_staleness {shape.max_staleness}")
+        else f"max_staleness {shape.max_staleness}"
     )
     reason = (
         f"goodput {chosen.goodput:.1f} tok/s ({limit}, "
         f"{'a push between calls' if shape.pushes else 'no push seen between calls'}) with "
-        f"{chosen.extra} groups beyond the quota in progress, {chosen.thrown_share:.1%} thrown "
-        f"away; sync {sync.goodput:.1f}; {len(plays)} pools played from {fit.exact} finished "
-        f"and {fit.censored} cut lengths (mean {fit.mean:.0f})"
+        f"{chosen.extra} groups beyond the quota in progress and {target} samples running, "
+        f"{chosen.thrown_share:.1%} thrown away; sync {sync.goodput:.1f}; {len(plays)} pools "
+        f"played from {fit.exact} finished and {fit.censored} cut lengths (mean {fit.mean:.0f})"
     )
-    return GoodputChoice(chosen.extra, chosen, sync, reason)
+    return GoodputChoice(chosen.extra, target, chosen, sync, reason)

@@ -106,8 +106,12 @@ class PoolSizing:
         fits = self.admission.max_samples // group_size - target_groups
         most = max(0, min((MAX_WANTED_PER_QUOTA - 1) * target_groups, fits))
         # Pure but not free (a few ms to tens of ms): off the event loop.
-        chosen = await asyncio.to_thread(choose, curve.step_time, fit, shape, most)
-        self.pool = CallPool(decision, chosen.extra, chosen)
+        chosen = await asyncio.to_thread(
+            choose, curve.step_time, fit, shape, most, self.admission.max_samples
+        )
+        sized = InflightDecision(max(chosen.running_target, demand), chosen.reason)
+        self.last = (sized, curve, raw)
+        self.pool = CallPool(sized, chosen.extra, chosen)
         return self.pool
 
     def observe(

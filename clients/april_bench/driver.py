@@ -466,6 +466,11 @@ class ModeRunner:
             buffered_groups=len(buffered),
             weight_version=version,
             inflight_target=stats.get("inflight_target"),
+            extra_groups=stats.get("extra_groups"),
+            goodput_expected=stats.get("goodput_expected_tok_s"),
+            goodput_sync=stats.get("goodput_sync_tok_s"),
+            goodput_got=stats.get("goodput_tok_s"),
+            groups_wanted=stats.get("groups_wanted"),
         )
         return StepOutcome(rec, consumed)
 

@@ -168,6 +168,14 @@ class StepRecord:
     idle_frac: float = 0.0
     tail_frac: float = 0.0
     inflight_target: int | None = None  # APRIL "auto": the running batch the server chose
+    # APRIL "auto": the groups beyond the quota the server let the call keep in progress, the
+    # goodput (tokens within max_staleness per second) its play expected, a synchronous
+    # trainer's, and what the call got; the pool it advised for the next call.
+    extra_groups: int | None = None
+    goodput_expected: float | None = None
+    goodput_sync: float | None = None
+    goodput_got: float | None = None
+    groups_wanted: int | None = None
     max_budget: int = 0  # longest consumed sample (calibrates the simulator on sync steps)
     weight_version: str = ""  # current when the step was consumed
     staleness: dict[int, int] = field(default_factory=dict)  # lag in versions -> consumed tokens
@@ -326,6 +334,11 @@ class ModeResult:
             "recomputed_tokens": sum(r.recomputed_tokens for r in s),
             "resumed_samples": sum(r.resumed_samples for r in s),
             "inflight_targets": [r.inflight_target for r in s if r.inflight_target is not None],
+            "extra_groups": [r.extra_groups for r in s],
+            "goodput_expected": [r.goodput_expected for r in s],
+            "goodput_sync": [r.goodput_sync for r in s],
+            "goodput_got": [r.goodput_got for r in s],
+            "groups_wanted": [r.groups_wanted for r in s],
             **engine_time_totals(s, wall),
             "median_group_latency_ms": float(np.median(g)) if g.size else None,
             "p99_group_latency_ms": float(np.percentile(g, 99)) if g.size else None,

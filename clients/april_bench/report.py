@@ -140,6 +140,8 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
             lines.append(gap_line(r["mode"], r["gap_to_bound"]))
         if r.get("staleness_hist") is not None:
             lines.append(staleness_line(r))
+        if any(x is not None for x in r.get("goodput_expected") or []):
+            lines.append(pool_line(r))
         if r.get("push_count") or r.get("idle_push_s") is not None:
             lines.append(push_line(r))
         if r.get("lengths"):
@@ -156,6 +158,20 @@ def staleness_line(r: dict[str, Any]) -> str:
     return (
         f"{r['mode']} consumed tokens by versions old (lag: tokens): {describe(hist)}; "
         f"run {r['run_wall_s']:.1f}s of which training {r['train_s']:.1f}s"
+    )
+
+
+def pool_line(r: dict[str, Any]) -> str:
+    """The server's goodput pool per call: its choice, what it expected, what it got."""
+
+    def seq(key: str, spec: str = ".0f") -> str:
+        return "/".join("-" if v is None else format(v, spec) for v in r.get(key) or [])
+
+    return (
+        f"{r['mode']} auto pool per call: running target {seq('inflight_targets', 'd')}, extra "
+        f"groups {seq('extra_groups', 'd')}, advised {seq('groups_wanted', 'd')}; goodput "
+        f"expected {seq('goodput_expected')} (sync {seq('goodput_sync')}) tok/s, got "
+        f"{seq('goodput_got')}"
     )
 
 

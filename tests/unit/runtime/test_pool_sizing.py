@@ -56,6 +56,7 @@ def test_an_auto_call_keeps_its_quota_and_the_chosen_extra_in_progress() -> None
             assert st.groups_wanted == max(3 + st.extra_groups, st.num_buffered_groups)
             assert len(r.groups) == 3
         policy = (await mgr.stats())["inflight_policy"]
+        assert policy["last_target"] == st.inflight_target and "goodput" in policy["reason"]
         assert policy["extra_groups"] == st.extra_groups
         assert policy["goodput"]["expected_tok_s"] == st.goodput_expected_tok_s
         assert "max_staleness 1" in policy["goodput"]["reason"]
