@@ -44,7 +44,11 @@ Definitions (printed by `april-bench --help-metrics`):
   `/generate` at concurrency 8, 16, ... up to what the engine holds; the best level's tokens
   per second. `x bound` (`output_throughput_vs_bound`) = a mode's consumed tokens per rollout
   second over it; `bound_full_batch` = the mean decode batch of the smallest level within 5 %
-  of the best (the knee).
+  of the best (the knee). `wall x bound` (`wall_throughput_vs_bound`): the same over the run
+  wall (pushes, prefetch and training included): for april-async, whose background also
+  generates between calls, the stricter of the two. `steady x bound`: the run wall's figure
+  over every step but the first (a cold start; what a run of many steps approaches, though
+  the work in progress when the last step ends still counts against it).
 - thrown away (`thrown_away_share`) = tokens_wasted / generated; never consumed
   (`unconsumed_share`) = leftover / generated.
 - wall by cause (`wall_by_cause`, `gap.py`): decode forwards at a full batch (the knee's batch

@@ -37,7 +37,12 @@ def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str
             b = base.get(key)
             rec[f"{key}_vs_sync"] = round(tot[key] / b, 4) if b and tot[key] else None
         bound = run.get("bound_tok_s")
-        for key in ("output_throughput", "generated_throughput"):
+        for key in (
+            "output_throughput",
+            "generated_throughput",
+            "wall_throughput",
+            "steady_wall_throughput",
+        ):
             rec[f"{key}_vs_bound"] = round(tot[key] / bound, 4) if bound and tot[key] else None
         rec["thrown_away_share"], rec["unconsumed_share"] = shares_of_generated(tot)
         rec["wall_by_cause"] = wall_by_cause(tot, run.get("bound_full_batch"))
@@ -75,6 +80,8 @@ COLUMNS = [  # (header, key, format)
     ("x bound", "output_throughput_vs_bound", ".2f"),
     ("wall tok/s", "wall_throughput", ".1f"),
     ("wall x sync", "wall_throughput_vs_sync", ".2f"),
+    ("wall x bound", "wall_throughput_vs_bound", ".2f"),
+    ("steady x bound", "steady_wall_throughput_vs_bound", ".2f"),
     ("run idle %", "run_idle_frac", "pct"),
     ("samples/s", "samples_per_s", ".2f"),
     ("gen tok/s", "generated_throughput", ".1f"),
