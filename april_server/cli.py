@@ -179,14 +179,28 @@ def set_cpu_parallel_env(argv: list[str]) -> None:
     """SGLang's CPU engine binds each scheduler rank to one NUMA node unless told otherwise,
     and refuses more ranks than nodes: with `--dp-size 2` on one node it needs
     SGLANG_CPU_OMP_THREADS_BIND. Split this process's cores between the ranks, unless the
-    variable is set or there are enough nodes."""
+    variable is set or there are enough nodes. One scheduler leaves a core to the rest
+    (`scheduler_threads`), unless OMP_NUM_THREADS is set."""
     ranks = world_size(argv)
-    if ranks <= 1 or ranks <= numa_nodes() or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-        return
     cores = sorted(os.sched_getaffinity(0))
+    if ranks <= 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(scheduler_threads(len(cores))))
+        return
+    if ranks <= numa_nodes() or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        return
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind(cores, ranks)
     for key, value in cpu_share_env(max(1, len(cores) // ranks)).items():
         os.environ.setdefault(key, value)
+
+
+def scheduler_threads(cores: int) -> int:
+    """OpenMP threads of a single CPU scheduler: every core but one. The HTTP process (our
+    routes and SGLang's TokenizerManager), the detokenizer and a local client need CPU too,
+    and an OpenMP team spanning every core stalls at each barrier whenever any of them runs
+    (measured on 2 cores, docs/benchmarks.md: with 2 threads the engine's saturated throughput
+    measured anywhere from 3.1k to 8.5k tokens/s between runs and APRIL made 4.0k; with 1
+    thread 7.0k-8.0k and 5.9k)."""
+    return max(1, cores - 1)
 
 
 def cpu_share_env(threads: int) -> dict[str, str]:

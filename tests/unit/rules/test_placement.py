@@ -369,6 +369,19 @@ def test_cpu_ranks_get_their_own_cores() -> None:
     assert world_size(["--port", "1"]) == 1
 
 
+def test_one_cpu_scheduler_leaves_a_core_to_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from april_server import cli
+
+    assert [cli.scheduler_threads(c) for c in (1, 2, 16)] == [1, 1, 15]
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cli.set_cpu_parallel_env(["--port", "1"])
+    assert cli.os.environ["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the operator's choice wins
+    cli.set_cpu_parallel_env(["--port", "1"])
+    assert cli.os.environ["OMP_NUM_THREADS"] == "4"
+
+
 def test_the_dp_controller_waits_for_a_request_instead_of_spinning() -> None:
     import zmq
 
