@@ -418,7 +418,10 @@ def test_snapshot_resume_falls_back_to_recompute_without_radix_cache(http: httpx
             "sampling_params": {**SAMPLED, "max_new_tokens": 3},
         },
     ]
-    ok(http.post(R + "/rollouts", json={"groups": groups, "on_quota": "snapshot"}))
+    # Both run at once, so `t` meets the quota and `s` is interrupted (under "auto" the
+    # server may keep only the quota's group in progress: rules/goodput.py).
+    body = {"groups": groups, "on_quota": "snapshot", "max_inflight_groups": 2}
+    ok(http.post(R + "/rollouts", json=body))
     out = ok(http.post(R + "/resume", json={"sample_ids": ["s/0"], "kv": "auto"}))
     s = out["samples"][0]
     assert s["status"] == "truncated" and s["segments"][-1]["kv"] == "recomputed"
