@@ -205,11 +205,14 @@ class ModeRunner:
 
     @property
     def want(self) -> int:
-        """Groups in flight at each call: over-sampling x K (at least K); april-tail (and with
-        `size_pool` every "auto" mode): more if the server advised more."""
+        """Groups in flight at each call: over-sampling x K (at least K); april-tail: more if
+        the server advised more; with `size_pool`, an "auto" mode: what it advised."""
         base = max(self.cfg.groups, math.ceil(self.cfg.over_sampling * self.cfg.groups))
-        sized = self.cfg.size_pool and self.spec.max_inflight == "auto"
-        return max(base, self.advised) if self.mode == "april-tail" or sized else base
+        if self.cfg.size_pool and self.spec.max_inflight == "auto" and self.advised:
+            # Exactly the advice: a group held beyond it would wait idle in a call, but
+            # april-async's prefetch would start it in the background, past the pool.
+            return max(self.cfg.groups, self.advised)
+        return max(base, self.advised) if self.mode == "april-tail" else base
 
     def outstanding(self) -> int:
         """Our groups on the server (buffered, generating or finished, not yet consumed).

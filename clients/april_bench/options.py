@@ -93,8 +93,8 @@ def parser() -> argparse.ArgumentParser:
         "--size-pool",
         action="store_true",
         help="every APRIL mode under max_inflight auto holds as many groups as the server's "
-        "last stats.groups_wanted advised (never fewer than over-sampling x K), as april-tail "
-        "does: the pool the server sizes for fresh tokens",
+        "last stats.groups_wanted advised (over-sampling x K until it advises): the pool the "
+        "server sizes for fresh tokens",
     )
     a(
         "--stream-sync",

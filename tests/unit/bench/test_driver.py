@@ -389,3 +389,7 @@ def test_size_pool_holds_what_the_server_advised_under_auto(tmp_path: Path) -> N
     assert len(auto[0]["groups"]) == 4  # nothing advised yet: over-sampling 2 x 2 groups
     assert [len(c["groups"]) for c in auto[1:]] == [5, 2]  # 7 held: 2 and 5 buffered before
     assert all(len(c["groups"]) <= 2 for c in static[1:])  # pinned: over-sampling only
+    server = FakeServer()
+    server.advice = 3  # fewer than over-sampling's 4: exactly that many held
+    rc, _ = bench(server, tmp_path / "fewer", "--modes", "april@auto", "--size-pool")
+    assert rc == 0 and [len(c["groups"]) for c in server.calls] == [4, 1, 2]
