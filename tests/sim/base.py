@@ -12,12 +12,13 @@ from april_client.protocol import (
     RolloutReq,
     TurnsSpec,
 )
-from april_server.buffer.store import BufferStore
-from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from april_server.wire.ids import split_sample_id
 from tests.sim.engine import SimEngine
+from tests.sim.faults import FaultPlan
 from tests.sim.ledger import Ledger, require
+from tests.sim.loop import Crash
+from tests.sim.restart import AtCrash, build_core
 
 STOPS = [9, 17, 33, 41, 50]  # turn stops of agent groups
 KEEPS = ["snapshot", "tokens", "drop"]
@@ -31,13 +32,14 @@ def group_of(name: str) -> str:
 
 
 class WorldBase:
-    def __init__(self, seed: int, rng: random.Random) -> None:
+    def __init__(self, seed: int, rng: random.Random, plan: FaultPlan | None = None) -> None:
         self.seed = seed
         self.rng = rng
-        self.eng = SimEngine(random.Random(rng.random()))
-        self.store = BufferStore(None)
-        self.mgr = RolloutManager(self.eng, self.store)
-        self.ledger = Ledger()
+        self.plan = plan = plan or FaultPlan.off()
+        self.eng = SimEngine(random.Random(rng.random()), plan.engine)
+        self.mgr = build_core(self.eng, plan.options)
+        self.store = self.mgr.store
+        self.ledger = Ledger(requests_of=lambda sid: self.eng.requests_of(sid))
         self.next_id = 0
         self.inflight = 0
         self.batches: list[str] = []  # batch ids of calls that answered
@@ -47,6 +49,17 @@ class WorldBase:
         self.first_start: dict[str, int] = {}  # request_id -> version its first attempt began
         self.trace: list[str] = []  # what each client did, in order: printed on a failure
         self.check_p = 0.02  # chance of an integrity check between two callbacks
+        self.round = 0  # rounds begun (a restart goes on with the next)
+        # What clients have in flight, for a crash to judge: answers (key -> sample, ids)
+        # and calls (key -> request, its groups, the version its first attempt began under).
+        self.answering: dict[int, tuple[str, list[int]]] = {}
+        self.answer_seq = 0
+        self.calling: dict[int, tuple[RolloutReq, list[str], int]] = {}
+        self.crash_step = plan.crash_step
+        # Groups the background wanted as a round of it failed (the store failed under it):
+        # it leaves them until the next kick (a call, an answer, `/groups`).
+        self.stranded: set[str] = set()
+        self.at_crash: AtCrash | None = None
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -87,6 +100,28 @@ class WorldBase:
     def after_step(self) -> None:
         if self.rng.random() < self.check_p:
             self.check()
+        if self.crash_step is not None:
+            loop: Any = asyncio.get_running_loop()
+            if loop.steps >= self.crash_step:
+                self.crash_step = None  # one crash a seed
+                self.at_crash = AtCrash.read(self.mgr, self.eng)
+                raise Crash(loop.now)
+
+    async def stored_call(self, request_id: str) -> bytes | None:
+        """What the store remembers for `request_id` (the harness's read: never a fault)."""
+        db: Any = self.mgr.store._db
+        db.spare_next = True
+        try:
+            return await self.mgr.store.load_call(request_id)
+        finally:
+            db.spare_next = False
+
+    def injected(self, op: str, exc: BaseException) -> bool:
+        """Whether `exc` is a store fault this seed injected (the operation answers 500)."""
+        if self.plan.on and isinstance(exc, OSError) and str(exc).startswith("simulated"):
+            self.note(f"{op}: store failed ({exc})")
+            return True
+        return False
 
     # ---- the error codes a state allows ------------------------------------------------------
 

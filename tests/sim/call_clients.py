@@ -4,6 +4,7 @@ scenarios around them (a retry that grows, one id sent twice, answers racing a c
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 
@@ -81,12 +82,16 @@ class CallClients(WorldBase):
         start_version = self.version()
         if req.request_id is not None:
             first = self.first_start.setdefault(req.request_id, start_version)
-            stored = await self.mgr.store.load_call(req.request_id) if retry else None
+            stored = await self.stored_call(req.request_id) if retry else None
             if stored is not None and not is_attempt(stored):
                 start_version = first
         reader = None
         if events is not None:
             reader = asyncio.ensure_future(self.read_events(events, answers))
+        self.answer_seq += 1
+        key = self.answer_seq
+        first_version = self.first_start.get(req.request_id or "", start_version)
+        self.calling[key] = (req, gids, first_version)  # if the process dies meanwhile
         try:
             resp = await self.mgr.rollout(req, events)
         except ApiError as exc:
@@ -98,7 +103,12 @@ class CallClients(WorldBase):
         except asyncio.CancelledError:
             self.note(f"{label}: abandoned")
             raise
+        except OSError as exc:
+            if not self.injected(label, exc):
+                raise
+            return
         finally:
+            self.calling.pop(key, None)
             if events is not None and reader is not None:
                 events.put_nowait(None)
                 await reader
@@ -121,7 +131,7 @@ class CallClients(WorldBase):
         for gid in gids:  # a stored response speaks for the groups of the attempt it answered
             if gid in named:
                 led.create(gid, req.request_id or resp.batch_id)
-        led.deliver(resp.groups, start_version)
+        led.deliver(resp.groups, start_version, req.max_staleness, resp.batch_id)
         for gid in resp.dropped_group_ids:
             led.dropped.add(gid)
             led.leave(gid)
@@ -143,7 +153,7 @@ class CallClients(WorldBase):
             rid = req.request_id or ""
             if rid in self.ledger.answered:
                 continue
-            stored = await self.mgr.store.load_call(rid)
+            stored = await self.stored_call(rid)
             if stored is not None and not is_attempt(stored):
                 resp = msgspec.json.decode(stored, type=RolloutResp)
                 self.note(f"abandoned {rid} had delivered {[g.group_id for g in resp.groups]}")
@@ -240,7 +250,12 @@ class CallClients(WorldBase):
             await asyncio.sleep(0.005)
             if not self.mgr.buffer.known(gid):
                 return
-            g = await self.mgr.buffer.read_group(gid)
+            db: Any = self.mgr.store._db
+            db.spare_next = True  # the harness's look: never a fault
+            try:
+                g = await self.mgr.buffer.read_group(gid)
+            finally:
+                db.spare_next = False
             awaiting = next((s for s in g.samples if turns.awaiting(s)), None)
             if awaiting is not None:
                 break
@@ -274,6 +289,9 @@ class CallClients(WorldBase):
                 ok.append("groups")
             except ApiError as exc:
                 self.allowed("groups", exc, [gid])
+            except OSError as exc:
+                if not self.injected(f"groups {gid}", exc):
+                    raise
 
         async def by_call() -> None:
             req = RolloutReq(
@@ -288,8 +306,12 @@ class CallClients(WorldBase):
             except ApiError as exc:
                 self.allowed("call", exc, [gid])
                 return
+            except OSError as exc:
+                if not self.injected(f"call {gid}", exc):
+                    raise
+                return
             ok.append("call")
-            self.ledger.deliver(resp.groups, start_version)
+            self.ledger.deliver(resp.groups, start_version, req.max_staleness, resp.batch_id)
             for g in resp.dropped_group_ids:
                 self.ledger.dropped.add(g)
 
@@ -336,6 +358,10 @@ class CallClients(WorldBase):
                 await self.mgr.add_groups(GroupsReq(groups=[self.spec(extra, False)], start="idle"))
             except ApiError as exc:
                 self.allowed("groups", exc, [extra])
+                return
+            except OSError as exc:
+                if not self.injected(f"groups {extra}", exc):
+                    raise
                 return
             ok.append("groups")
             self.ledger.create(extra, "rival")

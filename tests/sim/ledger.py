@@ -2,20 +2,31 @@
 
 The ledger records only what the server acknowledged (responses), plus the background bound
 the server says it recorded when a `continue` call or `/groups` handed a group in. Checks:
-- a group id is created by at most one request, and delivered at most once;
+- a group id is created by at most one request, and delivered at most once; a group reported
+  dropped or deleted is never delivered after (nor buffered, `World.quiet_check`);
 - after the drain every acknowledged group is delivered, dropped, deleted or buffered;
 - every delivered sample is whole (finished, segments cover its output, tokens are the
-  engine's continuation of its context with the answers it took, in order);
+  engine's continuation of its context with the answers it took, in order; its routed
+  experts, where asked, the engine's for each position under the version that computed it);
 - a group handed to the background with `max_staleness` b is delivered with every kept token
   at most b versions behind the version its delivering call started under;
+- a call's own `max_staleness` b: every segment that one of its own requests made (the
+  engine's log says who planned each request, and under which version it started) continues
+  a segment at most b versions older, or the call should have restarted the sample;
 - every answer the server took is in its sample exactly once, in order.
+A crash makes some outcomes uncertain (`maybe_gone`, answers not yet durable): those are
+judged as either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from april_client.protocol import Group, Sample
+from april_server.rules.routing import row_bytes
+from april_server.rules.samples import context_ids
+from tests.sim.engine import Request, routed
 from tests.unit.fake_engine import EOS, next_token
 
 VOCAB = 64
@@ -47,6 +58,14 @@ class Ledger:
     # A `continue` call whose client went away hands groups to the background with its own
     # bound, unseen: bounds are then checked at the loosest one it may have set.
     unseen_bound: int | None = -1
+    # Acknowledged groups an unacknowledged operation may have removed as the process died
+    # (a call that delivered or dropped them, a delete): gone or not, both are right.
+    maybe_gone: set[str] = field(default_factory=set)
+    # sample -> (index in `answers`, the call that took it): an answer a call took is durable
+    # only with that call's outcome (docs/api.md, Turns).
+    taken_by: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    # The engine's log of requests by sample (who planned each, under which version).
+    requests_of: Callable[[str], list[Request]] = lambda sid: []
 
     def loosen(self, bound: int | None) -> None:
         if self.unseen_bound is not None:
@@ -58,11 +77,20 @@ class Ledger:
         self.created[gid] = by
         self.acked.add(gid)
 
-    def deliver(self, groups: list[Group], start_version: int) -> None:
+    def deliver(
+        self,
+        groups: list[Group],
+        start_version: int,
+        own_bound: int | None = None,
+        batch_id: str = "",
+    ) -> None:
+        """A call (`batch_id`, its own `max_staleness`) delivered `groups`."""
         for g in groups:
             gid = g.group_id
             self.delivered[gid] = self.delivered.get(gid, 0) + 1
             require(self.delivered[gid] == 1, f"group {gid} delivered twice")
+            require(gid not in self.dropped, f"group {gid} delivered after it was dropped")
+            require(gid not in self.deleted, f"group {gid} delivered after it was deleted")
             bound = self.bounds.get(gid)
             if bound is not None and self.unseen_bound != -1:
                 bound = None if self.unseen_bound is None else max(bound, self.unseen_bound)
@@ -70,6 +98,7 @@ class Ledger:
             self.bodies.append(g)
             for s in g.samples:
                 require(s.status in ("completed", "truncated"), f"{s.sample_id} {s.status}")
+                self.check_own_bound(s, own_bound, batch_id)
                 if bound is not None and s.segments:
                     lag = start_version - int(s.segments[0].weight_version)
                     require(
@@ -77,6 +106,25 @@ class Ledger:
                         f"{s.sample_id} delivered {lag} versions stale, past the background "
                         f"bound {bound} (call started at version {start_version})",
                     )
+
+    def check_own_bound(self, s: Sample, bound: int | None, batch_id: str) -> None:
+        """Each segment the call's own requests made continues one at most `bound` versions
+        older (`samples.plan_continuation`: else the sample restarts from its prompt)."""
+        if bound is None or not batch_id:
+            return
+        requests = self.requests_of(s.sample_id)
+        for k in range(1, len(s.segments)):
+            seg, before = s.segments[k], s.segments[k - 1]
+            sent = len(s.prompt_ids) + sum(len(a.ids) for a in s.appended if a.at <= seg.start)
+            made = [r for r in requests if r.index == k and r.context == sent + seg.start]
+            if not made or made[-1].owner != batch_id:
+                continue  # made by another owner: judged by its rule
+            lag = int(made[-1].version) - int(before.weight_version)
+            require(
+                lag <= bound,
+                f"{s.sample_id} segment {k} continued a segment {lag} versions old in call "
+                f"{batch_id}, past its own max_staleness {bound}",
+            )
 
     def bound(self, gid: str, max_staleness: int | None) -> None:
         """The group was handed to the background with this bound (the latest counts)."""
@@ -109,6 +157,48 @@ class Ledger:
         took = self.answers.get(s.sample_id, [])
         held = [a.ids for a in s.appended]
         require(_ends_with(took, held), f"{s.sample_id} holds answers {held}, server took {took}")
+        check_routing(s)
+
+    def answer_taken(self, sid: str, ids: list[int], taken: bool, batch_id: str | None) -> None:
+        mine = self.answers.setdefault(sid, [])
+        if batch_id is not None:
+            self.taken_by.setdefault(sid, []).append((len(mine), batch_id))
+        mine.append((ids, taken))
+
+    def not_durable(self, live_calls: set[str]) -> None:
+        """The process died: answers taken by calls that had not persisted are uncertain."""
+        for sid, taken in self.taken_by.items():
+            for i, batch_id in taken:
+                if batch_id in live_calls:
+                    self.answers[sid][i] = (self.answers[sid][i][0], False)
+
+
+def check_routing(s: Sample) -> None:
+    """Every recorded row of routed experts is the engine's for that position of the
+    sample's context, under the weight version its span says computed it."""
+    r = s.routing
+    if r is None:
+        return
+    rb = row_bytes(r.num_layers, r.top_k, r.dtype)
+    ctx = context_ids(s)
+    require(len(r.experts) % rb == 0, f"{s.sample_id}: routing rows cut short")
+    require(r.num_positions <= len(ctx), f"{s.sample_id}: routing for {r.num_positions} positions")
+    at = 0
+    for span in r.spans:
+        require(span.start == at, f"{s.sample_id}: routing spans leave a gap at {at}")
+        at = span.end
+        if span.missing:
+            continue
+        for p in range(span.start, span.end):
+            row = r.experts[p * rb : (p + 1) * rb]
+            want = routed(ctx[: p + 1], span.weight_version)
+            require(row == want, f"{s.sample_id}: routing row {p} is not the engine's")
+    require(at == r.num_positions, f"{s.sample_id}: spans end at {at}, rows at {r.num_positions}")
+    for rec in r.recomputed:
+        for p in range(rec.start, rec.end):
+            row = rec.experts[(p - rec.start) * rb : (p - rec.start + 1) * rb]
+            want = routed(ctx[: p + 1], rec.weight_version)
+            require(row == want, f"{s.sample_id}: recomputed routing row {p} is not the engine's")
 
 
 def _ends_with(took: list[tuple[list[int], bool]], held: list[list[int]]) -> bool:

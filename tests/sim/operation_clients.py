@@ -26,18 +26,27 @@ class OperationClients(WorldBase):
             await asyncio.sleep(self.rng.uniform(0, 0.01 if self.rng.random() < 0.5 else 0.1))
         ids = [(len(sid) + turn) % 60 + 1, turn]
         gid = group_of(sid)
+        self.answer_seq += 1
+        key = self.answer_seq
+        self.answering[key] = (sid, ids)  # taken or not, if the process dies meanwhile
         try:
-            await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
+            resp = await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
         except ApiError as exc:
             self.note(f"answer {sid} turn {turn}: {exc.code}")
             self.allowed("answer", exc, [gid])
             return
         except asyncio.CancelledError:  # its client went away: taken or not, it cannot know
             self.note(f"answer {sid} turn {turn}: abandoned")
-            self.ledger.answers.setdefault(sid, []).append((ids, False))
+            self.ledger.answer_taken(sid, ids, False, None)
             raise
+        except OSError as exc:  # not made durable: the answer was not taken
+            if not self.injected(f"answer {sid} turn {turn}", exc):
+                raise
+            return
+        finally:
+            self.answering.pop(key, None)
         self.note(f"answer {sid} turn {turn}: taken")
-        self.ledger.answers.setdefault(sid, []).append((ids, True))
+        self.ledger.answer_taken(sid, ids, True, resp.batch_id)
         if twice:
             try:
                 await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
@@ -73,6 +82,10 @@ class OperationClients(WorldBase):
             except ApiError as exc:
                 self.note(f"{label}: {exc.code}")
                 self.allowed("groups", exc, gids)
+                return
+            except OSError as exc:
+                if not self.injected(label, exc):
+                    raise
                 return
             self.note(f"{label}: ok")
             require(resp.group_ids == gids, f"{label}: answered {resp.group_ids}")
@@ -113,6 +126,11 @@ class OperationClients(WorldBase):
             self.note(f"{label}: {exc.code}")
             self.allowed("abort", exc, sorted(named))
             return
+        except OSError as exc:  # it may have stopped some of them: the background may forget
+            if not self.injected(label, exc):
+                raise
+            led.background -= set(led.background) if req.all else named
+            return
         # Right as it returns: nothing it named generates, no call still counts on it, and the
         # background no longer wants it.
         mgr = self.mgr
@@ -140,6 +158,10 @@ class OperationClients(WorldBase):
             self.note(f"delete {gid}: {exc.code}")
             self.allowed("delete", exc, [gid])
             return
+        except OSError as exc:
+            if not self.injected(f"delete {gid}", exc):
+                raise
+            return
         self.note(f"delete {gid}: done")
         require(not self.mgr.buffer.known(gid), f"delete {gid}: still known")
         self.ledger.deleted.add(gid)
@@ -154,6 +176,10 @@ class OperationClients(WorldBase):
         sid = f"{gid}/0"
         try:
             out = await self.mgr.resume(ResumeReq(sample_ids=[sid]))
+        except OSError as exc:
+            if not self.injected(f"resume {sid}", exc):
+                raise
+            return
         except ApiError as exc:
             self.note(f"resume {sid}: {exc.code}")
             if exc.status == 404 and "sample" in str(exc) and self.mgr.buffer.known(gid):
@@ -171,9 +197,17 @@ class OperationClients(WorldBase):
         await seg.before_update()
         await asyncio.sleep(self.rng.uniform(0, 0.02))
         self.eng.version = str(self.version() + 1)
+        behind = self.eng.push_fails_on() if self.plan.on else None
         seg.after_update()
-        self.note(f"push to {self.version()} done")
+        self.note(f"push to {self.version()} done" + (f", failed on {behind}" if behind else ""))
+        if behind is not None:  # a probe brings it level a while later
+            self.late.append(asyncio.ensure_future(self.level(behind)))
         self.check()
+
+    async def level(self, engine: str) -> None:
+        await asyncio.sleep(self.rng.uniform(0.02, 0.5))
+        self.eng.stale.discard(engine)
+        self.note(f"engine {engine} level again")
 
     async def op_engine_errors(self) -> None:
         self.eng.fail_p = self.rng.uniform(0.05, 0.3)
