@@ -106,6 +106,9 @@ class Background:
         self._left: dict[str, int] = {}
         self._changed = asyncio.Event()
         self._fill_due = False  # a round is to take and start the wanted groups (`kick`)
+        # A kick came while a round ran (groups handed in, a holder that let go): the groups
+        # it concerns start in the next round, which this round's end begins.
+        self._kicked = False
 
     # ---- what the rest of the server calls -------------------------------------------------
 
@@ -293,6 +296,7 @@ class Background:
             self._fill_due = True
             self._task = asyncio.get_running_loop().create_task(self._round())
         else:  # the round checks whether a hand-over in place left it a fill to do
+            self._kicked = True
             self._changed.set()
 
     def check(self) -> None:
@@ -327,7 +331,7 @@ class Background:
             await self.planner.admission_ready()
             while True:
                 if self._fill_due and not self._holds and not self.calls:
-                    self._fill_due = False
+                    self._fill_due = self._kicked = False
                     waiting = await self._fill()
                 if not ends:
                     break
@@ -359,8 +363,12 @@ class Background:
             self._task = None
             self._ends.clear()
             self._left.clear()
-        if waiting and not self._holds:
-            self.kick()  # groups that found no room get their turn
+        kicked, self._kicked = self._kicked, False
+        if (waiting or kicked) and not self._holds:
+            # Groups that found no room get their turn; so do those a kick concerned while
+            # this round ran (handed in, or stopped by a holder that let go before the round
+            # ended: it cannot start a round that still runs).
+            self.kick()
 
     async def _fill(self) -> list[str]:
         """Hold the wanted groups in place and start what fits; returns those that did not."""
