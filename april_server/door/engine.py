@@ -34,8 +34,8 @@ from april_server.door.channel import (
     encode,
     op_name,
 )
-from april_server.door.weight_hooks import JoinedGroup
 from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
+from april_server.engine.weight_session import WeightSession
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.ranks import merge_rank_stats
@@ -122,13 +122,19 @@ class SGLangEngine(SnapshotEngine):
     and the figures come from all N."""
 
     def __init__(
-        self, tokenizer_manager: Any, snapshots_enabled: bool = True, dp_size: int = 1
+        self,
+        tokenizer_manager: Any,
+        weights: WeightSession,
+        snapshots_enabled: bool = True,
+        dp_size: int = 1,
     ) -> None:
+        """`weights`: the process's weight session (the group this server joined)."""
         from sglang.utils import TypeBasedDispatcher
 
         from april_server.door.ipc import AprilKvResp
 
         self.tm = tokenizer_manager
+        self.weights = weights
         self.context_len = int(tokenizer_manager.context_len)
         self.vocab_size = int(tokenizer_manager.model_config.vocab_size)
         self.snapshots_enabled = snapshots_enabled
@@ -246,12 +252,13 @@ class SGLangEngine(SnapshotEngine):
         return str(self.tm.config_value("weight_version"))
 
     def weight_group(self) -> WeightGroupInfo:
+        group = self.weights.group
         return WeightGroupInfo(
             ranks=int(getattr(self.tm.server_args, "tp_size", 1) or 1),
             weight_version=self.weight_version(),
-            group=JoinedGroup.name,
-            world_size=JoinedGroup.world_size,
-            in_sync=JoinedGroup.name is not None,
+            group=None if group is None else group.name,
+            world_size=None if group is None else group.world_size,
+            in_sync=group is not None,
         )
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
@@ -395,17 +402,20 @@ def _eos_ids(tm: Any) -> frozenset[int]:
 MountRoutes = Callable[[Any, Callable[[], BaseEngine], AuthPolicy], None]
 
 
-def launch(sglang_argv: list[str], config: AprilConfig, mount: MountRoutes) -> None:
-    """Run SGLang's HTTP server with the routes that `mount` adds. Blocks until shutdown."""
+def launch(
+    sglang_argv: list[str], config: AprilConfig, weights: WeightSession, mount: MountRoutes
+) -> None:
+    """Run SGLang's HTTP server with the routes that `mount` adds; SGLang's weight routes go
+    through `weights` (the process's weight session). Blocks until shutdown."""
     check_sglang_version()
     from sglang.srt.entrypoints import http_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
     from april_server.door.preload import register_preload_hooks
-    from april_server.door.weight_hooks import register_weight_hooks
+    from april_server.door.weight_hooks import WeightHooks
 
-    register_weight_hooks()  # this process only: it serves the weight-update routes
+    WeightHooks(weights).register()  # this process only: it serves the weight-update routes
     register_preload_hooks()  # ... and starts SGLang's children (from the fork server, if any)
     load_plugins()  # ... and applies every registered hook
     server_args = prepare_server_args(sglang_argv)
@@ -419,7 +429,9 @@ def launch(sglang_argv: list[str], config: AprilConfig, mount: MountRoutes) -> N
 
     def make_engine() -> BaseEngine:
         tm = http_server.get_global_state().tokenizer_manager
-        return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0, dp_size=dp_size)
+        return SGLangEngine(
+            tm, weights, snapshots_enabled=config.kv_host_bytes > 0, dp_size=dp_size
+        )
 
     auth = AuthPolicy(server_args.api_key, getattr(server_args, "admin_api_key", None))
     mount(http_server.app, make_engine, auth)

@@ -17,42 +17,29 @@ What the clients knew as it died decides what the ledger may expect after (`Rest
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from april_server.http.server import ManagerHolder
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
-from april_server.runtime.loop_lag import LoopLagMonitor
 from april_server.settings.config import AprilConfig
 from tests.sim.engine import SimEngine
 from tests.sim.faults import ServerOptions
 
 
 def build_core(engine: SimEngine, options: ServerOptions) -> RolloutManager:
-    """The core as a server process builds it at start-up from what its store holds: the
-    buffer's index, the length history, then the root (`ManagerHolder`, http/server.py). The
-    one place a simulated process is built, first or after a crash."""
+    """The core as a server process builds it at start-up: the durable state opened from its
+    store (`Durable.open`, the one recovery path: the buffer's index, the length history), then
+    the root (`RootHolder.get`, without the loop-lag monitor, whose timer would keep a wedged
+    loop looking busy; the simulator drives the weight cut itself). The one place a simulated
+    process is built, first or after a crash."""
     config = AprilConfig(
         allow_stale_kv=options.allow_stale_kv,
         snapshot_sweep_s=0.0,  # the ledger checks snapshots itself after the drain
         length_order=options.length_order,
         placement=options.placement,
     )
-    holder = ManagerHolder(config, lambda: engine)
-    with _no_loop_lag():  # its timer would keep a wedged loop looking busy
-        return holder.get()
-
-
-@contextlib.contextmanager
-def _no_loop_lag() -> Iterator[None]:
-    start = LoopLagMonitor.start
-    LoopLagMonitor.start = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        LoopLagMonitor.start = start  # type: ignore[method-assign]
+    return RolloutManager(engine, Durable.open(config.buffer_path), config, sweep_s=0.0)
 
 
 @dataclass

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from april_client.protocol import GroupSpec, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
 
 
 def make(tmp: Path | None = None, **kw: Any) -> RolloutManager:
-    return RolloutManager(FakeEngine(**kw), BufferStore(tmp))
+    return RolloutManager(FakeEngine(**kw), Durable.open(tmp))
 
 
 def spec(gid: str, n: int, budgets: list[int], prompt: list[int] | None = None) -> GroupSpec:

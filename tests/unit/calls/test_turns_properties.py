@@ -26,7 +26,7 @@ from april_client.protocol import (
     StreamEvent,
     TurnsSpec,
 )
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from april_server.wire.ids import split_sample_id
@@ -90,7 +90,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
 
     async def go() -> None:
         eng = Watch()
-        mgr = RolloutManager(eng, BufferStore(path))
+        mgr = RolloutManager(eng, Durable.open(path))
         created: set[str] = set()
         delivered: list[str] = []
         gone: set[str] = set()

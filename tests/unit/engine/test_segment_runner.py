@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from april_client.protocol import Group, RolloutReq, Sample
-from april_server.buffer.store import BufferStore
 from april_server.engine import segment_runner
 from april_server.engine.base import EngineUnavailable
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import CallTally
 from april_server.fleet.wire import encoder
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules import samples, snapshots
 from april_server.rules.inflight import EngineCapacity
@@ -52,7 +52,7 @@ def test_admission_is_sized_again_when_the_pool_changes() -> None:
         servers = FiguredServers(["a:1", "b:1"])
         fleet = fleet_over(servers, ["a:1", "b:1"])
         await fleet.probe_all()
-        mgr = RolloutManager(fleet, BufferStore(None))
+        mgr = RolloutManager(fleet, Durable.open(None))
         one = EngineCapacity(10, 1000)
         await mgr.segments.planner.admission_ready()
         two = mgr.admission.max_samples
@@ -76,7 +76,7 @@ def test_an_unexpected_error_in_a_segment_leaves_the_sample_free_to_run(tmp_path
     it is logged, and the sample keeps what it had, as after an engine error."""
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         real = mgr.segments._one_segment
         failures = [1]
 

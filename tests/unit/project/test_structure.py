@@ -62,6 +62,80 @@ def test_no_pickle_or_eval_of_request_data() -> None:
         assert not calls & {"eval", "exec", "compile", "__import__"}, p
 
 
+# SGLang calls our plugin hooks as module-level functions, so the once-only registrations and
+# what a scheduler process holds once (its KV state, reached from `release_kv_cache`) can only
+# be module state; nothing else of the server is.
+PLUGIN_STATE = {
+    ("april_server/door/deterministic.py", "_registered"),
+    ("april_server/door/moe_hooks.py", "_registered"),
+    ("april_server/door/preload.py", "_started"),
+    ("april_server/door/scheduler_hooks.py", "_active"),
+}
+MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "__setitem__"}
+
+
+def module_state(path: Path) -> list[str]:
+    """What wires parts through module or class state: `global` rebinding, a module-level
+    container changed inside a function (a registry), a class used as a global (`Name.x = `)."""
+    tree = ast.parse(path.read_text())
+    found = [
+        f"global {n}" for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names
+    ]
+    module_names = {
+        t.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    functions = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    for fn in functions:
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id in module_names:
+                    if node.func.attr in MUTATORS:
+                        found.append(f"registry {owner.id}.{node.func.attr}")
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                    if target.value.id in module_names:
+                        found.append(f"registry {target.value.id}[...]")
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    if target.value.id in classes or target.value.id == "cls":
+                        found.append(f"class state {target.value.id}.{target.attr}")
+    return found
+
+
+def test_no_module_global_wires_a_part() -> None:
+    """Parts are handed what they use (the root builds them; the process hands the door its
+    weight session): no module-level registry, no class used as a global."""
+    found = {
+        (str(p.relative_to(ROOT)), what)
+        for p in sorted((ROOT / "april_server").rglob("*.py"))
+        for what in module_state(p)
+    }
+    assert found == {(path, f"global {name}") for path, name in PLUGIN_STATE}
+
+
+def test_the_module_state_check_sees_registries_and_class_globals(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text(
+        "_listeners = []\n"
+        "class Session:\n    open = False\n"
+        "def listen(f):\n    _listeners.append(f)\n"
+        "def begin():\n    Session.open = True\n"
+    )
+    assert module_state(src) == ["registry _listeners.append", "class state Session.open"]
+
+
 MAX_LINES = 500  # formatted: a file past this has a part with a name of its own: split it out
 PYTHON_HOMES = ("april_server", "clients", "kernels", "tests", "examples")
 

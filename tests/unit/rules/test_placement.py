@@ -25,6 +25,7 @@ from april_client.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer import store as store_mod
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import SegmentCall, SnapshotEngine
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import StepCurve, StepStat, aggregate_curve, pool_steps
 from april_server.rules.lengths import prompt_key
@@ -170,7 +171,7 @@ class TwoRankEngine(FakeEngine, SnapshotEngine):
 def test_a_resume_lands_on_its_snapshots_rank() -> None:
     async def go() -> None:
         eng = TwoRankEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         params = {"max_new_tokens": 300, **NO_EOS}
         groups = [
             GroupSpec(f"g{i}", input_ids=[i + 1, 7], sampling_params=params) for i in range(4)
@@ -217,7 +218,7 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
     # the next tie to the other rank (a flaky DP e2e test). Idle means exactly zero.
     async def go() -> None:
         eng = TwoRankEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         groups = [
             GroupSpec(
                 f"g{i}",
@@ -247,7 +248,7 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
 
 def test_stats_show_what_runs_where() -> None:
     async def go() -> dict[str, Any]:
-        mgr = RolloutManager(TwoRankEngine(), BufferStore(None))
+        mgr = RolloutManager(TwoRankEngine(), Durable.open(None))
         return await mgr.stats()
 
     by_slot = asyncio.run(go())["running_by_slot"]
@@ -264,7 +265,7 @@ def test_placement_is_durable_and_old_rows_load_with_defaults(tmp_path: Path) ->
     async def go() -> None:
         eng = TwoRankEngine()
         st_ = BufferStore(tmp_path / "b.sqlite")
-        mgr = RolloutManager(eng, st_)
+        mgr = RolloutManager(eng, Durable.load(st_))
         params = {"max_new_tokens": 200, **NO_EOS}
         groups = [GroupSpec(f"g{i}", input_ids=[i + 1], sampling_params=params) for i in range(2)]
         trigger = GroupSpec("t", input_ids=[3], sampling_params={"max_new_tokens": 4, **NO_EOS})
@@ -435,7 +436,7 @@ def test_tail_placement_puts_the_predicted_long_on_one_rank() -> None:
 
     async def go(placement: str) -> dict[str, int]:
         eng = TwoRankEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         mgr.segments.lengths.placement = placement  # type: ignore[assignment]
         lengths = mgr.segments.lengths
         for p in range(1, 7):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from april_client.protocol import GroupSpec, InputReq, RolloutReq, Sample, TurnsSpec
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.stops import reached_stop
 from april_server.rules.turns import awaiting
@@ -54,7 +54,7 @@ def run_episode(
     async def go() -> tuple[Sample, int]:
         engine = FakeEngine(delay_s=0.0)
         engine.abort_in_step = lambda rid, n: first_segment(rid) and n == at
-        mgr = RolloutManager(engine, BufferStore(tmp_path / f"b{at}.sqlite"))
+        mgr = RolloutManager(engine, Durable.open(tmp_path / f"b{at}.sqlite"))
         spec = GroupSpec(
             "e",
             input_ids=PROMPT,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from april_client.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
@@ -76,7 +76,7 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
 
     async def go() -> None:
         eng = Watch()
-        mgr = RolloutManager(eng, BufferStore(path))
+        mgr = RolloutManager(eng, Durable.open(path))
         created: set[str] = set()
         delivered: list[str] = []
         gone: set[str] = set()
