@@ -106,8 +106,10 @@ class Background:
         self._left: dict[str, int] = {}
         self._changed = asyncio.Event()
         self._fill_due = False  # a round is to take and start the wanted groups (`kick`)
-        # A kick came while a round ran (groups handed in, a holder that let go): the groups
-        # it concerns start in the next round, which this round's end begins.
+        # A kick came while a round ran (groups handed in, a holder that let go, maybe before
+        # the round it stopped had ended: its stopped members are still held by it then, and
+        # no fill of this round takes them): they start in the next round, which this round's
+        # end begins.
         self._kicked = False
 
     # ---- what the rest of the server calls -------------------------------------------------
@@ -331,7 +333,7 @@ class Background:
             await self.planner.admission_ready()
             while True:
                 if self._fill_due and not self._holds and not self.calls:
-                    self._fill_due = self._kicked = False
+                    self._fill_due = False
                     waiting = await self._fill()
                 if not ends:
                     break
