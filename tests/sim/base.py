@@ -81,8 +81,17 @@ class WorldBase:
             params["ignore_eos"] = True
         turns = TurnsSpec(stop_token_ids=STOPS, max_turns=3) if agent else None
         n = self.rng.randint(1, 3)
+        prompt = [7, self.rng.randint(3, 60)]
+        routed = None
+        if self.plan.on and self.eng.routing_format is not None and self.rng.random() < 0.4:
+            routed = True
         return GroupSpec(
-            gid, input_ids=[7, self.rng.randint(3, 60)], n=n, sampling_params=params, turns=turns
+            gid,
+            input_ids=prompt,
+            n=n,
+            sampling_params=params,
+            turns=turns,
+            return_routed_experts=routed,
         )
 
     def known_groups(self) -> list[str]:
@@ -105,6 +114,9 @@ class WorldBase:
             if loop.steps >= self.crash_step:
                 self.crash_step = None  # one crash a seed
                 self.at_crash = AtCrash.read(self.mgr, self.eng)
+                # Read now: the dead coroutines' `finally` blocks run as they are closed.
+                self.at_crash.answering = list(self.answering.values())
+                self.at_crash.calling = list(self.calling.values())
                 raise Crash(loop.now)
 
     async def stored_call(self, request_id: str) -> bytes | None:
@@ -144,7 +156,10 @@ class WorldBase:
             held = [g for g in groups if g in holders]
             require(bool(held), f"{op}: {exc} while none of {groups} was held")
             return
-        if code in ("not_awaiting", "invalid_budget", "context_overflow"):
+        if code in ("invalid_budget", "context_overflow"):  # an answer too long to fit
+            require(op in ("answer", "resume"), f"{op} got {code}")
+            return
+        if code == "not_awaiting":
             require(op == "answer", f"{op} got {code}")
             return
         if code in ("sample_finished", "awaiting_input", "no_snapshot"):

@@ -20,11 +20,12 @@ from april_client.protocol import (
 from april_server.rules import turns
 from april_server.rules.idempotency import is_attempt
 from april_server.wire.errors import ApiError
-from tests.sim.base import WorldBase, group_of
+from tests.sim.base import group_of
+from tests.sim.feature_clients import FeatureClients
 from tests.sim.ledger import require
 
 
-class CallClients(WorldBase):
+class CallClients(FeatureClients):
     async def op_call(self) -> None:
         rng = self.rng
         agent = rng.random() < 0.4
@@ -43,6 +44,8 @@ class CallClients(WorldBase):
             stream=agent or rng.random() < 0.3,
             request_id=self.fresh("r") if rng.random() < 0.3 else None,
         )
+        if self.plan.on:
+            self.call_options(req)
         how = rng.choice(["plain", "plain", "abandon", "retry"])
         if how == "plain":
             await self.call(req, gids)
@@ -185,7 +188,7 @@ class CallClients(WorldBase):
                     self.pending.append((sid, turn))
                     await self.abort_named(ev.sample.group_id)
             elif isinstance(ev, GroupFinishedEvent):
-                pass
+                await self.maybe_reject(ev.batch_id, ev.group.group_id)
 
     async def op_answer_beside_call(self) -> None:
         """A held-back answer posted as a call starts that may claim its group: the answer

@@ -137,8 +137,9 @@ class Ledger:
         self.background.discard(gid)
         self.bounds.pop(gid, None)
 
-    def check_sample(self, s: Sample) -> None:
-        """Tokens are the engine's continuation of the context; answers once, in order."""
+    def check_sample(self, s: Sample, answers: bool = True) -> None:
+        """Tokens are the engine's continuation of the context; answers once, in order (not
+        judged with `answers=False`: a body shown while an answer's response is on its way)."""
         require(len(s.output_ids) == len(s.output_logprobs), f"{s.sample_id} logprobs")
         covered = sum(x.end - x.start for x in s.segments)
         require(covered == len(s.output_ids), f"{s.sample_id} segments cover {covered}")
@@ -154,10 +155,12 @@ class Ledger:
         # A drop or a staleness restart forgets a member's answers with its output: what it
         # holds are the last answers taken, in order, none twice (one whose client went away
         # may or may not have been taken).
+        check_routing(s)
+        if not answers:
+            return
         took = self.answers.get(s.sample_id, [])
         held = [a.ids for a in s.appended]
         require(_ends_with(took, held), f"{s.sample_id} holds answers {held}, server took {took}")
-        check_routing(s)
 
     def answer_taken(self, sid: str, ids: list[int], taken: bool, batch_id: str | None) -> None:
         mine = self.answers.setdefault(sid, [])

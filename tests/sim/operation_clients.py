@@ -24,13 +24,16 @@ class OperationClients(WorldBase):
     async def answer(self, sid: str, turn: int, twice: bool = False, delay: bool = False) -> None:
         if delay:
             await asyncio.sleep(self.rng.uniform(0, 0.01 if self.rng.random() < 0.5 else 0.1))
-        ids = [(len(sid) + turn) % 60 + 1, turn]
+        text, ids = self.answer_text(sid, turn)
+        if text is None:
+            ids = [(len(sid) + turn) % 60 + 1, turn]
+        body = InputReq(text=text, turn=turn) if text else InputReq(append_ids=ids, turn=turn)
         gid = group_of(sid)
         self.answer_seq += 1
         key = self.answer_seq
         self.answering[key] = (sid, ids)  # taken or not, if the process dies meanwhile
         try:
-            resp = await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
+            resp = await self.mgr.post_input(sid, body)
         except ApiError as exc:
             self.note(f"answer {sid} turn {turn}: {exc.code}")
             self.allowed("answer", exc, [gid])
@@ -49,7 +52,7 @@ class OperationClients(WorldBase):
         self.ledger.answer_taken(sid, ids, True, resp.batch_id)
         if twice:
             try:
-                await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
+                await self.mgr.post_input(sid, body)
             except ApiError as exc:
                 # Taken already (or the group left, or another operation holds it now).
                 require(exc.code in ("not_awaiting", "not_found", "group_busy"), f"second: {exc}")
@@ -131,6 +134,10 @@ class OperationClients(WorldBase):
                 raise
             led.background -= set(led.background) if req.all else named
             return
+        except asyncio.CancelledError:  # abandoned half-way: the same
+            self.note(f"{label}: abandoned")
+            led.background -= set(led.background) if req.all else named
+            raise
         # Right as it returns: nothing it named generates, no call still counts on it, and the
         # background no longer wants it.
         mgr = self.mgr
@@ -162,6 +169,11 @@ class OperationClients(WorldBase):
             if not self.injected(f"delete {gid}", exc):
                 raise
             return
+        except asyncio.CancelledError:  # deleted or not, its client cannot know
+            self.note(f"delete {gid}: abandoned")
+            self.ledger.maybe_gone.add(gid)
+            self.ledger.leave(gid)
+            raise
         self.note(f"delete {gid}: done")
         require(not self.mgr.buffer.known(gid), f"delete {gid}: still known")
         self.ledger.deleted.add(gid)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
@@ -51,6 +52,9 @@ class AtCrash:
     removers: set[str] = field(default_factory=set)  # held by a call or a delete
     live_calls: set[str] = field(default_factory=set)
     version: str = "0"
+    # What the clients had in flight (`WorldBase.answering`, `calling`).
+    answering: list[tuple[str, list[int]]] = field(default_factory=list)
+    calling: list[tuple[Any, list[str], int]] = field(default_factory=list)
 
     @staticmethod
     def read(mgr: RolloutManager, engine: SimEngine) -> AtCrash:

@@ -47,9 +47,10 @@ class Disk:
 
     def __init__(self) -> None:
         self.db: sqlite3.Connection | None = None
-        # Groups a failed commit would have written or deleted: the KV snapshots their bodies
-        # recorded since they were last durable are known to nobody now (a leak only the
-        # snapshot sweep reclaims; the ledger allows it for these groups).
+        # Groups a failed commit would have written or deleted: their stored bodies are older
+        # than what memory held, so a KV snapshot taken since is known to nobody (a leak only
+        # the snapshot sweep reclaims) and one freed since may still be referred to (a restore
+        # of it finds nothing and re-prefills). The ledger allows both for these groups.
         self.failed_groups: set[str] = set()
 
 
