@@ -109,6 +109,10 @@ class CallClients(FeatureClients):
         except OSError as exc:
             if not self.injected(label, exc):
                 raise
+            # Answers a call took are durable with its outcome: this one's, unknown to its
+            # client, failed (so did the answers of any call that ended without answering).
+            answered = set(self.batches) | set(self.mgr.calls)
+            self.ledger.not_durable({b for b in self.ledger.batches_taking() if b not in answered})
             return
         finally:
             self.calling.pop(key, None)

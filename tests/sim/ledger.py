@@ -168,8 +168,13 @@ class Ledger:
             self.taken_by.setdefault(sid, []).append((len(mine), batch_id))
         mine.append((ids, taken))
 
+    def batches_taking(self) -> set[str]:
+        """The calls that took an answer."""
+        return {b for taken in self.taken_by.values() for _, b in taken}
+
     def not_durable(self, live_calls: set[str]) -> None:
-        """The process died: answers taken by calls that had not persisted are uncertain."""
+        """Answers taken by these calls are uncertain: they died, or failed, before their
+        outcome was made durable (the process died, the store failed)."""
         for sid, taken in self.taken_by.items():
             for i, batch_id in taken:
                 if batch_id in live_calls:
