@@ -113,6 +113,8 @@ class CallClients(FeatureClients):
             # client, failed (so did the answers of any call that ended without answering).
             answered = set(self.batches) | set(self.mgr.calls)
             self.ledger.not_durable({b for b in self.ledger.batches_taking() if b not in answered})
+            if req.on_quota == "continue":  # it may have handed groups in with its bound
+                self.ledger.loosen(req.max_staleness)
             return
         finally:
             self.calling.pop(key, None)

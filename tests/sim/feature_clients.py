@@ -89,6 +89,7 @@ class FeatureClients(WorldBase):
             request_id=self.fresh("q"),
         )
         label = f"groups {req.request_id} {gids} {req.start}"
+        aborts = self.aborts  # an abort from now on may have ended their background life
 
         async def first() -> None:
             try:
@@ -116,7 +117,8 @@ class FeatureClients(WorldBase):
         for gid in gids:
             self.ledger.create(gid, req.request_id or "")
             if req.start == "background":
-                self.ledger.background.add(gid)
+                if self.aborts == aborts:
+                    self.ledger.background.add(gid)
                 self.ledger.handed_by.pop(gid, None)
                 self.ledger.bound(gid, req.max_staleness)
         self.check()

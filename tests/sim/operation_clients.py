@@ -57,6 +57,9 @@ class OperationClients(WorldBase):
                 # Taken already (or the group left, or another operation holds it now).
                 require(exc.code in ("not_awaiting", "not_found", "group_busy"), f"second: {exc}")
                 self.allowed("answer", exc, [gid])
+            except OSError as exc:  # the store failed before it could look
+                if not self.injected(f"answer {sid} turn {turn} again", exc):
+                    raise
             else:
                 raise AssertionError(f"{sid} took a second answer for turn {turn}")
 
@@ -121,6 +124,7 @@ class OperationClients(WorldBase):
         led, keep = self.ledger, req.keep
         label = f"abort all={req.all} batch={req.batch_id} named={sorted(named)} keep={keep}"
         self.note(f"{label} starts")
+        self.aborts += 1
         if req.batch_id is not None:  # what the server says that batch left in the background
             named |= self.mgr.background.handed_in_by(req.batch_id)
         try:
