@@ -63,7 +63,9 @@ from april_server.engine.weight_cut import WeightCut
 from april_server.rules import samples as sample_rules
 from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.inflight import Admission, kv_need
+from april_server.rules.placement import Slot
 from april_server.runtime.live_calls import LiveCalls
+from april_server.runtime.run_to_end import run_to_end
 
 logger = logging.getLogger(__name__)
 OWNER = BACKGROUND
@@ -160,7 +162,14 @@ class Background:
                     rested = self.resting.pop(g.group_id, None)
                     if rested is not None:
                         self.wanted[g.group_id], self.handed_by[g.group_id] = rested
-        for sample_id, slot in useless:
+        held = [(sample_id, slot) for sample_id, slot in useless if slot is not None]
+        if held:
+            # To the end even if the call is cancelled meanwhile (its client went away): the
+            # restart cleared where each snapshot lives, so no one else would ever free it.
+            await run_to_end(self._drop(held))
+
+    async def _drop(self, held: list[tuple[str, Slot]]) -> None:
+        for sample_id, slot in held:
             await self.segments.drop(sample_id, slot)
 
     @asynccontextmanager

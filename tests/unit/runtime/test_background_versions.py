@@ -121,6 +121,51 @@ def test_a_stale_restart_at_a_claim_frees_the_members_snapshot(tmp_path: Path) -
     asyncio.run(go())
 
 
+class SlowDrop(SnapshotFakeEngine):
+    """Frees a snapshot only once `freeing` is set (a busy scheduler's answer)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.003)
+        self.dropping, self.freeing = asyncio.Event(), asyncio.Event()
+
+    async def drop_snapshot(self, key: str, slot: Any) -> None:
+        self.dropping.set()
+        await self.freeing.wait()
+        await super().drop_snapshot(key, slot)
+
+
+def test_a_call_cancelled_while_a_stale_restart_frees_the_snapshot_still_frees_it(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 3518 with faults, window B): a call that claimed a group
+    past its bound restarted the member (clearing where its snapshot lives), then awaited the
+    snapshot's release; its client went away there, the release never happened, and the body
+    was persisted without the snapshot: held on the engine, referred to by nobody."""
+
+    async def go() -> None:
+        eng = SlowDrop()
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 300)], max_staleness=1))
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.05)
+        async with mgr.background.paused():  # stops it with a snapshot, as a call does
+            eng.version = "1"
+            eng.version = "2"  # two pushes: its tokens of version 0 are past its bound
+        call = asyncio.ensure_future(mgr.rollout(RolloutReq(groups=[], target_groups=1)))
+        await eng.dropping.wait()  # the call restarted it and frees its snapshot
+        call.cancel()
+        await asyncio.sleep(0.01)
+        eng.freeing.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert eng.snaps == set()  # before the fix: {"bg/0"}, held for good
+        (s,) = (await mgr.buffer.read_group("bg")).samples
+        assert s.snapshot_bytes == 0
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
 class LateRegistration(FakeEngine):
     """Like SGLang's TokenizerManager: a request is known only a moment after its segment
     starts (`register_s`), and an abort for an unknown request is dropped, not kept."""
