@@ -2,11 +2,10 @@
 
 - A running call holds the member's group: the answer is appended and the member continues at
   once under that call's quota (`turns_in_call.continue_answered`); it is made durable with the
-  call's outcome, like every token the call generates.
-- A call that is winding down holds it, or one that gave the group up (an abort named it
-  during the call: the member does not continue there): the answer waits until the call has
-  handed the group back, then is taken as below (never lost between the call's persist and
-  its release, nor with a call that never commits).
+  call's outcome, like every token the call generates. An abort that named the group during
+  the call keeps the answer but does not continue the member (it waits idle after the call).
+- A call that is winding down holds it: the answer waits until the call has handed the group
+  back, then is taken as below (never lost between the call's persist and its release).
 - Otherwise (idle in the buffer, or held by the background, which is paused for it, after
   which the holder is looked up again: a call may have taken the group meanwhile): the
   group is claimed, the answer appended and persisted (fsync) before the route answers; the
@@ -79,19 +78,16 @@ class PostInput:
                 return await self._answer_idle(sample_id, gid, ids, turn)
             call = self.calls.get(holder.owner)
             if call is not None:
-                # Winding down, or an abort named the group during the call (its member waits
-                # idle): taken once the call handed the group back, and made durable before the
-                # route answers. Kept in the call's memory instead, it would be durable only
-                # with the call's outcome, lost with a call that never commits (the process
-                # dies, the store fails) though the route said it was taken.
-                sample = self.buffer.claimed_sample(sample_id)
-                if not call.turns.holds_for_input(sample):
+                if call.state.stopped:  # winding down: take it once the call handed the group back
                     await call.state.closed.wait()
                     continue
+                sample = self.buffer.claimed_sample(sample_id)
                 self._check(sample, ids, turn)
                 turn_rules.apply_answer(sample, ids)
-                call.turns.continue_answered(sample)
-                return InputResp(sample=sample, batch_id=call.state.batch_id)
+                if call.turns.holds_for_input(sample):
+                    call.turns.continue_answered(sample)
+                    return InputResp(sample=sample, batch_id=call.state.batch_id)
+                return InputResp(sample=sample, batch_id=None)
             if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
                 return await self._answer_idle(sample_id, gid, ids, turn)
             async with self.background.paused():  # handed back first, like for a call
