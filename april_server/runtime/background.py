@@ -250,16 +250,22 @@ class Background:
         for _, gid in running:
             group = self.buffer.claimed[gid]
             runs = self.segments.runs_in(gid)
+            tasks = [t for t, g in self._ends.items() if g == gid]
             # An abort is stopping it, or a push cut it and its continuation is not planned
             # yet under the background's bound (the cut may not even have landed): not the
-            # call's.
+            # call's. Nor while a segment task of it has left `running` but still records its
+            # end (awaiting its snapshot's release): the call tracks only the runs it is
+            # handed, so nobody would wait for that task, which would go on writing to a group
+            # the call holds (and the call would start that member again beside it).
             if any(r.stopping or r.cut or r.resuming for r in runs):
+                continue
+            if set(tasks) != {r.task for r in runs}:
                 continue
             if not take(group, len(runs)):
                 break
             self.buffer.pass_held(gid, owner)
             self.segments.pass_runs(runs, owner)
-            for t in [t for t, g in self._ends.items() if g == gid]:
+            for t in tasks:
                 del self._ends[t]
             del self._left[gid]
             taken.append(group)

@@ -166,6 +166,41 @@ def test_a_call_cancelled_while_a_stale_restart_frees_the_snapshot_still_frees_i
     asyncio.run(go())
 
 
+def test_a_call_does_not_take_over_a_group_whose_segment_still_records_its_end(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 11879 with faults, window A): a background segment that
+    had left `running` but still recorded its end (awaiting its snapshot's release) was
+    handed to a call with its group; the call tracked only the runs still running, so nobody
+    waited for that task, which went on writing to a group the call held (the call even
+    started the member again beside it). The group stays the background's until it ended."""
+
+    async def go() -> None:
+        eng = SlowDrop()
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 60)]))
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.02)
+        async with mgr.background.paused():  # stopped with a snapshot, restored after
+            pass
+        await eng.dropping.wait()  # it finished from the restore; its task frees the snapshot
+        (settling,) = mgr.background._ends
+        assert not mgr.segments.running and not settling.done()
+        call = asyncio.ensure_future(mgr.rollout(RolloutReq(groups=[], target_groups=1)))
+        await asyncio.sleep(0.05)
+        holder = mgr.buffer.owner_of("bg")
+        eng.freeing.set()
+        r = await call
+        assert holder == "background"  # before the fix: the call's, its segment task running
+        assert settling.done()
+        (s,) = r.groups[0].samples
+        assert s.output_ids == reference(60) and s.snapshot_bytes == 0
+        assert eng.snaps == set()
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
 class LateRegistration(FakeEngine):
     """Like SGLang's TokenizerManager: a request is known only a moment after its segment
     starts (`register_s`), and an abort for an unknown request is dropped, not kept."""
