@@ -57,6 +57,7 @@ class WorldBase:
         self.calling: dict[int, tuple[RolloutReq, list[str], int]] = {}
         self.crash_step = plan.crash_step
         self.aborts = 0  # aborts begun
+        self.aborting = 0  # aborts under way
         # Groups the background wanted as a round of it failed (the store failed under it):
         # it leaves them until the next kick (a call, an answer, `/groups`).
         self.stranded: set[str] = set()

@@ -89,7 +89,8 @@ class FeatureClients(WorldBase):
             request_id=self.fresh("q"),
         )
         label = f"groups {req.request_id} {gids} {req.start}"
-        aborts = self.aborts  # an abort from now on may have ended their background life
+        # An abort running now or begun from now on may end their background life.
+        aborts = self.aborts if not self.aborting else -1
 
         async def first() -> None:
             try:

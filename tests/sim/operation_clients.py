@@ -127,6 +127,7 @@ class OperationClients(WorldBase):
         self.aborts += 1
         if req.batch_id is not None:  # what the server says that batch left in the background
             named |= self.mgr.background.handed_in_by(req.batch_id)
+        self.aborting += 1
         try:
             await self.mgr.abort(req)
         except ApiError as exc:
@@ -142,6 +143,8 @@ class OperationClients(WorldBase):
             self.note(f"{label}: abandoned")
             led.background -= set(led.background) if req.all else named
             raise
+        finally:
+            self.aborting -= 1
         # Right as it returns: nothing it named generates, no call still counts on it, and the
         # background no longer wants it.
         mgr = self.mgr
