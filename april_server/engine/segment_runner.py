@@ -302,9 +302,12 @@ class SegmentRunner:
                 held = await self.weight_cut.held_for_update(run, call)
                 if held is not None:
                     return held
-                if self.versions.now() != run.planned_version:
-                    self.planner.add_load(call.slot, -1, -need)
-                    raise PlannedBeforeUpdate(call)
+            # Planned under weights an update has replaced since (held by it above, or planned
+            # again after its engine went away, with the continuation planned before): judged
+            # again under the version now, or its owner's max_staleness would be skipped.
+            if self.versions.now() != run.planned_version:
+                self.planner.add_load(call.slot, -1, -need)
+                raise PlannedBeforeUpdate(call)
             try:
                 return await self.engine.run_segment(call)
             except EngineUnavailable as exc:
