@@ -47,6 +47,7 @@ class WorldBase:
         self.late: list[asyncio.Task[None]] = []
         self.abandoned: list[tuple[RolloutReq, list[str], int]] = []
         self.first_start: dict[str, int] = {}  # request_id -> version its first attempt began
+        self.bounds_sent: dict[str, list[int | None]] = {}  # request_id -> its max_staleness
         self.trace: list[str] = []  # what each client did, in order: printed on a failure
         self.check_p = 0.02  # chance of an integrity check between two callbacks
         self.round = 0  # rounds begun (a restart goes on with the next)

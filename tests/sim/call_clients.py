@@ -95,6 +95,8 @@ class CallClients(FeatureClients):
         key = self.answer_seq
         first_version = self.first_start.get(req.request_id or "", start_version)
         self.calling[key] = (req, gids, first_version)  # if the process dies meanwhile
+        if req.request_id is not None:  # which attempt delivered, a stored answer cannot say
+            self.bounds_sent.setdefault(req.request_id, []).append(req.max_staleness)
         try:
             resp = await self.mgr.rollout(req, events)
         except ApiError as exc:
@@ -140,7 +142,11 @@ class CallClients(FeatureClients):
         for gid in gids:  # a stored response speaks for the groups of the attempt it answered
             if gid in named:
                 led.create(gid, req.request_id or resp.batch_id)
-        led.deliver(resp.groups, start_version, req.max_staleness, resp.batch_id)
+        own = req.max_staleness
+        sent = self.bounds_sent.get(req.request_id or "", [])
+        if sent:  # its attempts' loosest bound: any of them may have delivered
+            own = None if None in sent else max(b for b in sent if b is not None)
+        led.deliver(resp.groups, start_version, own, resp.batch_id)
         for gid in resp.dropped_group_ids:
             led.dropped.add(gid)
             led.leave(gid)
