@@ -63,6 +63,7 @@ class WorldBase:
         # it leaves them until the next kick (a call, an answer, `/groups`).
         self.stranded: set[str] = set()
         self.at_crash: AtCrash | None = None
+        self.after_crash = False  # settling what clients of a dead process left
 
     # ---- helpers -----------------------------------------------------------------------------
 

@@ -139,9 +139,14 @@ class CallClients(FeatureClients):
                 return
         named = {g.group_id for g in resp.groups} | set(resp.buffered_group_ids)
         named |= set(resp.dropped_group_ids)
+        at = self.at_crash if self.after_crash else None
         for gid in gids:  # a stored response speaks for the groups of the attempt it answered
             if gid in named:
                 led.create(gid, req.request_id or resp.batch_id)
+                # Read after the process died, it may speak of a group an unacknowledged
+                # operation had removed by then (as `crashed` judges those acknowledged).
+                if at is not None and (gid not in at.known or gid in at.removers):
+                    led.maybe_gone.add(gid)
         own = req.max_staleness
         sent = self.bounds_sent.get(req.request_id or "", [])
         if sent:  # its attempts' loosest bound: any of them may have delivered

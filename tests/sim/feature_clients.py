@@ -207,11 +207,9 @@ class FeatureClients(WorldBase):
             if ids:
                 self.ledger.answer_taken(sid, ids, False, None)
             raise
-        except OSError as exc:
+        except OSError as exc:  # its claim or its commit failed: given back as it was
             if not self.injected(label, exc):
                 raise
-            if ids:
-                self.ledger.answer_taken(sid, ids, False, None)  # taken, maybe not durable
             return
         finally:
             self.answering.pop(key, None)

@@ -112,7 +112,9 @@ class World(CallClients, OperationClients):
             for s in g.samples:
                 led.check_sample(s)
         self.check()
+        self.after_crash = True  # what the dead process's clients left: answered before it died
         await self.settle_abandoned()
+        self.after_crash = False
         await self.main(rounds)
 
     # ---- checks --------------------------------------------------------------------------------
@@ -190,9 +192,11 @@ class World(CallClients, OperationClients):
         await self.settle_abandoned()
         await self.mgr.abort(AbortReq(all=True, keep="tokens"))
         self.ledger.background.clear()
-        for _ in range(100):
-            if self.mgr.background._task is None and not self.mgr.segments.running:
-                break
+        mgr = self.mgr
+        for _ in range(100):  # work whose client went away still runs to its end
+            if mgr.background._task is None and not mgr.segments.running:
+                if not self.plan.on or not (mgr.buffer.holders or mgr.post_input.locks):
+                    break
             await asyncio.sleep(0.05)
         mgr, led = self.mgr, self.ledger
         require(
