@@ -113,6 +113,7 @@ class Background:
         # no fill of this round takes them): they start in the next round, which this round's
         # end begins.
         self._kicked = False
+        self._failing = False  # the round failed: it stops everything and hands back
 
     # ---- what the rest of the server calls -------------------------------------------------
 
@@ -185,9 +186,15 @@ class Background:
 
     def may_adopt(self, owner: str) -> bool:
         """Whether the ending call `owner` may hand its groups still generating over in place:
-        no other call or operation holds the background, and no weight update holds cut
-        segments (those continue under their owner's rule after it)."""
-        return self._holds == 1 and list(self.calls) == [owner] and self.weight_cut.updated.is_set()
+        no other call or operation holds the background, no weight update holds cut segments
+        (those continue under their owner's rule after it), and no round is failing (it hands
+        back all it holds)."""
+        return (
+            self._holds == 1
+            and list(self.calls) == [owner]
+            and self.weight_cut.updated.is_set()
+            and not self._failing
+        )
 
     def adopt(self, owner: str, going: dict[str, list[Running]]) -> list[str]:
         """The ending call `owner`'s groups (with the runs it started) pass here generating,
@@ -366,8 +373,16 @@ class Background:
                         await self._hand_back([gid])
         except Exception:  # the background must never take the server down
             logger.exception("april: background round failed; its groups stay buffered")
+            # Its groups go back only once every segment task of it has ended: one that left
+            # `running` may still record its end (awaiting its snapshot's release), into a body
+            # that must still be held then; and nothing more is handed over in place meanwhile
+            # (`may_adopt`), or it would go back generating.
+            self._failing = True
             runs = self.segments.runs_of(OWNER)
             await self.segments.stop(runs, "tokens")
+            pending = [t for t in ends if not t.done()]
+            if pending:
+                await asyncio.wait(pending)
             try:
                 await self._hand_back(list(self.running_groups()))
             except Exception:  # the store fails (a full disk): never keep them held
@@ -378,6 +393,7 @@ class Background:
                 self.buffer.release_in_place(OWNER)
         finally:
             self._task = None
+            self._failing = False
             self._ends.clear()
             self._left.clear()
         kicked, self._kicked = self._kicked, False

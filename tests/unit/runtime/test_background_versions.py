@@ -201,6 +201,45 @@ def test_a_call_does_not_take_over_a_group_whose_segment_still_records_its_end(
     asyncio.run(go())
 
 
+def test_a_failed_round_hands_its_groups_back_once_their_segments_recorded_their_end(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 5914 with faults, window C): a background round whose
+    commit failed stopped what still ran and handed every group back, but a segment task that
+    had left `running` still awaited its snapshot's release: the group was persisted with the
+    snapshot it was freeing, and the task then recorded its end into a body nobody held. The
+    store referred to a snapshot the engine no longer had."""
+
+    async def go() -> None:
+        eng = SlowDrop()
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 60)]))
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.02)
+        async with mgr.background.paused():  # stopped with a snapshot, restored after
+            await mgr.add_groups(GroupsReq(groups=[spec("a", 150)]))
+        real, failed = mgr.buffer.persist, []
+
+        async def fails_once(put: Any, *args: Any) -> None:
+            if not failed and any(g.group_id == "a" for g in put):
+                failed.append(True)
+                raise OSError(28, "No space left on device")
+            await real(put, *args)
+
+        mgr.buffer.persist = fails_once  # type: ignore[method-assign]
+        await eng.dropping.wait()  # "bg" finished from the restore: its task frees the snapshot
+        await until(lambda: bool(failed))  # "a" finished: its hand-back failed, the round too
+        await asyncio.sleep(0.02)
+        eng.freeing.set()
+        await until(lambda: not mgr.buffer.holders and not mgr.background._task)
+        stored = await mgr.store.read_groups(["bg"])
+        assert eng.snaps == set()
+        assert stored["bg"].samples[0].snapshot_bytes == 0  # before the fix: 100, freed since
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
 class LateRegistration(FakeEngine):
     """Like SGLang's TokenizerManager: a request is known only a moment after its segment
     starts (`register_s`), and an abort for an unknown request is dropped, not kept."""
