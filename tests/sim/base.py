@@ -64,6 +64,7 @@ class WorldBase:
         self.stranded: set[str] = set()
         self.at_crash: AtCrash | None = None
         self.after_crash = False  # settling what clients of a dead process left
+        self.stray_writes: list[str] = []  # segment ends recorded where nobody held (watch.py)
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -109,6 +110,7 @@ class WorldBase:
     def check(self) -> None:
         self.mgr.check_integrity()
         require(not self.eng.double, f"a sample ran twice at once: {self.eng.double}")
+        require(not self.stray_writes, self.stray_writes[0] if self.stray_writes else "")
 
     def after_step(self) -> None:
         if self.rng.random() < self.check_p:

@@ -258,9 +258,11 @@ class SimEngine(SnapshotFakeEngine):
         self.events.append(f"{t:9.4f} {what}")
 
     async def _op(self) -> None:
-        """A snapshot operation's trip to the scheduler (and back), hangs included."""
+        """A snapshot operation's trip to the scheduler (and back), hangs included; one in ten
+        meets a scheduler busy for 5-10 times as long."""
         if self.faults.op_delay_s:
-            await asyncio.sleep(self.rng.uniform(0, self.faults.op_delay_s))
+            slow = self.rng.uniform(5, 10) if self.rng.random() < 0.1 else 1.0
+            await asyncio.sleep(self.rng.uniform(0, self.faults.op_delay_s) * slow)
         await self._unhung()
 
     async def _unhung(self) -> None:

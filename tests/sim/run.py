@@ -14,6 +14,7 @@ from april_server.wire.errors import ApiError
 from tests.sim import loop as sim_loop
 from tests.sim.faults import FaultPlan
 from tests.sim.store import crash_stores, errors_recorded, failures_logged, simulated_store
+from tests.sim.watch import segment_ends_watched
 from tests.sim.world import World
 
 ROUNDS = 4
@@ -79,6 +80,10 @@ def run_seed(
                 {e.group_id for e in buf.idle.oldest()},
             )
 
+    def watched(what: str) -> None:  # judged at the next check (raised in a task, lost)
+        if world is not None:
+            world.stray_writes.append(what)
+
     def round_failed() -> None:
         if world is not None:
             world.stranded |= set(world.mgr.background.wanted)
@@ -89,6 +94,7 @@ def run_seed(
             simulated_store(random.Random(rng.random()), plan.store),
             errors_recorded(error_state),
             failures_logged(background_module, round_failed),
+            segment_ends_watched(lambda: None if world is None else world.mgr, watched),
         ):
             crash = sim_loop.run(seed, first, MAX_VIRTUAL_S)
             lives = 1
