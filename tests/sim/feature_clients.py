@@ -215,7 +215,9 @@ class FeatureClients(WorldBase):
             self.answering.pop(key, None)
         self.note(f"{label}: {out[0].status}")
         if ids:
-            self.ledger.answer_taken(sid, ids, True, None)
+            held = ids in [a.ids for a in out[0].appended]
+            restarts = out[0].staleness_restarts if held else -1
+            self.ledger.answer_taken(sid, ids, True, None, restarts)
             if turns.awaiting(out[0]):
                 self.pending.append((sid, out[0].turn))
         self.check()

@@ -64,6 +64,12 @@ class Ledger:
     # sample -> (index in `answers`, the call that took it): an answer a call took is durable
     # only with that call's outcome (docs/api.md, Turns).
     taken_by: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    # sample -> per answer in `answers`: (the member's staleness restarts as it took it, the
+    # `drops` epoch then): an answer the member still holds unless reset since.
+    answer_resets: dict[str, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)
+    drops: int = 0  # aborts with `keep: drop` of everything or a batch begun
+    dropping: int = 0  # aborts with `keep: drop` under way
+    group_drops: dict[str, int] = field(default_factory=dict)  # ... of named groups, by group
     # The engine's log of requests by sample (who planned each, under which version).
     requests_of: Callable[[str], list[Request]] = lambda sid: []
 
@@ -161,12 +167,36 @@ class Ledger:
         took = self.answers.get(s.sample_id, [])
         held = [a.ids for a in s.appended]
         require(_ends_with(took, held), f"{s.sample_id} holds answers {held}, server took {took}")
+        # And every answer it took is still there, unless the member was reset since (a
+        # staleness restart counts on the sample; an abort with `keep: drop` on the epoch).
+        drops = self.drops_of(s.group_id)
+        resets = self.answer_resets.get(s.sample_id, [])
+        for (ids, taken), (restarts, then) in zip(took, resets, strict=True):
+            if taken and restarts == s.staleness_restarts and then == drops:
+                require(ids in held, f"{s.sample_id} lost the answer {ids} it took: holds {held}")
 
-    def answer_taken(self, sid: str, ids: list[int], taken: bool, batch_id: str | None) -> None:
+    def drops_of(self, gid: str) -> tuple[int, int]:
+        """Aborts with `keep: drop` that may have reset the group's members: (those naming
+        no group, those naming this one)."""
+        return self.drops, self.group_drops.get(gid, 0)
+
+    def answer_taken(
+        self,
+        sid: str,
+        ids: list[int],
+        taken: bool,
+        batch_id: str | None,
+        restarts: int = -1,
+    ) -> None:
+        """`restarts`: the member's staleness restarts as it took the answer (-1: unknown)."""
         mine = self.answers.setdefault(sid, [])
         if batch_id is not None:
             self.taken_by.setdefault(sid, []).append((len(mine), batch_id))
         mine.append((ids, taken))
+        gid = sid.rpartition("/")[0]
+        if self.dropping:  # an abort with `keep: drop` under way may reset it still
+            restarts = -1
+        self.answer_resets.setdefault(sid, []).append((restarts, self.drops_of(gid)))
 
     def batches_taking(self) -> set[str]:
         """The calls that took an answer."""

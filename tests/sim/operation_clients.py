@@ -49,7 +49,10 @@ class OperationClients(WorldBase):
         finally:
             self.answering.pop(key, None)
         self.note(f"answer {sid} turn {turn}: taken")
-        self.ledger.answer_taken(sid, ids, True, resp.batch_id)
+        # Held as it answers, unless a staleness restart of its continuation forgot it already.
+        held = ids in [a.ids for a in resp.sample.appended]
+        restarts = resp.sample.staleness_restarts if held else -1
+        self.ledger.answer_taken(sid, ids, True, resp.batch_id, restarts)
         if twice:
             try:
                 await self.mgr.post_input(sid, body)
@@ -125,9 +128,15 @@ class OperationClients(WorldBase):
         label = f"abort all={req.all} batch={req.batch_id} named={sorted(named)} keep={keep}"
         self.note(f"{label} starts")
         self.aborts += 1
+        if keep == "drop":  # it resets what it stops (what it names, or all of a batch)
+            if req.all or req.batch_id is not None:
+                led.drops += 1
+            for gid in named:
+                led.group_drops[gid] = led.group_drops.get(gid, 0) + 1
         if req.batch_id is not None:  # what the server says that batch left in the background
             named |= self.mgr.background.handed_in_by(req.batch_id)
         self.aborting += 1
+        led.dropping += keep == "drop"
         try:
             await self.mgr.abort(req)
         except ApiError as exc:
@@ -145,6 +154,7 @@ class OperationClients(WorldBase):
             raise
         finally:
             self.aborting -= 1
+            led.dropping -= keep == "drop"
         # Right as it returns: nothing it named generates, no call still counts on it, and the
         # background no longer wants it.
         mgr = self.mgr

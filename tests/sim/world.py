@@ -93,7 +93,7 @@ class World(CallClients, OperationClients):
         led.bounds.clear()
         self.stranded.clear()
         self.late.clear()
-        self.inflight = self.aborting = 0
+        self.inflight = self.aborting = led.dropping = 0
 
     async def restarted(self, rounds: int) -> None:
         """A new process on the store the dead one left: what was acknowledged is there, what
