@@ -1,26 +1,13 @@
-"""One APRIL step: `POST /april/v1/rollouts`. The steps are the README's request lifecycle:
-
-2. Validate the request and build its new groups (nothing is started on bad input).
-3. Size the running set: the running target (`max_inflight_groups`) and the engine's
-   admission bound.
-4. Start groups whole, in order: buffered ones first (oldest first, when `resume_first`),
-   claimed from the buffer only as the call starts them, then the new ones; refilled as
-   groups end.
-5. Each unfinished member runs as segments (`engine/segment_runner.py`).
-6. Count whole groups as they finish, in finish order; stop at `target_groups` accepted.
-7. Abort every sample of this call still generating, and wait until none is.
-8. Answer exactly `target_groups` finished groups; surplus finished groups and unfinished ones
-   go to the buffer (`on_quota: drop` discards the unfinished ones that had started).
-9. Persist the buffer and the response (one fsynced commit, off the event loop) before
-   answering.
-10. With `on_quota: continue`, the unfinished groups it started go on generating in the
-    background (`background.py`): in place, never stopped at 7, where nothing else holds it.
+"""One APRIL step: `POST /april/v1/rollouts`, steps 2-10 of the request lifecycle
+(docs/architecture.md numbers them): validate, size the running set, start groups whole as they
+fit, count them as they finish, then stop the rest, answer exactly `target_groups` groups,
+persist before answering, and hand `continue` stragglers to the background.
 
 Where each step lives: 2 in `new_groups.py` and `RolloutCall.prepare`; the run loop (`run`)
 here; 3, 4 and 6 in `refill.py`; 7-10 in `wind_down.py`, where a call ends and the background
 begins; turns within a call in `turns_in_call.py`. Each is a part that acts on the call's
-`CallState` (`state.py`) with the collaborators it names. The quota: `rules/quota.py`;
-`request_id` retries: `rules/idempotency.py`.
+`CallState` (`state.py`) with the parts it is handed (`parts.py`). The quota:
+`rules/quota.py`; `request_id` retries: `rules/idempotency.py`.
 """
 
 from __future__ import annotations
@@ -108,6 +95,7 @@ class RolloutCall:
             state.handed_in,
             req.turns,
             req.return_routed_experts,
+            req.return_sampling_mask,
         )
         await self._settle_own_groups()
         # From here to the claims below nothing awaits: what is decided is what is taken.
@@ -168,7 +156,7 @@ class RolloutCall:
                 return
 
     async def run(self) -> RolloutResp:
-        """Steps 3-10 of the README's request lifecycle; `prepare()` (step 2) must have
+        """Steps 3-10 of the request lifecycle; `prepare()` (step 2) must have
         succeeded."""
         state, refill = self.state, self.refill
         t0 = time.perf_counter()

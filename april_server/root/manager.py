@@ -24,13 +24,14 @@ from april_server.engine.clock import idle_shares
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import Counters, Running
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
 from april_server.operations.abort import Abort
 from april_server.operations.delete import Delete
+from april_server.operations.forget_lengths import ForgetLengths
 from april_server.operations.groups import AddGroups
 from april_server.operations.inputs import PostInput
-from april_server.operations.lengths import ForgetLengths
 from april_server.operations.partials import Partials
 from april_server.operations.resume import Resume
 from april_server.root.durable import Durable
@@ -73,11 +74,12 @@ class RolloutManager:
             durable.lengths, default_order=config.length_order, placement=config.placement
         )
         self.running: dict[str, Running] = {}  # sample id -> its engine request
+        self.places = SnapshotPlaces()  # where each sample's KV snapshot lives
         self.planner = SegmentPlanner(
-            engine, self.counters, self.admission, config.allow_stale_kv, self.lengths
+            engine, self.counters, self.admission, config.allow_stale_kv, self.lengths, self.places
         )
         # What a weight push cuts (`root/holder.py` hands it to the process's weight session).
-        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner)
+        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner, self.places)
         self.segments = SegmentRunner(
             engine,
             self.counters,
@@ -87,6 +89,7 @@ class RolloutManager:
             self.running,
             self.planner,
             self.weight_cut,
+            self.places,
         )
         self.calls = LiveCalls()
         self.sizing = PoolSizing(engine, self.admission, self.lengths)
@@ -99,6 +102,7 @@ class RolloutManager:
             self.versions,
             self.admission,
             self.calls,
+            self.places,
         )
         self.loop_lag: LoopLagMonitor | None = None
         if watch_loop:
@@ -106,7 +110,9 @@ class RolloutManager:
             self.loop_lag.start()
         self.sweep: SnapshotSweep | None = None
         if sweep_s > 0 and self.planner.snap is not None:
-            self.sweep = SnapshotSweep(self.planner.snap, self.running, self.buffer, sweep_s)
+            self.sweep = SnapshotSweep(
+                self.planner.snap, self.running, self.buffer, self.places, sweep_s
+            )
             self.sweep.start()
 
         # ---- the operations the routes call ---------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.rules.inflight import EngineCapacity
 from april_server.rules.placement import Slot
-from april_server.rules.routing import RoutingRows
+from april_server.rules.routing_replay import RoutingRows
 from april_server.rules.samples import SegmentResult
 from april_server.rules.stops import stop_strings
 from tests.unit.fake_engine import EOS, SnapshotFakeEngine, next_token

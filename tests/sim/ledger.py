@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from april_client.protocol import Group, Sample
-from april_server.rules.routing import row_bytes
+from april_server.rules.routing_replay import row_bytes
 from april_server.rules.samples import context_ids
 from tests.sim.engine import Request, routed
 from tests.unit.fake_engine import EOS, next_token

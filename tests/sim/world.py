@@ -19,7 +19,6 @@ from april_client.protocol import (
     AbortReq,
 )
 from april_server.rules import samples, turns
-from april_server.rules import snapshots as snapshot_rules
 from tests.sim.base import group_of
 from tests.sim.call_clients import CallClients
 from tests.sim.feature_clients import FEATURE_OPS
@@ -27,6 +26,7 @@ from tests.sim.ledger import require
 from tests.sim.operation_clients import OperationClients
 from tests.sim.restart import build_core, restarted_engine
 from tests.sim.store import SimDb, StoreFaults
+from tests.unit.idle import idle_bodies
 
 
 class World(CallClients, OperationClients):
@@ -108,7 +108,7 @@ class World(CallClients, OperationClients):
         require(not standing - present, f"lost by the crash: {sorted(standing - present)}")
         back = (set(led.delivered) | led.dropped | led.deleted) & present
         require(not back, f"delivered, dropped or deleted, back after the crash: {sorted(back)}")
-        for g in buf.load_idle():
+        for g in idle_bodies(buf):
             for s in g.samples:
                 led.check_sample(s)
         self.check()
@@ -213,7 +213,7 @@ class World(CallClients, OperationClients):
         require(not lost, f"lost: {sorted(lost)}")
         twice = gone & buffered
         require(not (set(led.delivered) & buffered), f"delivered and still buffered: {twice}")
-        idle = mgr.buffer.load_idle()
+        idle = idle_bodies(mgr.buffer)
         for g in [*idle, *led.bodies]:
             for s in g.samples:
                 led.check_sample(s)
@@ -225,7 +225,7 @@ class World(CallClients, OperationClients):
             (slot, s.sample_id)
             for g in idle
             for s in g.samples
-            if (slot := snapshot_rules.held_at(s)) is not None
+            if (slot := mgr.places.of(s)) is not None
         }
         held = self.eng.snapshots()
         disk = SimDb.disk

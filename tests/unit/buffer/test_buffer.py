@@ -29,6 +29,7 @@ from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import EngineCapacity
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
+from tests.unit.idle import idle_bodies
 
 R = "/april/v1"
 NO_EOS = {"ignore_eos": True}
@@ -48,7 +49,8 @@ def test_index_keeps_age_order_and_counts_without_scanning() -> None:
     idx = BufferIndex([entry("c", 3), entry("a", 1), entry("b", 2, unfinished=0)])
     assert [e.group_id for e in idx.oldest()] == ["a", "b", "c"]
     assert (len(idx), idx.samples, idx.unfinished_groups, idx.unfinished_samples) == (3, 6, 2, 2)
-    assert [e.group_id for e in idx.pop_oldest(2)] == ["a", "b"]
+    for gid in ("a", "b"):  # claimed, oldest first
+        idx.remove(gid)
     idx.add(entry("a", 1))  # a released group goes back to its old position
     assert [e.group_id for e in idx.oldest()] == ["a", "c"]
     assert idx.remove("zz") is None and len(idx) == 2 and idx.samples == 4
@@ -319,7 +321,7 @@ def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> N
         r = await call
         await stop
         assert [g.group_id for g in r.groups] == ["short"]
-        (stored,) = mgr.buffer.load_idle()
+        (stored,) = idle_bodies(mgr.buffer)
         assert stored.samples[0].snapshot_bytes == 100  # what the scheduler holds is known
         assert eng.snaps == {"long/0"}
         await mgr.delete("long")
@@ -407,6 +409,6 @@ def test_the_index_keeps_waiting_groups_apart_and_lists_everything_by_age(
         page, start = idx.page(start, 3, PartialsFilter(), time.time())
         paged += [e.group_id for e in page]
     assert paged == by_age
-    assert [e.group_id for e in idx.pop_oldest(3)] == by_age[:3] and len(idx) == len(ref) - len(
-        by_age[:3]
-    )
+    for gid in by_age[:3]:
+        idx.remove(gid)
+    assert [e.group_id for e in idx.oldest()] == by_age[3:] and len(idx) == len(by_age[3:])

@@ -28,6 +28,7 @@ from april_server.root.manager import RolloutManager
 from april_server.rules import samples, turns
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
+from tests.unit.idle import idle_bodies
 
 PROMPT = [5, 6, 7]
 BUDGET = 400
@@ -155,7 +156,7 @@ def test_an_abort_during_the_read_makes_the_claiming_call_give_the_group_up(
         # Given up: nothing of it started after the abort answered; it stays buffered.
         assert not resp.stats.quota_met and resp.buffered_group_ids == ["g"]
         assert not [c for c in mgr.engine.calls if c[0].startswith("g/")]  # type: ignore[attr-defined]
-        (g,) = mgr.buffer.load_idle()
+        (g,) = idle_bodies(mgr.buffer)
         assert g.samples[1].output_ids == []
         mgr.check_integrity()
 

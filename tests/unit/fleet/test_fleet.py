@@ -20,14 +20,15 @@ import pytest
 from april_client.protocol import GroupSpec, ResumeReq, RolloutReq
 from april_server.engine import segment_runner as segments_mod
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
+from april_server.fleet.engine_wire import EngineInfo, encoder
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.lanes import LANE_SIZE, Lanes
-from april_server.fleet.wire import EngineInfo, encoder
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.idle import idle_bodies
 
 NO_EOS = {"ignore_eos": True}
 
@@ -114,7 +115,7 @@ def test_with_no_engine_left_the_call_ends_and_the_sample_keeps_what_it_had(
             max_inflight_groups=2,
         )
         await mgr.rollout(first)
-        (held,) = [s for g in mgr.buffer.load_idle() for s in g.samples]
+        (held,) = [s for g in idle_bodies(mgr.buffer) for s in g.samples]
         before = list(held.output_ids)
         assert 0 < len(before) < 300
         eng.die |= {"a", "b"}

@@ -14,9 +14,9 @@ import pytest
 
 from april_server.engine.base import SegmentCall
 from april_server.engine.weight_session import UpdateListener, WeightSession
+from april_server.fleet.engine_wire import EngineInfo, encoder
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.weight_group import FleetWeights, rank_offsets
-from april_server.fleet.wire import EngineInfo, encoder
 from april_server.rules.placement import Slot
 from april_server.wire.errors import ApiError
 from tests.unit.fleet.test_fleet import FakeServers, fleet_over

@@ -20,6 +20,7 @@ from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.idle import idle_bodies
 
 R = "/april/v1"
 
@@ -74,7 +75,7 @@ def test_stream_events_then_done() -> None:
         assert lines[0]["group"]["group_id"] == "a"
         assert lines[0]["batch_id"] == lines[1]["batch_id"] != ""
         assert lines[1]["buffered_group_ids"] == ["b"]
-        assert [g.group_id for g in mgr.buffer.load_idle()] == ["b"]
+        assert [g.group_id for g in idle_bodies(mgr.buffer)] == ["b"]
 
     asyncio.run(go())
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -21,14 +23,26 @@ def imported_modules(path: Path) -> set[str]:
     return mods
 
 
+# Outside the server, SGLang is imported only as a yardstick, never to serve (both are named in
+# docs/architecture.md, "One door to SGLang").
+SGLANG_YARDSTICKS = {
+    "kernels/bench_kv_copy.py",  # SGLang's own KV copy, a column of the copy benchmark
+    "clients/april_bench/gpu_check/server_parts.py",  # the GPU run loads SGLang's model config
+}
+
+
 def test_the_door_package_is_the_only_importer_of_sglang() -> None:
-    offenders = [
+    importers = {
         str(p.relative_to(ROOT))
-        for p in sorted((ROOT / "april_server").rglob("*.py"))
-        if DOOR not in p.parents and any(m.split(".")[0] == "sglang" for m in imported_modules(p))
-    ]
-    assert offenders == []
+        for top in ("april_server", "clients", "kernels", "examples")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if any(m.split(".")[0] == "sglang" for m in imported_modules(p))
+    }
+    outside = {p for p in importers if not p.startswith("april_server/door/")}
+    assert outside == SGLANG_YARDSTICKS
     assert any(m.startswith("sglang") for m in imported_modules(DOOR / "engine.py"))
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"`{p}`" in architecture for p in SGLANG_YARDSTICKS)
 
 
 def test_bookkeeping_is_plain_python() -> None:
@@ -235,6 +249,32 @@ def test_the_data_table_rule_tells_tables_from_code() -> None:
     assert not is_data_table(first("OPS = {'a': f(1), 'b': 2, 'c': 3}"))  # a call
     assert not is_data_table(first("PAIR = (1, 2)"))  # too short to be a table
     assert not is_data_table(first("x = g(a,\n      b)"))
+
+
+def test_no_server_function_is_called_only_by_tests() -> None:
+    """A function or method of the server whose name no code but its own definition and the
+    tests mentions is test scaffolding living in production: it belongs in the tests."""
+    code = {
+        p: p.read_text()
+        for top in PYTHON_HOMES
+        if top != "tests"
+        for p in (ROOT / top).rglob("*.py")
+    }
+    words = Counter(w for text in code.values() for w in re.findall(r"\w+", text))
+    tested = set(
+        re.findall(r"\w+", "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py")))
+    )
+    only_tests = sorted(
+        f"{p.relative_to(ROOT)}:{node.name}"
+        for p, text in code.items()
+        if p.is_relative_to(ROOT / "april_server")
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and not node.name.startswith("__")
+        and words[node.name] == 1
+        and node.name in tested
+    )
+    assert only_tests == []
 
 
 UNIT = ROOT / "tests" / "unit"

@@ -42,6 +42,7 @@ from april_server.rules.placement import (
 from april_server.rules.ranks import merge_rank_stats
 from april_server.rules.samples import SegmentResult
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.idle import idle_bodies
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_EOS = {"ignore_eos": True}
@@ -183,17 +184,18 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         # Five fresh samples over two idle ranks: spread, not piled on one.
         ranks = list(eng.ran.values())
         assert sorted(ranks.count(k) for k in (0, 1)) == [2, 3]
-        held = {s.sample_id: s for g in mgr.buffer.load_idle() for s in g.samples}
+        held = {s.sample_id: s for g in idle_bodies(mgr.buffer) for s in g.samples}
         for sid, s in held.items():
             assert s.snapshot_bytes > 0
             rank = s.segments[-1].dp_rank
-            assert (s.snapshot_engine, s.snapshot_dp_rank) == (LOCAL, rank)
+            assert mgr.places.of(s) == Slot(LOCAL, rank)
             assert ("mark", sid, rank) in eng.acts  # the mark named that rank only
             assert sid in eng.snaps[rank] and sid not in eng.snaps[1 - rank]
         # Resume one: it runs on its snapshot's rank, restores there, and frees it there.
         sid = "g2/0"
-        rank = held[sid].snapshot_dp_rank
-        assert rank is not None
+        place = mgr.places.of(held[sid])
+        assert place is not None
+        rank = place.dp_rank
         eng.acts.clear()
         (s,) = await mgr.resume(ResumeReq(sample_ids=[sid], kv="restore"))
         seg = s.segments[-1]
@@ -202,7 +204,9 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         assert s.status == "truncated" and s.snapshot_bytes == 0
         # kv: recompute never restores: the unused snapshot is freed where it lives first.
         other = "g0/0"
-        other_rank = held[other].snapshot_dp_rank
+        other_place = mgr.places.of(held[other])
+        assert other_place is not None
+        other_rank = other_place.dp_rank
         eng.acts.clear()
         await mgr.resume(ResumeReq(sample_ids=[other], kv="recompute"))
         assert eng.acts[0] == ("drop", other, other_rank)
@@ -300,7 +304,6 @@ def test_placement_is_durable_and_old_rows_load_with_defaults(tmp_path: Path) ->
         g = store_mod.decode_group(body)
         seg = g.samples[0].segments[0]
         assert (seg.engine, seg.dp_rank) == (LOCAL, 0)
-        assert g.samples[0].snapshot_dp_rank is None
 
 
 # ---- figures of several ranks -------------------------------------------------------------------

@@ -19,6 +19,7 @@ from april_server.rules.stops import reached_stop
 from april_server.rules.turns import awaiting
 from tests.unit.calls.test_turns_in_call import BUDGET, PROMPT, STOPS, answer, episode
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
+from tests.unit.idle import idle_bodies
 
 
 def text(ids: list[int]) -> str:
@@ -67,7 +68,7 @@ def run_episode(
             mgr.check_integrity()
             if resp.groups:
                 return resp.groups[0].samples[0], calls
-            (g,) = mgr.buffer.load_idle()
+            (g,) = idle_bodies(mgr.buffer)
             s = g.samples[0]
             if awaiting(s):
                 await mgr.post_input(s.sample_id, InputReq(append_ids=answer_of[s.turn]))

@@ -12,6 +12,7 @@ from april_server.root.manager import RolloutManager
 from april_server.rules.placement import LOCAL, Slot
 from april_server.runtime.snapshot_sweep import SnapshotSweep
 from tests.unit.fake_engine import SnapshotFakeEngine
+from tests.unit.idle import idle_bodies
 
 NO_EOS = {"ignore_eos": True}
 HERE = Slot(LOCAL, 0)
@@ -30,7 +31,9 @@ class ListingEngine(SnapshotFakeEngine):
 
 def sweep_of(mgr: RolloutManager, min_age_s: float) -> SnapshotSweep:
     assert mgr.segments.snap is not None
-    return SnapshotSweep(mgr.segments.snap, mgr.segments.running, mgr.buffer, min_age_s=min_age_s)
+    return SnapshotSweep(
+        mgr.segments.snap, mgr.segments.running, mgr.buffer, mgr.places, min_age_s=min_age_s
+    )
 
 
 def spec(gid: str, tokens: int) -> GroupSpec:
@@ -44,7 +47,7 @@ async def buffered_with_snapshot(eng: ListingEngine, mgr: RolloutManager) -> Non
     await asyncio.sleep(0.05)
     await mgr.abort(AbortReq(sample_ids=["long/0"], keep="snapshot"))
     await call
-    (stored,) = mgr.buffer.load_idle()
+    (stored,) = idle_bodies(mgr.buffer)
     assert stored.samples[0].snapshot_bytes == 100 and eng.snaps == {"long/0"}
 
 
