@@ -268,7 +268,8 @@ class Background:
             # the call holds (and the call would start that member again beside it).
             if any(r.stopping or r.cut or r.resuming for r in runs):
                 continue
-            if set(tasks) != {r.task for r in runs}:
+            running = {r.task for r in runs}
+            if any(not t.done() and t not in running for t in tasks):
                 continue
             if not take(group, len(runs)):
                 break
