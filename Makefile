@@ -66,8 +66,8 @@ bench-placement:  ## tail placement on an owner over two SmolLM2 engines (same c
 bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engine servers on the same cores (~5 min)
 	@V=$(VENV) && $$V/bin/python -m april_bench.fleet --json-out out/fleet.jsonl
 
-simulate:  ## the core's deterministic simulator (tests/sim): SEEDS seeds (default 10000) from START (0), seeds/s shown; a failure prints the command that replays it
-	@V=$(VENV) && PYTHONHASHSEED=0 $$V/bin/python -m tests.sim --seeds $${SEEDS:-10000} --start $${START:-0}
+simulate:  ## the core's deterministic simulator (tests/sim): SEEDS seeds (default 10000) from START (0), with seeded faults unless FAULTS=off, seeds/s shown; a failure prints the command that replays it
+	@V=$(VENV) && PYTHONHASHSEED=0 $$V/bin/python -m tests.sim --seeds $${SEEDS:-10000} --start $${START:-0} $(if $(filter off,$(FAULTS)),--no-faults)
 
 soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py -k quick
