@@ -19,6 +19,7 @@ from tests.sim.faults import FaultPlan
 from tests.sim.ledger import Ledger, require
 from tests.sim.loop import Crash
 from tests.sim.restart import AtCrash, build_core
+from tests.sim.store import SimDb
 
 STOPS = [9, 17, 33, 41, 50]  # turn stops of agent groups
 KEEPS = ["snapshot", "tokens", "drop"]
@@ -39,7 +40,10 @@ class WorldBase:
         self.eng = SimEngine(random.Random(rng.random()), plan.engine)
         self.mgr = build_core(self.eng, plan.options)
         self.store = self.mgr.store
-        self.ledger = Ledger(requests_of=lambda sid: self.eng.requests_of(sid))
+        self.ledger = Ledger(
+            requests_of=lambda sid: self.eng.requests_of(sid),
+            failed_groups=lambda: set() if SimDb.disk is None else SimDb.disk.failed_groups,
+        )
         self.next_id = 0
         self.inflight = 0
         self.batches: list[str] = []  # batch ids of calls that answered

@@ -194,6 +194,9 @@ class FeatureClients(WorldBase):
         key = self.answer_seq
         if ids:
             self.answering[key] = (sid, ids)  # taken or not, if the process dies meanwhile
+            # Appended to a member that finished meanwhile, it reopens the group, which the
+            # background (if it had it) does not want again: its client's doing.
+            self.ledger.background.discard(group_of(sid))
         try:
             out = await self.mgr.resume(req)
         except ApiError as exc:

@@ -20,6 +20,7 @@ judged as either.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,8 @@ class Ledger:
     drops: int = 0  # aborts with `keep: drop` of everything or a batch begun
     dropping: int = 0  # aborts with `keep: drop` under way
     group_drops: dict[str, int] = field(default_factory=dict)  # ... of named groups, by group
+    # Groups a commit that failed would have written (`store.Disk.failed_groups`).
+    failed_groups: Callable[[], set[str]] = set
     # The engine's log of requests by sample (who planned each, under which version).
     requests_of: Callable[[str], list[Request]] = lambda sid: []
 
@@ -171,9 +174,16 @@ class Ledger:
         # staleness restart counts on the sample; an abort with `keep: drop` on the epoch).
         drops = self.drops_of(s.group_id)
         resets = self.answer_resets.get(s.sample_id, [])
-        for (ids, taken), (restarts, then) in zip(took, resets, strict=True):
-            if taken and restarts == s.staleness_restarts and then == drops:
-                require(ids in held, f"{s.sample_id} lost the answer {ids} it took: holds {held}")
+        # One a call took is durable with that call's commit, which may have failed unseen (the
+        # call's client gone): not judged once a commit of its group failed.
+        in_calls = {i for i, _ in self.taken_by.get(s.sample_id, [])}
+        failed = s.group_id in self.failed_groups()
+        for i, ((ids, taken), (restarts, then)) in enumerate(zip(took, resets, strict=True)):
+            if not taken or restarts != s.staleness_restarts or then != drops:
+                continue
+            if i in in_calls and failed:
+                continue
+            require(ids in held, f"{s.sample_id} lost the answer {ids} it took: holds {held}")
 
     def drops_of(self, gid: str) -> tuple[int, int]:
         """Aborts with `keep: drop` that may have reset the group's members: (those naming
@@ -240,12 +250,18 @@ def check_routing(s: Sample) -> None:
 
 
 def _ends_with(took: list[tuple[list[int], bool]], held: list[list[int]]) -> bool:
-    """Whether `held` is what the tail of `took` leaves, skipping uncertain answers."""
-    i = len(took) - 1
-    for ids in reversed(held):
-        while i >= 0 and not took[i][1] and took[i][0] != ids:
-            i -= 1
-        if i < 0 or took[i][0] != ids:
+    """Whether `held` is what the tail of `took` leaves: each answer the server took, in order,
+    from some point on (a reset forgets those before), each uncertain one there or not."""
+
+    @functools.cache
+    def tail(i: int, j: int) -> bool:  # held[: j + 1] ends took[: i + 1]
+        if j < 0:
+            return True
+        if i < 0:
             return False
-        i -= 1
-    return True
+        ids, certain = took[i]
+        if ids == held[j] and tail(i - 1, j - 1):
+            return True
+        return not certain and tail(i - 1, j)
+
+    return tail(len(took) - 1, len(held) - 1)
