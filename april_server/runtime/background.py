@@ -261,15 +261,17 @@ class Background:
             runs = self.segments.runs_in(gid)
             tasks = [t for t, g in self._ends.items() if g == gid]
             # An abort is stopping it, or a push cut it and its continuation is not planned
-            # yet under the background's bound (the cut may not even have landed): not the
+            # yet under the background's bound (the cut may not even have landed), or its
+            # segment waits for a healthy engine under the plan the background judged (it has
+            # not generated yet: taken over, it would run under no rule of the call's): not the
             # call's. Nor while a segment task of it has left `running` but still records its
             # end (awaiting its snapshot's release): the call tracks only the runs it is
             # handed, so nobody would wait for that task, which would go on writing to a group
             # the call holds (and the call would start that member again beside it).
-            if any(r.stopping or r.cut or r.resuming for r in runs):
+            if any(r.stopping or r.cut or r.resuming or r.placing for r in runs):
                 continue
-            running = {r.task for r in runs}
-            if any(not t.done() and t not in running for t in tasks):
+            run_tasks = {r.task for r in runs}
+            if any(not t.done() and t not in run_tasks for t in tasks):
                 continue
             if not take(group, len(runs)):
                 break

@@ -240,6 +240,47 @@ def test_a_failed_round_hands_its_groups_back_once_their_segments_recorded_their
     asyncio.run(go())
 
 
+class Unhealthy(FakeEngine):
+    """Its one slot is unhealthy while `down` is set: a segment waits to be placed."""
+
+    down = False
+
+    def healthy(self, slot: Any) -> bool:
+        return not self.down
+
+
+def test_a_call_does_not_take_over_a_segment_still_waiting_for_an_engine(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 37576 with faults: an owner whose pushes failed on both
+    engines): a background segment planned under the background's rule waited for a healthy
+    engine when a call with `max_staleness: 0` took its group over; placed later, it continued
+    version-0 tokens under version 2 in that call, which its own bound forbids."""
+
+    async def go() -> None:
+        eng = Unhealthy(delay_s=0.002)
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 60)]))  # no bound in the background
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.02)
+        async with mgr.background.paused():  # stopped, its tokens of version 0 kept
+            eng.version = "2"
+            eng.down = True  # nowhere to place its continuation
+        await until(lambda: any(r.placing for r in mgr.segments.running.values()))
+        req = RolloutReq(groups=[], target_groups=1, max_staleness=0)
+        call = asyncio.ensure_future(mgr.rollout(req))
+        await asyncio.sleep(0.05)
+        eng.down = False
+        r = await call
+        (s,) = r.groups[0].samples
+        # Restarted by the call's own bound: before the fix, segments of versions 0 and 2.
+        assert [x.weight_version for x in s.segments] == ["2"] and s.staleness_restarts == 1
+        assert s.output_ids == reference(60)
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
 class LateRegistration(FakeEngine):
     """Like SGLang's TokenizerManager: a request is known only a moment after its segment
     starts (`register_s`), and an abort for an unknown request is dropped, not kept."""
