@@ -3,8 +3,9 @@
 slime's own code, pinned at ../shared/peers/slime (or `$APRIL_PEERS_DIR/slime`; skipped with
 the reason when that folder is absent): its `Sample`, its `RolloutDataSourceWithBuffer` over a
 jsonl dataset, its `call_rollout_fn` and `RolloutFnTrainOutput`, its reward hub (through
-`--custom-rm-path`), its async loop. As slime's own CPU tests do, `ray` and `sglang_router` (and `pylatexenc`, which its
-math reward imports) are stub modules; everything the rollout path runs is real.
+`--custom-rm-path`), its async loop. As slime's own CPU tests do, `ray` and `sglang_router` are
+stub modules (and `pylatexenc`, which its math reward imports, where it is not installed);
+everything the rollout path runs is real.
 
 Several rollouts with a weight push before each (from disk, `weight_version` = the rollout id,
 as slime's engines send it), over-sampling 2x with `--partial-rollout`, then:
