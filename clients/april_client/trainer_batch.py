@@ -145,6 +145,20 @@ def token_versions(sample: Sample) -> list[str | None]:
     return out + generated[pos:]
 
 
+def jsonable(value: Any) -> Any:
+    """A dataset row's value as JSON, to travel as a group's metadata (numpy arrays and scalars,
+    as parquet gives them, become lists and numbers); TypeError for what JSON cannot hold."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return jsonable(value.tolist())
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    raise TypeError(f"a row value of type {type(value).__name__} cannot travel as JSON")
+
+
 def stale_tokens(sample: Sample, current_version: str) -> int:
     return len(sample.output_ids) - sum(fresh_mask(sample, current_version))
 

@@ -38,24 +38,11 @@ import msgspec
 from ._framework import framework
 from ._sync import AprilClient
 from .protocol import Group, RolloutResp
-from .trainer_batch import Ledger, extra_groups, response_logprobs, response_mask
+from .trainer_batch import Ledger, extra_groups, jsonable, response_logprobs, response_mask
 from .verl import CALL_TIMEOUT_S, AprilLLMServerClient, AprilSettings, settings, version_steps
 
 KEY = "verl"
 ROW_FIELDS = ("raw_prompt", "data_source", "reward_model", "extra_info", "index", "uid")
-
-
-def jsonable(value: Any) -> Any:
-    """A dataset row's value as JSON (numpy arrays and scalars from parquet become lists)."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    if hasattr(value, "tolist"):
-        return jsonable(value.tolist())
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    raise TypeError(f"a verl row value of type {type(value).__name__} cannot travel as JSON")
 
 
 def prompt_key(raw_prompt: Any) -> str:
