@@ -254,10 +254,8 @@ def test_a_rollout_is_one_call_over_the_server_pool(fake_slime: dict[str, list[A
             assert s.tokens == [1, 2, 10, 11, 12] and s.response_length == 3
             assert s.rollout_log_probs == [-0.25] * 3 and s.loss_mask == [1, 1, 1]
             assert s.weight_versions == ["3"] and s.reward == 1.0
-            assert (
-                s.response == "10 11 12"
-                and s.metadata["april_group_id"].endswith(".r0.0")[:0] == ""
-            )
+            assert s.response == "10 11 12"
+            assert s.metadata["april_group_id"] in {c["group_id"] for c in call["specs"]}
     statuses = [s.status for s in out.samples[0]]
     assert statuses == [FakeSample.Status.COMPLETED, FakeSample.Status.TRUNCATED]
     assert len(fake_slime["rm"]) == 4
