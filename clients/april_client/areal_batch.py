@@ -69,12 +69,12 @@ class TicketBatcher:
             target = max(1, math.ceil(waiting / self.over_provision - 1e-9))
             try:
                 resp = await asyncio.to_thread(self.call, specs, target)
-            except BaseException as exc:  # every waiting episode learns why
+            except Exception as exc:  # every waiting episode fails with it; the next starts anew
                 for t in self.waiting:
                     if not t.answer.done():
                         t.answer.set_exception(exc)
                 self.waiting.clear()
-                raise
+                return
             sent = {s["group_id"] for s in specs}
             self.records.append(
                 {

@@ -44,6 +44,10 @@ STEPS = 3
 BATCH, N = 2, 2
 PROMPTS = 16
 WORKFLOW = "april_client.areal.AprilWorkflow"
+# Long enough that a step's calls may outlast AReaL's one-second wait between submissions: it
+# then submits the next prompts while this step's run, and what a step does not take is carried
+# to the next step (counted and printed; whether it happens depends on timing).
+MAX_NEW = 160
 
 
 def reward(prompt: str, completion: str, prompt_ids: Any, completion_ids: Any, **row: Any) -> float:
@@ -104,7 +108,9 @@ def push(engine: Any, model: str, tmp: Path, version: int) -> None:
 def gconfig() -> Any:
     from areal.api.cli_args import GenerationHyperparameters
 
-    return GenerationHyperparameters(n_samples=N, max_new_tokens=40, max_tokens=256, greedy=True)
+    return GenerationHyperparameters(
+        n_samples=N, max_new_tokens=MAX_NEW, max_tokens=512, greedy=True
+    )
 
 
 def check_episode(traj: dict[str, Any], sample: Any, row: int) -> None:
@@ -122,14 +128,23 @@ def check_episode(traj: dict[str, Any], sample: Any, row: int) -> None:
     assert float(traj["rewards"][0]) == float(row)
 
 
-def matching(groups: list[Any], traj: dict[str, Any]) -> tuple[Any, Any]:
-    """The returned group and member whose tokens this episode row holds."""
+def matching(groups: list[Any], traj: dict[str, Any], member: int) -> tuple[Any, Any]:
+    """The returned group whose `member`-th sample's tokens this episode row holds (AReaL
+    concatenates a group's episodes in member order)."""
     ids = traj["input_ids"][0].tolist()
     for g in groups:
-        for s in g.samples:
-            if s.prompt_ids + s.response_ids == ids:
-                return g, s
+        s = sorted(g.samples, key=lambda x: x.index)[member]
+        if s.prompt_ids + s.response_ids == ids:
+            return g, s
     raise AssertionError("an episode matches no group the server returned")
+
+
+def idle() -> Any:
+    class Done:
+        def done(self) -> bool:
+            return True
+
+    return Done()
 
 
 def tool(call: Any) -> str:
@@ -152,11 +167,13 @@ def test_areal_workflow_batches_on_april_server(server: ServerProc, tmp_path: Pa
     loader = StatefulDataLoader(rows(), batch_size=BATCH, shuffle=False, collate_fn=lambda x: x)
     client = AprilClient(server.url, timeout=120)
     groups: dict[str, Any] = {}
+    step_of_call: list[int] = []
     try:
         for step in range(STEPS):
             seen = len(workflow.batcher.records)
             batch = engine.prepare_batch(loader, workflow=workflow, group_size=N)
             records = workflow.batcher.records[seen:]
+            step_of_call += [step] * len(records)
             for r in records:
                 groups.update({g.group_id: g for g in r["groups"]})
                 assert len(r["returned"]) == r["target"], r
@@ -172,15 +189,24 @@ def test_areal_workflow_batches_on_april_server(server: ServerProc, tmp_path: Pa
             for traj in batch:
                 for i in range(N):
                     one = {k: v[i : i + 1] for k, v in traj.items()}
-                    g, s = matching(list(groups.values()), one)
+                    g, s = matching(list(groups.values()), one, i)
                     check_episode(one, s, g.metadata["areal"]["row"])
             push(engine, model, tmp_path, step + 1)
-        records = workflow.batcher.records
+        # AReaL's episodes submitted ahead of the last step finish in the background: wait for
+        # the workflow's calls to answer them all before counting
+        deadline = time.monotonic() + 300
+        while workflow.batcher.waiting or not (workflow.batcher._task or idle()).done():
+            assert time.monotonic() < deadline, "the workflow's calls did not finish"
+            time.sleep(0.2)
+        records = list(workflow.batcher.records)
+        step_of_call += [STEPS] * (len(records) - len(step_of_call))
         sent = {gid: i for i, r in enumerate(records) for gid in r["sent"]}
         back = {gid: i for i, r in enumerate(records) for gid in r["returned"]}
         assert len(back) == sum(len(r["returned"]) for r in records), "a group came back twice"
         carried = [gid for gid, i in back.items() if i > sent[gid]]
         assert carried, "no group was carried from one call to a later one"
+        across = [g for g, i in back.items() if step_of_call[i] > step_of_call[sent[g]]]
+        print(f"{len(carried)} groups came back in a later call, {len(across)} at a later step")
         # The tool turn: AReaL's rollout_batch, each member's turns answered by the tool.
         tooled = cls(
             reward_fn=reward,
@@ -195,7 +221,7 @@ def test_areal_workflow_batches_on_april_server(server: ServerProc, tmp_path: Pa
         for traj in out:
             for i in range(N):
                 one = {k: v[i : i + 1] for k, v in traj.items()}
-                g, s = matching(tooled.batcher.records[-1]["groups"], one)
+                g, s = matching(tooled.batcher.records[-1]["groups"], one, i)
                 p = len(s.prompt_ids)
                 mask = one["loss_mask"][0][p:].tolist()
                 assert mask == s.loss_mask

@@ -358,3 +358,14 @@ def test_tool_answers_are_in_the_response_with_loss_mask_zero() -> None:
     assert out.tokens == [1, 2, 10, 90, 90, 11, 12]
     assert out.loss_mask == [1, 0, 0, 1, 1]
     assert out.rollout_log_probs == [-0.25, 0.0, 0.0, -0.25, -0.25]
+
+
+def test_without_slime_the_rollout_names_what_to_install() -> None:
+    import importlib.util
+
+    from april_client._framework import MissingFramework
+
+    if importlib.util.find_spec("slime") is not None:
+        pytest.skip("slime is importable here")
+    with pytest.raises(MissingFramework, match="github.com/THUDM/slime"):
+        adapter.generate_rollout(args(), 0, FakeDataSource(2))
