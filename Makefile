@@ -58,7 +58,7 @@ bench-resume:  ## resume time, KV restore vs re-prefill, 1k/4k-token partials (t
 	@V=$(VENV) && $$V/bin/python -m april_bench.resume
 
 bench-routing:  ## routing replay on the tiny MoE: throughput with routing on vs off, routing bytes per position on the wire and in a snapshot (~1 min)
-	@V=$(VENV) && $$V/bin/python -m april_bench.routing --repeats 5 --json-out out/bench-routing.json
+	@V=$(VENV) && $$V/bin/python -m april_bench.routing_cost --repeats 5 --json-out out/bench-routing.json
 
 bench-buffer:  ## the partial buffer at 1M samples: store/manager/routes in process, then /health beside big calls on the embedded model
 	@V=$(VENV) && $$V/bin/python -m april_bench.buffer --json-out out/bench-buffer.json

@@ -21,6 +21,7 @@ from april_server.settings.config import LENGTH_ORDERS, PLACEMENTS, AprilConfig
 
 if TYPE_CHECKING:
     from april_server.engine.base import BaseEngine
+    from april_server.engine.weight_session import WeightSession
     from april_server.wire.auth import AuthPolicy
 
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
@@ -290,27 +291,34 @@ def main(argv: list[str] | None = None) -> None:
 
         start_fork_server()
     from april_server.door.engine import launch
+    from april_server.engine.weight_session import WeightSession
 
-    # The door runs SGLang; the routes come from the layers above it, handed down.
-    launch(build_argv(rest, april, cpu), config, functools.partial(mount_routes, config))
+    # SGLang's weight routes (the door's hooks) and the root share one weight session: a push
+    # cuts the segments the root runs. The door runs SGLang; the routes come from the layers
+    # above it, handed down.
+    weights = WeightSession()
+    mount = functools.partial(mount_routes, config, weights)
+    launch(build_argv(rest, april, cpu), config, weights, mount)
 
 
 def mount_routes(
-    config: AprilConfig, app: Any, make_engine: Callable[[], BaseEngine], auth: AuthPolicy
+    config: AprilConfig,
+    weights: WeightSession,
+    app: Any,
+    make_engine: Callable[[], BaseEngine],
+    auth: AuthPolicy,
 ) -> None:
     """The routes april-server adds to SGLang's app (`door.engine.launch` calls this with the
-    config bound): the /april/v1 API over one manager, and the engine routes, so that any
-    april-server can be one engine of a fleet driven by an owner elsewhere."""
-    from april_server.door.weight_hooks import listen
+    config and the weight session bound): the /april/v1 API over one root, and the engine
+    routes, so that any april-server can be one engine of a fleet driven by an owner
+    elsewhere. The durable buffer is opened now, at start-up; the root is built on first use."""
     from april_server.fleet.engine_routes import create_engine_router
     from april_server.http.app import create_router, extend_app
-    from april_server.http.server import ManagerHolder
+    from april_server.root.holder import RootHolder
 
-    holder = ManagerHolder(config, make_engine)
-    # Weight pushes cut our running segments at the version boundary (door/weight_hooks.py).
-    listen(lambda: None if (m := holder.peek()) is None else m.weight_cut)
-    app.include_router(create_router(holder.get, config, auth))
-    app.include_router(create_engine_router(lambda: holder.get().engine, auth))
+    root = RootHolder(config, make_engine, weights)
+    app.include_router(create_router(root.get, config, auth))
+    app.include_router(create_engine_router(lambda: root.get().engine, auth))
     extend_app(app)
 
 

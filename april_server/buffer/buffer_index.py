@@ -9,7 +9,6 @@ them: claim the oldest (O(log n) per group), counts for `/stats` (O(1)), pages o
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -180,13 +179,6 @@ class BufferIndex:
         if e is None:
             e = self._waiting[seq]
         return e
-
-    def pop_oldest(self, k: int) -> list[BufferEntry]:
-        """Remove and return up to `k` oldest groups: O(k log n)."""
-        out = list(itertools.islice(self.oldest(), k))
-        for e in out:
-            self.remove(e.group_id)
-        return out
 
     def page(
         self,

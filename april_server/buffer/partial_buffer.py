@@ -313,10 +313,6 @@ class PartialBuffer:
         stray = set(stored) - set(listed) - set(self.holders)
         assert not stray, f"stored rows of groups nobody holds and not idle: {sorted(stray)}"
 
-    def load_idle(self) -> list[Group]:
-        """Every idle group's body, oldest first: O(buffer), for tests only."""
-        return [g for g in self.store.load_all() if g.group_id in self.idle]
-
 
 def _member(groups: Mapping[str, Group], sample_id: str, parts: tuple[str, int] | None) -> Sample:
     """The member `sample_id` (parsed as `parts`) names in `groups`; 404 if none."""

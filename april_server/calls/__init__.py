@@ -1,7 +1,7 @@
 """The call state machine: one `POST /rollouts` from validation to its persisted answer.
 
 - `rollout`: `Rollout` (the route's entry: `request_id` retries) and `RolloutCall` (one call:
-  step 2 and the run loop, over the parts below; the steps are the README's lifecycle);
+  step 2 and the run loop, over the parts below; the steps are docs/architecture.md's lifecycle);
 - `state`: `CallState`, what one call holds (plain data);
 - `parts`: `CallParts`, the collaborators a call is handed;
 - `new_groups`: validate and build sent groups (also for `POST /groups`);

@@ -12,7 +12,8 @@ from april_client.protocol import Group, GroupSpec, TurnsSpec
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.base import BaseEngine
 from april_server.rules import samples as sample_rules
-from april_server.rules.routing import check_wanted as check_routing
+from april_server.rules import sampling_mask as mask_rules
+from april_server.rules.routing_replay import check_wanted as check_routing
 from april_server.rules.turns import check_spec
 from april_server.wire.errors import bad_request, conflict
 from april_server.wire.ids import check_id
@@ -28,12 +29,14 @@ async def new_groups(
     handed_in: frozenset[str] = frozenset(),
     turns: TurnsSpec | None = None,
     routing: bool = False,
+    mask: bool = False,
 ) -> list[Group]:
     """Validate the request's groups and build them; raises ApiError, changes nothing. A big
     call yields to the event loop as it goes, so other requests are not held up. Groups in
     `handed_in` (an earlier attempt of the same `request_id` already handed them in) are
     checked for their id only, and not built again. `turns`: the call's turn rule, for
-    groups that carry none; `routing`: the call's `return_routed_experts`."""
+    groups that carry none; `routing`, `mask`: the call's `return_routed_experts` and
+    `return_sampling_mask`."""
     check_spec(turns, "turns", engine.vocab_size)
     seen: set[str] = set()
     built = []
@@ -63,7 +66,7 @@ async def new_groups(
         wants = routing if spec.return_routed_experts is None else spec.return_routed_experts
         check_routing(wants, engine.routing_format, f"group {spec.group_id!r}")
         group = sample_rules.build_group(
-            spec, prompt, engine.context_len, engine.vocab_size, turns, routing
+            spec, prompt, engine.context_len, engine.vocab_size, turns, routing, mask
         )
         _check_as_sent(engine, group)
         built.append(group)
@@ -74,7 +77,8 @@ def _check_as_sent(engine: BaseEngine, group: Group) -> None:
     """What each member's first segment sends (its params over the group's, the turn stops,
     its budget, its seed) must pass SGLang's checks too, or every segment of it fails after a
     200 and it never finishes: e.g. 33 stop strings, `min_new_tokens` over a member's budget,
-    a seed past int64. Each distinct set of params is checked once."""
+    a seed past int64; a sampling mask SGLang would refuse to return. Each distinct set of
+    params is checked once."""
     checked: set[bytes] = set()
     for s in group.samples:
         if s.seed is not None and not -(2**63) <= s.seed < 2**63:
@@ -97,3 +101,6 @@ def _check_as_sent(engine: BaseEngine, group: Group) -> None:
         params = sample_rules.plan_continuation(s, "", None).sampling_params
         params.pop("sampling_seed", None)
         engine.check_sampling_params(params)
+        if s.return_sampling_mask:
+            where = f"group {group.group_id!r} member {s.index}"
+            mask_rules.check_params(params, engine.sampling_mask_tokens, where)

@@ -14,9 +14,9 @@ from april_server.calls.state import CallState
 from april_server.calls.turns_in_call import TurnsInCall
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.rules import samples as sample_rules
-from april_server.rules.inflight import Admission, kv_need
+from april_server.rules.inflight import kv_need
 from april_server.runtime.background import Background
-from april_server.runtime.inflight_policy import InflightPolicy
+from april_server.runtime.pool_sizing import PoolSizing
 
 
 @dataclass(eq=False)
@@ -26,8 +26,7 @@ class Refill:
     buffer: PartialBuffer
     segments: SegmentRunner
     background: Background
-    admission: Admission
-    policy: InflightPolicy
+    sizing: PoolSizing  # the running target; what fits beside what runs
 
     async def arrive(self, entries: list[BufferEntry]) -> list[Group]:
         """Groups just taken for this call (`PartialBuffer.take*`): counted as its own at once,
@@ -119,7 +118,7 @@ class Refill:
         # Groups start whole; the running target is a ceiling, not a hint (a group larger
         # than the target may still run alone).
         if running and (
-            running + unfinished > sample_target or not self.admission.fits(unfinished, need)
+            running + unfinished > sample_target or not self.sizing.admission.fits(unfinished, need)
         ):
             return None
         return queue.popleft()
@@ -129,7 +128,7 @@ class Refill:
     ) -> None:
         """Claim the oldest idle groups that fit now (finished ones while the quota can use
         them); they leave the index at once, their bodies are read off the event loop."""
-        state, admission = self.state, self.admission
+        state, admission = self.state, self.sizing.admission
         room_samples = room_groups = 0
         room_tokens = 0.0
         finished_wanted = state.quota.target - len(state.quota.accepted)
@@ -183,7 +182,7 @@ class Refill:
         can_run = sum(len(claimed[g].samples) for g in [*state.ready, *state.fresh])
         if req.resume_first:
             can_run += idle.unfinished_samples
-        decision = await self.policy.decide(demand, max(can_run, 1))
+        decision = await self.sizing.decide(demand, max(can_run, 1))
         state.inflight_target = decision.running_target
         return 1 << 30, decision.running_target
 

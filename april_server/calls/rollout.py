@@ -1,26 +1,13 @@
-"""One APRIL step: `POST /april/v1/rollouts`. The steps are the README's request lifecycle:
-
-2. Validate the request and build its new groups (nothing is started on bad input).
-3. Size the running set: the running target (`max_inflight_groups`) and the engine's
-   admission bound.
-4. Start groups whole, in order: buffered ones first (oldest first, when `resume_first`),
-   claimed from the buffer only as the call starts them, then the new ones; refilled as
-   groups end.
-5. Each unfinished member runs as segments (`engine/segment_runner.py`).
-6. Count whole groups as they finish, in finish order; stop at `target_groups` accepted.
-7. Abort every sample of this call still generating, and wait until none is.
-8. Answer exactly `target_groups` finished groups; surplus finished groups and unfinished ones
-   go to the buffer (`on_quota: drop` discards the unfinished ones that had started).
-9. Persist the buffer and the response (one fsynced commit, off the event loop) before
-   answering.
-10. With `on_quota: continue`, the unfinished groups it started go on generating in the
-    background (`background.py`): in place, never stopped at 7, where nothing else holds it.
+"""One APRIL step: `POST /april/v1/rollouts`, steps 2-10 of the request lifecycle
+(docs/architecture.md numbers them): validate, size the running set, start groups whole as they
+fit, count them as they finish, then stop the rest, answer exactly `target_groups` groups,
+persist before answering, and hand `continue` stragglers to the background.
 
 Where each step lives: 2 in `new_groups.py` and `RolloutCall.prepare`; the run loop (`run`)
 here; 3, 4 and 6 in `refill.py`; 7-10 in `wind_down.py`, where a call ends and the background
 begins; turns within a call in `turns_in_call.py`. Each is a part that acts on the call's
-`CallState` (`state.py`) with the collaborators it names. The quota: `rules/quota.py`;
-`request_id` retries: `rules/idempotency.py`.
+`CallState` (`state.py`) with the parts it is handed (`parts.py`). The quota:
+`rules/quota.py`; `request_id` retries: `rules/idempotency.py`.
 """
 
 from __future__ import annotations
@@ -34,13 +21,7 @@ from typing import cast
 
 import msgspec
 
-from april_client.protocol import (
-    RejectReq,
-    RolloutReq,
-    RolloutResp,
-    Sample,
-    StreamEvent,
-)
+from april_client.protocol import RejectReq, RolloutReq, RolloutResp, StreamEvent
 from april_server.buffer.store import BufferStore
 from april_server.calls.new_groups import new_groups
 from april_server.calls.parts import CallParts
@@ -64,7 +45,7 @@ _resp_dec = msgspec.json.Decoder(RolloutResp)
 
 class RolloutCall:
     """One call: its state and the parts that act on it. What the rest of the server may ask
-    of it (`runtime.live_calls.LiveCall`) is answered here, from its state and its turns."""
+    of it (`runtime.live_calls.LiveCall`) is its `state`, its `turns` and `reject`."""
 
     def __init__(
         self,
@@ -74,72 +55,20 @@ class RolloutCall:
         events: asyncio.Queue[StreamEvent | None] | None = None,
     ) -> None:
         self.state = state = CallState(req, handed_in, events)
-        self.engine = parts.engine
-        self.buffer = parts.buffer
-        self.planner = parts.planner
-        self.lengths = parts.lengths
-        self.background = parts.background
-        self.calls = parts.calls
-        self.turns = TurnsInCall(state, parts.engine, parts.buffer, parts.segments)
+        self.parts = parts  # step 2 and the run loop use the engine, buffer, lengths, calls
+        buffer, generation = parts.holdings.buffer, parts.generation
+        self.turns = TurnsInCall(state, parts.engine, buffer, generation.segments)
         self.refill = Refill(
-            state,
-            self.turns,
-            parts.buffer,
-            parts.segments,
-            parts.background,
-            parts.admission,
-            parts.policy,
+            state, self.turns, buffer, generation.segments, parts.background, parts.sizing
         )
         self.wind_down = WindDown(
-            state,
-            self.turns,
-            parts.buffer,
-            parts.segments,
-            parts.planner,
-            parts.background,
-            parts.persister,
-            parts.versions,
-            parts.lengths,
-            parts.policy,
-            parts.pool_advisor,
-            parts.admission,
-            parts.counters,
+            state, self.turns, parts.holdings, generation, parts.background, parts.sizing
         )
 
-    # ---- what operations ask of a running call (`LiveCall`) ---------------------------------
-
-    @property
-    def batch_id(self) -> str:
-        return self.state.batch_id
-
-    @property
-    def group_ids(self) -> list[str]:
-        return self.state.group_ids
-
-    @property
-    def stopped(self) -> bool:
-        return self.state.stopped
-
-    @property
-    def given_up(self) -> set[str]:
-        return self.state.given_up
-
-    @property
-    def closed(self) -> asyncio.Event:
-        return self.state.closed
-
-    def give_up(self, group_ids: set[str] | None) -> None:
-        self.turns.give_up(group_ids)
-
-    def holds_for_input(self, sample: Sample) -> bool:
-        return self.turns.holds_for_input(sample)
-
-    def continue_answered(self, sample: Sample) -> None:
-        self.turns.continue_answered(sample)
-
     def reject(self, body: RejectReq) -> None:
+        """`POST /rollouts/{batch_id}/reject`: un-count finished groups (DAPO filtering)."""
         if self.state.stopped:
-            raise conflict("batch_done", f"batch {self.batch_id!r} already reached its quota")
+            raise conflict("batch_done", f"batch {self.state.batch_id!r} already reached its quota")
         self.state.quota.reject(body.group_ids)
         self.state.wakeup.set()
 
@@ -147,8 +76,8 @@ class RolloutCall:
 
     async def prepare(self) -> None:
         """Step 2: validation. Raises ApiError before anything starts."""
-        state, buffer = self.state, self.buffer
-        req = state.req
+        state, parts = self.state, self.parts
+        buffer, req = parts.holdings.buffer, state.req
         if req.target_groups < 1:
             raise bad_request("invalid_target", "target_groups must be >= 1")
         if isinstance(req.max_inflight_groups, int) and req.max_inflight_groups < 1:
@@ -160,12 +89,13 @@ class RolloutCall:
                 "invalid_request", f"reject_grace_s must lie in [0, {MAX_REJECT_GRACE_S}]"
             )
         fresh = await new_groups(
-            self.engine,
+            parts.engine,
             buffer,
             req.groups,
             state.handed_in,
             req.turns,
             req.return_routed_experts,
+            req.return_sampling_mask,
         )
         await self._settle_own_groups()
         # From here to the claims below nothing awaits: what is decided is what is taken.
@@ -190,7 +120,7 @@ class RolloutCall:
                 f"target_groups {req.target_groups} exceeds the {available} groups available "
                 f"({len(fresh)} sent, {buffered} buffered and idle)",
             )
-        self.calls.add(self)
+        parts.calls.add(self)
         # Sent groups are this call's from now on; buffered ones are claimed as it needs them
         # (`Refill._next_group`), so the rest stay available to other calls.
         buffer.adopt(fresh, state.batch_id)
@@ -198,35 +128,35 @@ class RolloutCall:
         entries = buffer.take(again, state.batch_id, busy_code="group_busy")
         # New groups start in the call's length order (predicted longest first: the tail
         # begins early and short ones fill the batch; docs/api.md, Length prediction).
-        lengths = self.lengths
+        lengths = parts.lengths
         order = lengths.order(fresh, req.length_order or lengths.default_order)
         state.fresh = deque(g.group_id for g in order)
         if again:  # claimed whole now, started before anything else
             taken = await self.refill.arrive(entries)
             state.ready.extend(g.group_id for g in taken)
-            await self.background.restart_stale(taken, state.tally)
+            await parts.background.restart_stale(taken, state.tally)
 
     async def _settle_own_groups(self) -> None:
         """Before a retry decides which of its own groups it runs again: wait out an
         operation that holds one now (an answer being made durable, a resume, a delete), and
         have the background give back those it runs; groups another call holds are left to
         it. Their holders are read from the map again after every wait."""
-        state, buf = self.state, self.buffer
+        state, buf, calls = self.state, self.parts.holdings.buffer, self.parts.calls
         own = [s.group_id for s in state.req.groups if s.group_id in state.handed_in]
         gave_way = False
         while own:
             holders = [h for gid in own if (h := buf.holder(gid)) is not None]
-            busy = [h for h in holders if h.owner not in self.calls and h.owner != BACKGROUND]
+            busy = [h for h in holders if h.owner not in calls and h.owner != BACKGROUND]
             if busy:
                 await busy[0].released.wait()
             elif not gave_way and any(h.owner == BACKGROUND for h in holders):
-                await self.background.give_way()  # buffered again first
+                await self.parts.background.give_way()  # buffered again first
                 gave_way = True
             else:
                 return
 
     async def run(self) -> RolloutResp:
-        """Steps 3-10 of the README's request lifecycle; `prepare()` (step 2) must have
+        """Steps 3-10 of the request lifecycle; `prepare()` (step 2) must have
         succeeded."""
         state, refill = self.state, self.refill
         t0 = time.perf_counter()
@@ -238,7 +168,7 @@ class RolloutCall:
             # acknowledged), so a cancellation even here must wind down and keep them.
             limit, sample_target = await refill.inflight_limits()  # 3: the running target
             await refill.take_over_background(limit, sample_target)
-            await self.planner.admission_ready()  # 3: the engine's admission bound
+            await self.parts.generation.planner.admission_ready()  # 3: the admission bound
             while True:
                 if state.quota.met:  # 6: met; a streamed call may still take late rejects
                     left = grace.left()
@@ -284,8 +214,9 @@ class RolloutCall:
         self.refill.collect(cast(set[asyncio.Task[None]], done - {waiter}))
 
     def close(self) -> None:
-        self.calls.end(self.batch_id)
-        self.buffer.release(self.batch_id)
+        batch_id = self.state.batch_id
+        self.parts.calls.end(batch_id)
+        self.parts.holdings.buffer.release(batch_id)
         self.state.closed.set()
 
 

@@ -15,21 +15,14 @@ from dataclasses import dataclass
 import msgspec
 
 from april_client.protocol import Keep, RolloutResp, RolloutStats
-from april_server.buffer.partial_buffer import PartialBuffer
+from april_server.calls.parts import Generation, Holdings
 from april_server.calls.state import CallState
 from april_server.calls.turns_in_call import TurnsInCall
-from april_server.engine.segment_planner import SegmentPlanner
-from april_server.engine.segment_runner import SegmentRunner
-from april_server.engine.segment_state import Counters, Running
-from april_server.engine.versions import WeightVersions
+from april_server.engine.segment_state import Running
 from april_server.rules import samples as sample_rules
 from april_server.rules.idempotency import attempt_record
-from april_server.rules.inflight import Admission, choose_running_target
-from april_server.rules.lengths import LengthModel
-from april_server.rules.pool_size import PoolAdvisor
 from april_server.runtime.background import Background
-from april_server.runtime.inflight_policy import InflightPolicy
-from april_server.runtime.persister import Persister
+from april_server.runtime.pool_sizing import PoolSizing
 
 _enc = msgspec.json.Encoder()
 logger = logging.getLogger(__name__)
@@ -39,29 +32,22 @@ logger = logging.getLogger(__name__)
 class WindDown:
     state: CallState
     turns: TurnsInCall
-    buffer: PartialBuffer
-    segments: SegmentRunner
-    planner: SegmentPlanner  # whether this engine keeps snapshots
-    background: Background
-    persister: Persister
-    versions: WeightVersions
-    lengths: LengthModel  # what the buffered groups have left, for the pool advice
-    policy: InflightPolicy  # the newest step curve, for the pool advice
-    pool_advisor: PoolAdvisor  # what the advice remembers across calls
-    admission: Admission  # its size caps the pool advice's running target
-    counters: Counters
+    holdings: Holdings  # the call's groups, and the commit before the answer
+    generation: Generation  # stops its segments; the version and counters of the answer
+    background: Background  # takes a `continue` call's stragglers
+    sizing: PoolSizing  # the advice for the next call's pool
 
     async def wind_down(self, t0: float, time_to_quota: float | None, deliver: bool) -> RolloutResp:
         state = self.state
         state.stopped = True
         # Step 7: nothing of this call may keep generating.
-        runs = self.segments.runs_of(state.batch_id)
+        runs = self.generation.segments.runs_of(state.batch_id)
         # `continue`: the stragglers the background can take as they are keep generating
         # (handed over in `_finish`); the rest stop with a snapshot, which it restores.
         going = self._going_on_in_place(runs)
         runs = [r for r in runs if r.sample.group_id not in going]
         keep: Keep | None = "snapshot" if state.req.on_quota in ("snapshot", "continue") else None
-        await self.segments.stop(runs, keep)
+        await self.generation.segments.stop(runs, keep)
         # A segment leaves `running` when its request returned but still records its end
         # (tokens, the snapshot taken) a few awaits later: persisting before that would store
         # the group without it and lose track of the snapshot.
@@ -71,7 +57,7 @@ class WindDown:
         # which reached a turn stop as they were stopped.
         self.turns.say_interrupted(runs)
         for gid in dict.fromkeys(r.sample.group_id for r in runs):
-            if gid in self.buffer.claimed:
+            if gid in self.holdings.buffer.claimed:
                 self.turns.announce_awaiting(gid)
         resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
         if going:
@@ -85,7 +71,7 @@ class WindDown:
                 )
         for g in state.discarded:  # their KV snapshots go with them
             for sample in g.samples:
-                await self.segments.forget(sample)
+                await self.generation.segments.forget(sample)
         return resp
 
     def _going_on_in_place(self, runs: list[Running]) -> dict[str, list[Running]]:
@@ -116,9 +102,11 @@ class WindDown:
             return
         runs = [r for gid in refused for r in going[gid]]
         # Not one an abort is stopping meanwhile: that keeps what the abort asked for.
-        await self.segments.stop([r for r in runs if not r.stopping], "snapshot")
+        await self.generation.segments.stop([r for r in runs if not r.stopping], "snapshot")
         await _recorded([r.task for r in runs])
-        await self.persister.persist([self.buffer.claimed[g] for g in refused], [])
+        await self.holdings.persister.persist(
+            [self.holdings.buffer.claimed[g] for g in refused], []
+        )
 
     async def _finish(
         self, wall_s: float, time_to_quota: float | None, deliver: bool
@@ -127,8 +115,8 @@ class WindDown:
         caller is gone) nothing is returned and nothing dropped, so every group goes back to
         the buffer: `drop` and a rejection are the caller's decisions about a delivery, and a
         retry of the same `request_id` runs again on all the groups this attempt handed in."""
-        state, req, claimed = self.state, self.state.req, self.buffer.claimed
-        version = self.versions.now()
+        state, req, claimed = self.state, self.state.req, self.holdings.buffer.claimed
+        version = self.generation.versions.now()
         accepted = state.quota.accepted
         returned = accepted[: req.target_groups] if deliver else []
         rejected = sorted(state.quota.rejected) if deliver else []
@@ -145,7 +133,7 @@ class WindDown:
         groups = [claimed[g] for g in returned]
         notes = list(state.tally.notes)
         on_quota = req.on_quota
-        if on_quota == "snapshot" and not self.planner.snapshots_enabled:
+        if on_quota == "snapshot" and not self.generation.planner.snapshots_enabled:
             on_quota = "tokens"
             notes.append("on_quota=snapshot ran as tokens: this engine keeps no KV snapshots")
         stats = RolloutStats(
@@ -166,7 +154,16 @@ class WindDown:
             inflight_target=state.inflight_target,
             num_started_groups=len(state.started),
             peak_running_samples=state.peak_running,
-            groups_wanted=self._groups_wanted(buffered, version) if deliver else None,
+            groups_wanted=(
+                self.sizing.groups_wanted(
+                    req,
+                    [claimed[g] for g in state.group_ids],
+                    [claimed[g] for g in buffered],
+                    version,
+                )
+                if deliver
+                else None
+            ),
             offpolicy_fraction=round(
                 sum(sample_rules.offpolicy_tokens(g, version) for g in groups)
                 / max(1, sum(len(s.output_ids) for g in groups for s in g.samples)),
@@ -189,7 +186,9 @@ class WindDown:
             call = (req.request_id, body)
         # Dropped groups and returned ones leave the server: so do their KV snapshots.
         state.discarded = [claimed[g] for g in dropped + returned]
-        await self.persister.persist([claimed[g] for g in buffered], returned + dropped, call)
+        await self.holdings.persister.persist(
+            [claimed[g] for g in buffered], returned + dropped, call
+        )
         self.background.forget(returned + dropped, gone=True)  # they left the server
         if req.on_quota == "continue":  # they go on generating once this call has ended
             # Not those an abort named meanwhile (it landed during the persist): it ended
@@ -200,32 +199,9 @@ class WindDown:
                 req.max_staleness,
                 state.batch_id,
             )
-        self.counters.returned_groups += len(returned)
-        self.counters.dropped_groups += len(dropped)
+        self.generation.counters.returned_groups += len(returned)
+        self.generation.counters.dropped_groups += len(dropped)
         return resp
-
-    def _groups_wanted(self, buffered: list[str], version: str) -> int | None:
-        """The advice for the next call (rules/pool_size.py): at the running target the
-        engine's step curve picks for this call's quota (with no cap from what was sent),
-        how many groups to hold so that the batch stays filled until the quota is met. Only
-        for `max_inflight_groups: "auto"` (a pinned number sets its own batch)."""
-        state, req, claimed = self.state, self.state.req, self.buffer.claimed
-        curve = self.policy.last_curve()  # the newest decision's (this call's, or a later one's)
-        if req.max_inflight_groups != "auto" or curve is None or not state.group_ids:
-            return None
-        size = round(sum(len(claimed[g].samples) for g in state.group_ids) / len(state.group_ids))
-        target = choose_running_target(curve, req.target_groups * size, self.admission.max_samples)
-        lengths = self.lengths
-        carried = [lengths.remaining(claimed[g]) for g in buffered]
-        return self.pool_advisor.advise(
-            req.target_groups,
-            target.running_target,
-            version,
-            carried,
-            list(lengths.recent),
-            size,
-            req.max_staleness,
-        )
 
 
 async def _recorded(tasks: list[asyncio.Task[None]]) -> None:

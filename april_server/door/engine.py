@@ -34,12 +34,13 @@ from april_server.door.channel import (
     encode,
     op_name,
 )
-from april_server.door.weight_hooks import JoinedGroup
 from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
+from april_server.engine.weight_session import WeightSession
+from april_server.rules import sampling_mask as mask_rules
 from april_server.rules.inflight import EngineCapacity, StepStat, aggregate_curve
 from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.ranks import merge_rank_stats
-from april_server.rules.routing import RoutingRows, dtype_for
+from april_server.rules.routing_replay import RoutingRows, dtype_for
 from april_server.rules.samples import SegmentResult
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
@@ -122,13 +123,19 @@ class SGLangEngine(SnapshotEngine):
     and the figures come from all N."""
 
     def __init__(
-        self, tokenizer_manager: Any, snapshots_enabled: bool = True, dp_size: int = 1
+        self,
+        tokenizer_manager: Any,
+        weights: WeightSession,
+        snapshots_enabled: bool = True,
+        dp_size: int = 1,
     ) -> None:
+        """`weights`: the process's weight session (the group this server joined)."""
         from sglang.utils import TypeBasedDispatcher
 
         from april_server.door.ipc import AprilKvResp
 
         self.tm = tokenizer_manager
+        self.weights = weights
         self.context_len = int(tokenizer_manager.context_len)
         self.vocab_size = int(tokenizer_manager.model_config.vocab_size)
         self.snapshots_enabled = snapshots_enabled
@@ -138,6 +145,9 @@ class SGLangEngine(SnapshotEngine):
         )
         self.eos_token_ids = _eos_ids(tokenizer_manager)
         self.routing_format = routing_format(tokenizer_manager)
+        self.sampling_mask_tokens = (
+            int(getattr(tokenizer_manager.server_args, "sampling_mask_max_tokens", 0) or 0) or None
+        )
         self._ids = itertools.count()
         self._waiting: dict[int, _Gather] = {}
         self.tm._result_dispatcher += TypeBasedDispatcher([(AprilKvResp, self._on_kv_resp)])
@@ -246,12 +256,13 @@ class SGLangEngine(SnapshotEngine):
         return str(self.tm.config_value("weight_version"))
 
     def weight_group(self) -> WeightGroupInfo:
+        group = self.weights.group
         return WeightGroupInfo(
             ranks=int(getattr(self.tm.server_args, "tp_size", 1) or 1),
             weight_version=self.weight_version(),
-            group=JoinedGroup.name,
-            world_size=JoinedGroup.world_size,
-            in_sync=JoinedGroup.name is not None,
+            group=None if group is None else group.name,
+            world_size=None if group is None else group.world_size,
+            in_sync=group is not None,
         )
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
@@ -275,7 +286,13 @@ class SGLangEngine(SnapshotEngine):
     async def generate_on(self, slot: Slot, call: SegmentCall) -> SegmentResult:
         rank = slot.dp_rank if self.dp_size > 1 else None
         return await self._generate(
-            call.rid, call.input_ids, call.sampling_params, rank, call.cache_ns, call.routing_start
+            call.rid,
+            call.input_ids,
+            call.sampling_params,
+            rank,
+            call.cache_ns,
+            call.routing_start,
+            call.sampling_mask,
         )
 
     async def _generate(
@@ -286,13 +303,17 @@ class SGLangEngine(SnapshotEngine):
         rank: int | None,
         extra_key: str | None = None,
         routing_start: int | None = None,
+        sampling_mask: bool = False,
     ) -> SegmentResult:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         asked = routing_start if self.routing_format is not None else None
-        routing_args: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         if asked is not None:
-            routing_args = {"return_routed_experts": True, "routed_experts_start_len": asked}
+            extra = {"return_routed_experts": True, "routed_experts_start_len": asked}
+        mask = sampling_mask and self.sampling_mask_tokens is not None
+        if mask:
+            extra["return_sampling_mask"] = True
         obj = GenerateReqInput(
             rid=rid,
             input_ids=list(input_ids),
@@ -302,7 +323,7 @@ class SGLangEngine(SnapshotEngine):
             stream=False,
             routed_dp_rank=rank,  # SGLang's DP controller sends it to that rank, unbalanced
             extra_key=extra_key,  # a stale restore's own prefix-cache namespace
-            **routing_args,
+            **extra,
         )
         final: dict[str, Any] | None = None
         async for out in self.tm.generate_request(obj, None):
@@ -316,8 +337,9 @@ class SGLangEngine(SnapshotEngine):
         if isinstance(matched, list):  # a multi-token stop: its last token ended it
             matched = matched[-1] if matched else None
         logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        output_ids = list(final.get("output_ids") or [])
         return SegmentResult(
-            output_ids=list(final.get("output_ids") or []),
+            output_ids=output_ids,
             output_logprobs=logprobs,
             finish_reason=kind,
             weight_version=str(meta.get("weight_version", self.weight_version())),
@@ -327,7 +349,19 @@ class SGLangEngine(SnapshotEngine):
             matched=matched if isinstance(matched, (str, int)) else None,
             routing_asked=asked,
             routing=None if asked is None else self._rows(asked, meta.get("routed_experts")),
+            sampling_mask=self._mask_rows(meta, len(output_ids)) if mask else None,
         )
+
+    def _mask_rows(self, meta: dict[str, Any], num_tokens: int) -> mask_rules.MaskRows | None:
+        """SGLang's per-token kept ids (`output_token_sampling_mask`, in its order) and
+        sampling logprobs, one row per output token, in our stored form (None: none came)."""
+        rows = meta.get("output_token_sampling_mask")
+        if rows is None:
+            return None if num_tokens else mask_rules.encode([], [], "uint16")
+        rows = rows[:num_tokens]
+        logprobs = (meta.get("output_token_sampling_logprobs") or [])[:num_tokens]
+        dtype = mask_rules.dtype_for(self.vocab_size, self.sampling_mask_tokens or 0)
+        return mask_rules.encode(rows, logprobs, dtype)
 
     def _rows(self, start: int, encoded: Any) -> RoutingRows | None:
         """SGLang's base64 int32 `[rows, layers, top_k]` as our compact rows (None: absent)."""
@@ -395,17 +429,20 @@ def _eos_ids(tm: Any) -> frozenset[int]:
 MountRoutes = Callable[[Any, Callable[[], BaseEngine], AuthPolicy], None]
 
 
-def launch(sglang_argv: list[str], config: AprilConfig, mount: MountRoutes) -> None:
-    """Run SGLang's HTTP server with the routes that `mount` adds. Blocks until shutdown."""
+def launch(
+    sglang_argv: list[str], config: AprilConfig, weights: WeightSession, mount: MountRoutes
+) -> None:
+    """Run SGLang's HTTP server with the routes that `mount` adds; SGLang's weight routes go
+    through `weights` (the process's weight session). Blocks until shutdown."""
     check_sglang_version()
     from sglang.srt.entrypoints import http_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
     from april_server.door.preload import register_preload_hooks
-    from april_server.door.weight_hooks import register_weight_hooks
+    from april_server.door.weight_hooks import WeightHooks
 
-    register_weight_hooks()  # this process only: it serves the weight-update routes
+    WeightHooks(weights).register()  # this process only: it serves the weight-update routes
     register_preload_hooks()  # ... and starts SGLang's children (from the fork server, if any)
     load_plugins()  # ... and applies every registered hook
     server_args = prepare_server_args(sglang_argv)
@@ -419,7 +456,9 @@ def launch(sglang_argv: list[str], config: AprilConfig, mount: MountRoutes) -> N
 
     def make_engine() -> BaseEngine:
         tm = http_server.get_global_state().tokenizer_manager
-        return SGLangEngine(tm, snapshots_enabled=config.kv_host_bytes > 0, dp_size=dp_size)
+        return SGLangEngine(
+            tm, weights, snapshots_enabled=config.kv_host_bytes > 0, dp_size=dp_size
+        )
 
     auth = AuthPolicy(server_args.api_key, getattr(server_args, "admin_api_key", None))
     mount(http_server.app, make_engine, auth)

@@ -358,6 +358,7 @@ class HostKvStore:
             "save_gbps_mean": round(self.save.mean_gbps, 4),
             "restore_gbps_last": round(self.restore.last_gbps, 4),
             "restore_gbps_mean": round(self.restore.mean_gbps, 4),
+            **self.pinned_stats(),  # CUDA: the pinned slabs snapshots are copied into
         }
 
     def _keep(self, key: str, snap: Snapshot, seconds: float) -> bool:

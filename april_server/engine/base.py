@@ -34,8 +34,10 @@ class SegmentCall:
     # Restore into, and generate within, this prefix-cache namespace (`snapshots.py`).
     cache_ns: str | None = None
     # Return the routed experts from this context position on (None: don't); a restore moves
-    # it to the restore point, which recomputes nothing before it (rules/routing.py).
+    # it to the restore point, which recomputes nothing before it (rules/routing_replay.py).
     routing_start: int | None = None
+    # Return each generated token's sampling mask (rules/sampling_mask.py).
+    sampling_mask: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,9 @@ class BaseEngine(ABC):
     eos_token_ids: frozenset[int] = frozenset()
     # (MoE layers, top_k, dtype) of the routed experts it returns; None: it returns none.
     routing_format: tuple[int, int, RoutingDtype] | None = None
+    # The most token ids a sampling-mask row may hold (SGLang's --sampling-mask-max-tokens);
+    # None: it returns no sampling masks.
+    sampling_mask_tokens: int | None = None
 
     @abstractmethod
     def weight_version(self) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from april_client.protocol import Sample
 from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.engine.segment_state import CallTally, Counters
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.rules import samples as sample_rules
 from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.inflight import Admission
@@ -34,6 +35,7 @@ class SegmentPlanner:
         admission: Admission,
         allow_stale: bool,
         lengths: LengthModel,
+        places: SnapshotPlaces,
     ) -> None:
         self.engine = engine
         self.snap: SnapshotEngine | None = None
@@ -43,6 +45,7 @@ class SegmentPlanner:
         self.admission = admission
         self.allow_stale = allow_stale
         self.lengths = lengths  # the tail placement asks which samples are long
+        self.places = places  # where each sample's snapshot lives
         self.load: dict[Slot, list[float]] = {}  # slot -> [running samples, KV need]
         self._capacity_key: object = ()  # what the admission bound was sized for
 
@@ -119,7 +122,7 @@ class SegmentPlanner:
         except NoHealthySlot:
             return None
         if plan.drop is not None:
-            snapshot_rules.clear(sample)  # the engine frees it before the segment runs
+            self.places.clear(sample)  # the engine frees it before the segment runs
         rid = f"{sample.sample_id}@{owner}.{len(sample.segments)}.{uuid.uuid4().hex[:6]}"
         return SegmentCall(
             rid,
@@ -131,6 +134,7 @@ class SegmentPlanner:
             plan.drop,
             cont.cache_ns if plan.restore else None,
             0 if sample.return_routed_experts else None,  # a restore moves it (base.py)
+            sample.return_sampling_mask,
         )
 
     async def drop_unexecuted(self, call: SegmentCall) -> None:

@@ -27,6 +27,7 @@ from april_client.protocol import Group, Keep, KvMode, Sample
 from april_server.engine.base import BaseEngine, EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_state import BACKGROUND, CallTally, Counters, Running
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import (
     ABORT_POLL_S,
@@ -63,6 +64,7 @@ class SegmentRunner:
         running: dict[str, Running],
         planner: SegmentPlanner,
         weight_cut: WeightCut,
+        places: SnapshotPlaces,
     ) -> None:
         """`running`: sample id -> its engine request, shared with `weight_cut` (which cuts
         them) and read by the rest of the server; `lengths`: predictions written on each
@@ -76,6 +78,7 @@ class SegmentRunner:
         self.planner = planner
         self.snap = planner.snap  # None: this engine keeps no KV snapshots
         self.weight_cut = weight_cut
+        self.places = places  # where each sample's snapshot lives
 
     # ---- who runs what ---------------------------------------------------------------------
 
@@ -136,7 +139,7 @@ class SegmentRunner:
         usable = self.planner.usable(sample, version, history, max_staleness)
         # Where its snapshot lives, read before planning: a staleness restart clears the
         # sample's figures, and the snapshot it makes useless must still be freed.
-        held = snapshot_rules.held_at(sample) if self.snap is not None else None
+        held = self.places.of(sample) if self.snap is not None else None
         cont = sample_rules.plan_continuation(
             sample, version, max_staleness, history, override_params, owner == BACKGROUND
         )
@@ -175,7 +178,7 @@ class SegmentRunner:
         nothing became healthy within ENGINE_WAIT_S."""
         deadline = time.monotonic() + ENGINE_WAIT_S
         while not run.stopping and time.monotonic() < deadline:
-            held = run.unplanned_drop or (snapshot_rules.held_at(run.sample) if self.snap else None)
+            held = run.unplanned_drop or (self.places.of(run.sample) if self.snap else None)
             call = self.planner.plan(run.sample, run.owner, cont, restore, held)
             if call is not None:
                 run.unplanned_drop = None
@@ -385,11 +388,11 @@ class SegmentRunner:
             out.snapshot_bytes, interrupted, wanted, marked, restored
         )
         if verdict == "keep" and out.snapshot_bytes:
-            snapshot_rules.record(sample, out.snapshot_bytes, out.slot, restored=out.restored > 0)
+            self.places.record(sample, out.snapshot_bytes, out.slot, restored=out.restored > 0)
             return
         if verdict == "drop" and self.snap is not None:
             await self.snap.drop_snapshot(sample.sample_id, out.slot)
-        snapshot_rules.clear(sample)
+        self.places.clear(sample)
 
     # ---- stop, forget --------------------------------------------------------------------
 
@@ -420,12 +423,13 @@ class SegmentRunner:
 
     async def forget(self, sample: Sample) -> None:
         """Free the sample's snapshot, wherever it lives."""
-        slot = snapshot_rules.held_at(sample)
-        snapshot_rules.clear(sample)
+        slot = self.places.of(sample)
+        self.places.clear(sample)
         await self.drop(sample.sample_id, slot)
 
     async def drop(self, sample_id: str, slot: Slot | None) -> None:
         """Free a snapshot the sample's figures no longer point at (held on `slot`)."""
+        self.places.forget(sample_id, slot)
         if slot is not None and self.snap is not None:
             await self.snap.drop_snapshot(sample_id, slot)
 
@@ -436,7 +440,7 @@ class SegmentRunner:
         does not cover (an engine that cannot list, one out of the pool) is asked per sample."""
         if self.snap is None:
             return
-        held = [(s, slot) for s in samples if (slot := snapshot_rules.held_at(s)) is not None]
+        held = [(s, slot) for s in samples if (slot := self.places.of(s)) is not None]
         listed = await self.snap.snapshot_keys() if len(held) > 1 else {}
         for s, slot in held:
             keys = listed.get(slot)
@@ -445,4 +449,4 @@ class SegmentRunner:
             else:
                 evicted = await self.snap.snapshot_info(s.sample_id, slot) is None
             if evicted:
-                snapshot_rules.clear(s)
+                self.places.clear(s)

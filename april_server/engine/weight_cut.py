@@ -17,9 +17,9 @@ import asyncio
 from april_server.engine.base import BaseEngine, SegmentCall, SegmentOutcome
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_state import BACKGROUND, Running
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as sample_rules
-from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 
@@ -49,11 +49,13 @@ class WeightCut:
         running: dict[str, Running],
         versions: WeightVersions,
         planner: SegmentPlanner,
+        places: SnapshotPlaces,
     ) -> None:
         self.engine = engine
         self.running = running  # the segment runner's: sample id -> its engine request
         self.versions = versions
         self.planner = planner  # plans a cut segment's continuation
+        self.places = places  # where each sample's snapshot lives
         self.updated = asyncio.Event()  # clear while a weight update holds cut segments
         self.updated.set()
         self._resend_cuts: asyncio.Future[None] | None = None
@@ -123,7 +125,7 @@ class WeightCut:
         held = old.slot if old.restore else old.drop
         if old.restore:
             run.restore_planned = False
-            snapshot_rules.clear(run.sample)
+            self.places.clear(run.sample)
         return self.continue_after_cut(run, need, held)
 
     def continue_after_cut(

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from april_server.engine.base import BaseEngine, SnapshotEngine
-from april_server.fleet.wire import (
+from april_server.fleet.engine_wire import (
     ENGINE_PREFIX,
     EngineInfo,
     KvResp,
@@ -52,6 +52,7 @@ def engine_info(engine: BaseEngine) -> EngineInfo:
         tp_size=group.ranks,
         weight_group=group.group,
         routing_format=engine.routing_format,
+        sampling_mask_tokens=engine.sampling_mask_tokens,
     )
 
 

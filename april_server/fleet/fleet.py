@@ -220,6 +220,9 @@ class FleetEngine(SnapshotEngine):
         # Routing only when every engine returns it alike: a sample may run on any of them.
         formats = {i.routing_format for i in infos}
         self.routing_format = formats.pop() if len(formats) == 1 else None
+        # Masks only when every engine returns them; a row may be as large as any one allows.
+        bounds = [i.sampling_mask_tokens for i in infos]
+        self.sampling_mask_tokens = None if None in bounds else min(b for b in bounds if b)
 
     def member(self, slot: Slot) -> RemoteEngine | None:
         return self.members.get(slot.engine)

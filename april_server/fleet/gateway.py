@@ -31,14 +31,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from april_server.door.engine import preload_sampling_params
-from april_server.door.weight_hooks import UpdateListener
 from april_server.engine.base import EngineUnavailable
+from april_server.engine.weight_session import WeightSession
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.remote import CONNECT_TIMEOUT_S, RemoteEngine
 from april_server.fleet.weight_group import FleetWeights
 from april_server.http.app import create_router, error_response, extend_app, read_bounded
-from april_server.http.server import ManagerHolder
 from april_server.http.streaming import StreamThen
+from april_server.root.holder import RootHolder
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
 from april_server.runtime.snapshot_sweep import SWEEP_INTERVAL_S
@@ -73,7 +73,10 @@ ADMIN_ROUTES = frozenset(
 
 
 def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) -> FastAPI:
-    holder = ManagerHolder(config, lambda: fleet, sweep_default_s=SWEEP_INTERVAL_S)
+    # One weight session for the owner's routes, as on one server: a push cuts the segments
+    # the root runs; a begin..end session also holds every new segment of the fleet.
+    weights = WeightSession(held_during_session=fleet.weights.session_gate())
+    root = RootHolder(config, lambda: fleet, weights, sweep_default_s=SWEEP_INTERVAL_S)
     proxied: Counter[str] = Counter()  # /generate requests in flight, by engine
 
     @asynccontextmanager
@@ -84,13 +87,13 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         await fleet.start()
         try:
             await asyncio.wait_for(fleet.ready.wait(), READY_WAIT_S)
-            holder.get()  # after the first engine answered: sizes and version are known
+            root.get()  # after the first engine answered: sizes and version are known
         except TimeoutError:
             logger.error("april: no engine answered in %.0f s; serving 503s", READY_WAIT_S)
         yield
-        mgr = holder.peek()
-        if mgr is not None:
-            await mgr.close()
+        built = root.peek()
+        if built is not None:
+            await built.close()
         await fleet.close()
 
     def get_manager() -> RolloutManager:
@@ -98,7 +101,7 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
         # the root is built once the first engine said what the fleet serves.
         if not fleet.ready.is_set():
             raise ApiError(503, "no_engine", "no engine server has answered yet")
-        return holder.get()
+        return root.get()
 
     def engine_ready() -> None:
         """For the work that needs an engine (generation)."""
@@ -199,25 +202,14 @@ def create_owner_app(fleet: FleetEngine, config: AprilConfig, auth: AuthPolicy) 
             # Every update gets a version of its own: without one, an engine restarted
             # with its first weights would report the same version and rejoin as up to date.
             body["weight_version"] = f"owner-{uuid.uuid4().hex[:12]}"
-        # As on an engine server (door/weight_hooks.py): the segments this owner runs are cut
-        # at the version boundary, so the engines' updates need not wait for stragglers, and
-        # go on under the new weights afterwards. A caller that aborts everything gets that.
-        cut = None if body.get("abort_all_requests", False) else listener()
-        if cut is not None:
-            await cut.before_update()
-        try:
+        # As on an engine server: the segments this owner runs are cut at the version boundary,
+        # so the engines' updates need not wait for stragglers, and go on under the new weights
+        # afterwards. A caller that aborts everything gets that.
+        async with weights.push(abort_all=bool(body.get("abort_all_requests", False))):
             out = await fleet.weights.update_weights(body)
-        finally:
-            if cut is not None:
-                cut.after_update()
         return JSONResponse(out, status_code=200 if out["success"] else 502)
 
-    def listener() -> UpdateListener | None:
-        """What a weight update cuts: the root's running segments, once it is built."""
-        mgr = holder.peek()
-        return None if mgr is None else mgr.weight_cut
-
-    group = FleetWeights(fleet.weights, listener)
+    group = FleetWeights(fleet.weights, weights)
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:

@@ -28,8 +28,7 @@ from april_server.engine.base import (
     SegmentOutcome,
     SnapshotEngine,
 )
-from april_server.fleet.lanes import Lanes, MakeClient, new_client
-from april_server.fleet.wire import (
+from april_server.fleet.engine_wire import (
     ENGINE_PREFIX,
     ControlOp,
     ControlReq,
@@ -41,6 +40,7 @@ from april_server.fleet.wire import (
     kv_resp,
     segment_outcome,
 )
+from april_server.fleet.lanes import Lanes, MakeClient, new_client
 from april_server.rules.inflight import EngineCapacity, StepStat
 from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.samples import SegmentResult
@@ -108,6 +108,7 @@ class RemoteEngine(SnapshotEngine):
         self.assigns_seeds = info.assigns_seeds
         self.snapshots_enabled = info.snapshots_enabled
         self.routing_format = info.routing_format
+        self.sampling_mask_tokens = info.sampling_mask_tokens
         self.failures = 0
 
     async def probe(self) -> EngineInfo:

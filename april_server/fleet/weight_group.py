@@ -25,24 +25,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from april_client.protocol import WeightGroupInfo
-from april_server.door.weight_hooks import SESSION_LIMIT_S, UpdateListener
+from april_server.engine.weight_session import WeightGroup, WeightSession
 from april_server.fleet.remote import RemoteEngine
 from april_server.fleet.weight_push import WeightPush
 from april_server.wire.errors import ApiError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Group:
-    name: str
-    world_size: int
-    offsets: dict[str, int]  # engine name -> its first rank
 
 
 def rank_offsets(engines: list[tuple[str, int]], first: int) -> dict[str, int]:
@@ -55,15 +46,13 @@ def rank_offsets(engines: list[tuple[str, int]], first: int) -> dict[str, int]:
 
 
 class FleetWeights:
-    def __init__(self, push: WeightPush, listener: Callable[[], UpdateListener | None]) -> None:
+    def __init__(self, push: WeightPush, session: WeightSession) -> None:
         """`push`: the fleet's weight push (`FleetEngine.weights`), whose engines the group
-        spans, whose version it pushes and whose new segments a session holds; `listener`: the
-        owner's weight cut, if its manager is up."""
+        spans and whose version it pushes; `session`: the owner's weight session, which
+        remembers the group, and cuts and holds the segments for a begin..end session (the
+        same one a single server runs around SGLang's routes)."""
         self.push = push
-        self.listener = listener
-        self.group: Group | None = None
-        self._cut: UpdateListener | None = None
-        self._watchdog: asyncio.Task[None] | None = None
+        self.session = session
         push.answer_group_with(self.info)  # the fleet's `weight_group()` (`GET .../weights/group`)
 
     def live(self) -> list[RemoteEngine]:
@@ -71,21 +60,21 @@ class FleetWeights:
 
     def members(self) -> list[RemoteEngine]:
         """The group's engines that are still in it (a restart leaves a group)."""
-        g = self.group
+        g = self.session.group
         if g is None:
             return []
         return [
             m
             for m in self.push.members.values()
-            if m.name in g.offsets and m.info is not None and m.info.weight_group == g.name
+            if m.name in g.rank_offsets and m.info is not None and m.info.weight_group == g.name
         ]
 
     def info(self) -> WeightGroupInfo:
         live = self.live()
         inside = {m.name for m in self.members() if m.state != "down"}
         behind = sorted(m.name for m in live if m.name not in inside)
-        g = self.group
-        lost = g is not None and any(n not in inside for n in g.offsets)  # down or restarted
+        g = self.session.group
+        lost = g is not None and any(n not in inside for n in g.rank_offsets)  # down or restarted
         return WeightGroupInfo(
             ranks=sum(m.info.tp_size for m in live if m.info is not None),
             weight_version=self.push.version or "",
@@ -123,7 +112,7 @@ class FleetWeights:
         }
         await asyncio.gather(*(self.push.probe_quietly(m) for m in live))
         if failed:
-            self.group = None
+            self.session.left(name)
             # Those that joined leave the half-made group (best effort): the trainer's join
             # fails too, and a later init may reuse nothing of it.
             joined = [by_name[n] for n in offsets if n not in failed]
@@ -133,7 +122,7 @@ class FleetWeights:
                 return_exceptions=True,
             )
             raise ApiError(502, "engine_failed", f"joining the group failed on {failed}")
-        self.group = Group(name, first + ranks, offsets)
+        self.session.joined(WeightGroup(name, first + ranks, offsets))
         return {
             "success": True,
             "message": f"{len(offsets)} engines joined {name!r}",
@@ -143,8 +132,7 @@ class FleetWeights:
     async def destroy(self, body: dict[str, Any]) -> dict[str, Any]:
         name = str(body.get("group_name", "weight_update_group"))
         inside = [m for m in self.members() if m.state != "down"]
-        if self.group is not None and self.group.name == name:
-            self.group = None
+        self.session.left(name)
         results = await asyncio.gather(
             *(m.update_weights(body, "/destroy_weights_update_group") for m in inside),
             return_exceptions=True,
@@ -163,7 +151,7 @@ class FleetWeights:
 
     def _targets(self) -> list[str]:
         g = self.info()
-        if self.group is None:
+        if self.session.group is None:
             raise ApiError(409, "no_weight_group", "no weight-update group: init one first")
         if not g.in_sync:
             raise ApiError(
@@ -177,27 +165,24 @@ class FleetWeights:
 
     async def begin(self, body: dict[str, Any]) -> dict[str, Any]:
         names = self._targets()
-        opened = not self.push.session_open
-        if opened:
-            self.push.hold_segments(session=True)  # new segments wait for the session's end
-            self._cut = self.listener()
-            if self._cut is not None:
-                await self._cut.before_update()
-            self._watchdog = asyncio.get_running_loop().create_task(self._expire())
-        failed, began = await self._fan_out(names, "/begin_weight_update", body)
-        if failed and opened:
-            # A refused begin holds nothing (as on one server, door/weight_hooks.py): the
-            # engines that began leave their session again, and ours serve at once, rather
-            # than wait out the watchdog (a trainer whose begin failed never sends the end).
-            await self._fan_out(began, "/end_weight_update", {})
-            self._close_session()
-        if failed:
-            raise ApiError(502, "engine_failed", f"/begin_weight_update failed on {failed}")
-        return {"success": True, "message": f"/begin_weight_update on {len(names)} engines"}
+        opening = not (self.session.open or self.session.beginning)
+
+        async def send() -> dict[str, Any]:
+            failed, began = await self._fan_out(names, "/begin_weight_update", body)
+            if failed and opening:
+                # A refused begin holds nothing (as on one server): the engines that began
+                # leave their session again, and ours serve at once, rather than wait out the
+                # session's time limit (a trainer whose begin failed never sends the end).
+                await self._fan_out(began, "/end_weight_update", {})
+            if failed:
+                raise ApiError(502, "engine_failed", f"/begin_weight_update failed on {failed}")
+            return {"success": True, "message": f"/begin_weight_update on {len(names)} engines"}
+
+        return await self.session.begin(send, succeeded=lambda _: True, abort_all=False)
 
     async def update(self, body: dict[str, Any]) -> dict[str, Any]:
         names = self._targets()
-        if not self.push.session_open:
+        if not self.session.open:
             raise ApiError(
                 400,
                 "no_weight_session",
@@ -212,10 +197,7 @@ class FleetWeights:
 
     async def end(self, body: dict[str, Any]) -> dict[str, Any]:
         names = [m.name for m in self.members() if m.state != "down"]
-        try:
-            return await self._each(names, "/end_weight_update", body)
-        finally:
-            self._close_session()
+        return await self.session.end(lambda: self._each(names, "/end_weight_update", body))
 
     async def _each(self, names: list[str], path: str, body: dict[str, Any]) -> dict[str, Any]:
         failed, _ = await self._fan_out(names, path, body)
@@ -235,23 +217,3 @@ class FleetWeights:
             m.name: str(r) for m, r in zip(ms, results, strict=True) if isinstance(r, Exception)
         }
         return failed, [m.name for m in ms if m.name not in failed]
-
-    def _close_session(self) -> None:
-        if not self.push.session_open:
-            return
-        self.push.release_segments(session=True)
-        if self._cut is not None:
-            self._cut.after_update()
-            self._cut = None
-        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
-            self._watchdog.cancel()
-        self._watchdog = None
-
-    async def _expire(self) -> None:
-        await asyncio.sleep(SESSION_LIMIT_S)
-        logger.warning(
-            "april: a weight-update session began %.0f s ago and never ended: the engines "
-            "serve again",
-            SESSION_LIMIT_S,
-        )
-        self._close_session()

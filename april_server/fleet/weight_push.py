@@ -5,8 +5,9 @@ new weights on every engine that is up (or on the ones named); new segments wait
 (`FleetEngine.run_segment`, through `held`/`released`) until all have answered, and the fleet's
 `version` changes only to one every engine in the pool reports. An engine left behind is
 `stale` until a probe finds it level (a disk push is replayed to it: `last_update`). A
-weight-update session over a group (`weight_group.py`, handed this part) holds new segments from
-its begin to its end, and answers for the group (`answer_group_with`).
+weight-update session over a group holds new segments from its begin to its end (`SessionGate`,
+which the owner's weight session holds), and the group (`weight_group.py`, handed this part)
+answers for itself (`answer_group_with`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class WeightPush:
         if not self.session_open:
             self._open.set()
 
+    def session_gate(self) -> SessionGate:
+        """What an owner's weight session holds besides the root's segments."""
+        return SessionGate(self)
+
     def _no_group(self) -> WeightGroupInfo:
         live = [m.info for m in self.members.values() if m.state != "down" and m.info]
         return WeightGroupInfo(
@@ -140,3 +145,18 @@ class WeightPush:
             await m.probe()
         except (httpx.HTTPError, ValueError) as exc:
             logger.warning("april: engine %s: probe after update failed: %s", m.name, exc)
+
+
+class SessionGate:
+    """New segments wait while a weight-update session is open: between its begin and its end
+    the engines are mid-update. The owner's weight session (`engine/weight_session.py`) cuts
+    this at a session's begin and continues it at its end."""
+
+    def __init__(self, push: WeightPush) -> None:
+        self.push = push
+
+    async def before_update(self) -> None:
+        self.push.hold_segments(session=True)
+
+    def after_update(self) -> None:
+        self.push.release_segments(session=True)

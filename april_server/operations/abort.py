@@ -83,12 +83,12 @@ class Abort:
         """Step 1 as the holder map says now: every call holding a named group gives it up
         (all of its groups, for `all` and its own batch), and the background forgets them."""
         for call in list(self.calls.values()):
-            if req.all or req.batch_id == call.batch_id:
-                call.give_up(None)
+            if req.all or req.batch_id == call.state.batch_id:
+                call.turns.give_up(None)
                 continue
-            mine = named & self.buffer.held_by(call.batch_id)
-            if mine - call.given_up:
-                call.give_up(mine)
+            mine = named & self.buffer.held_by(call.state.batch_id)
+            if mine - call.state.given_up:
+                call.turns.give_up(mine)
         self.background.forget(None if req.all else named)
 
     def _in_scope(self, req: AbortReq, named: set[str], scope: set[str]) -> list[Running]:

@@ -54,7 +54,12 @@ class AddGroups:
         if not req.groups:
             raise bad_request("invalid_request", "groups is empty")
         built = await new_groups(
-            self.engine, buffer, req.groups, turns=req.turns, routing=req.return_routed_experts
+            self.engine,
+            buffer,
+            req.groups,
+            turns=req.turns,
+            routing=req.return_routed_experts,
+            mask=req.return_sampling_mask,
         )
         for g in built:  # the validation yielded: a call may have sent the same id meanwhile
             if buffer.known(g.group_id):

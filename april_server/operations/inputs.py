@@ -78,15 +78,15 @@ class PostInput:
                 return await self._answer_idle(sample_id, gid, ids, turn)
             call = self.calls.get(holder.owner)
             if call is not None:
-                if call.stopped:  # winding down: take it once the call handed the group back
-                    await call.closed.wait()
+                if call.state.stopped:  # winding down: take it once the call handed the group back
+                    await call.state.closed.wait()
                     continue
                 sample = self.buffer.claimed_sample(sample_id)
                 self._check(sample, ids, turn)
                 turn_rules.apply_answer(sample, ids)
-                if call.holds_for_input(sample):
-                    call.continue_answered(sample)
-                    return InputResp(sample=sample, batch_id=call.batch_id)
+                if call.turns.holds_for_input(sample):
+                    call.turns.continue_answered(sample)
+                    return InputResp(sample=sample, batch_id=call.state.batch_id)
                 return InputResp(sample=sample, batch_id=None)
             if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
                 return await self._answer_idle(sample_id, gid, ids, turn)

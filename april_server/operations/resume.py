@@ -21,8 +21,9 @@ from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import CallTally, Counters
 from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as sample_rules
+from april_server.rules import sampling_mask as mask_rules
 from april_server.rules import turns as turn_rules
-from april_server.rules.routing import check_wanted as check_routing
+from april_server.rules.routing_replay import check_wanted as check_routing
 from april_server.runtime.background import Background
 from april_server.runtime.persister import Persister
 from april_server.runtime.run_to_end import run_to_end
@@ -82,8 +83,13 @@ class Resume:
             chosen = [self.buffer.claimed_sample(sid) for sid in req.sample_ids]
             self._check_resumable(req, chosen, appends)
             if req.return_routed_experts is not None:
-                for s in chosen:  # from this segment on (rules/routing.py: earlier rows unknown)
+                for (
+                    s
+                ) in chosen:  # from this segment on (rules/routing_replay.py: earlier rows unknown)
                     s.return_routed_experts = req.return_routed_experts
+            if req.return_sampling_mask is not None:
+                for s in chosen:  # earlier tokens get empty rows (rules/sampling_mask.py)
+                    mask_rules.switch(s, req.return_sampling_mask)
             for sid, ids in appends.items():
                 sample = self.buffer.claimed_sample(sid)
                 if turn_rules.awaiting(sample):  # the tool's answer: recorded like POST .../input
@@ -114,6 +120,10 @@ class Resume:
         for s in chosen:
             params = {**s.sampling_params, **(req.sampling_params or {})}
             turn_rules.check_params(s.turn_rule, params, f"sample {s.sample_id!r}")
+            wants_mask = req.return_sampling_mask
+            if wants_mask if wants_mask is not None else s.return_sampling_mask:
+                where = f"sample {s.sample_id!r}"
+                mask_rules.check_params(params, self.engine.sampling_mask_tokens, where)
             if sample_rules.is_finished(s) and s.sample_id not in appends:
                 raise conflict("sample_finished", f"sample {s.sample_id!r} is {s.status}")
             if turn_rules.awaiting(s) and s.sample_id not in appends:

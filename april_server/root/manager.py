@@ -17,68 +17,69 @@ from __future__ import annotations
 
 from typing import Any
 
-from april_server.buffer.partial_buffer import PartialBuffer
-from april_server.buffer.store import BufferStore
-from april_server.calls.parts import CallParts
+from april_server.calls.parts import CallParts, Generation, Holdings
 from april_server.calls.rollout import Rollout
 from april_server.engine.base import BaseEngine
 from april_server.engine.clock import idle_shares
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import Counters, Running
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
 from april_server.operations.abort import Abort
 from april_server.operations.delete import Delete
+from april_server.operations.forget_lengths import ForgetLengths
 from april_server.operations.groups import AddGroups
 from april_server.operations.inputs import PostInput
-from april_server.operations.lengths import ForgetLengths
 from april_server.operations.partials import Partials
 from april_server.operations.resume import Resume
+from april_server.root.durable import Durable
 from april_server.rules import turns as turn_rules
 from april_server.rules.inflight import Admission
-from april_server.rules.lengths import LengthHistory, LengthModel
-from april_server.rules.pool_size import PoolAdvisor
+from april_server.rules.lengths import LengthModel
 from april_server.runtime.background import OWNER as BACKGROUND
 from april_server.runtime.background import Background
-from april_server.runtime.inflight_policy import InflightPolicy
 from april_server.runtime.live_calls import LiveCalls
 from april_server.runtime.loop_lag import LoopLagMonitor
 from april_server.runtime.persister import Persister
+from april_server.runtime.pool_sizing import PoolSizing
 from april_server.runtime.snapshot_sweep import SnapshotSweep
-from april_server.settings.config import LengthOrder, Placement
+from april_server.settings.config import AprilConfig
 
 
 class RolloutManager:
     def __init__(
         self,
         engine: BaseEngine,
-        store: BufferStore,
-        allow_stale_kv: bool = False,
-        buffer: PartialBuffer | None = None,
-        lengths: LengthHistory | None = None,
-        length_order: LengthOrder = "arrival",
-        placement: Placement = "least_loaded",
-        loop_lag: LoopLagMonitor | None = None,
+        durable: Durable,
+        config: AprilConfig | None = None,
+        *,
         sweep_s: float = 0.0,
+        watch_loop: bool = False,
     ) -> None:
-        """`buffer`, `lengths`: already loaded from `store` (the server loads them at
-        start-up); `loop_lag`: a monitor already running; `sweep_s` > 0 starts a snapshot
-        sweep at that interval (on the running loop) when the engine keeps snapshots."""
+        """`durable`: the store and what start-up loaded from it (`root/durable.py`);
+        `sweep_s` > 0 starts a snapshot sweep at that interval (on the running loop) when the
+        engine keeps snapshots; `watch_loop` starts the event-loop lag monitor (on the running
+        loop: the server's, which every request shares)."""
+        config = AprilConfig() if config is None else config
         # ---- the parts, each built from those before it ---------------------------------------
         self.engine = engine
-        self.store = store
-        self.buffer = buffer if buffer is not None else PartialBuffer(store)
+        self.store = store = durable.store
+        self.buffer = durable.buffer
         self.counters = Counters()
         self.admission = Admission()  # shared by every call: what the engine is given
         self.versions = WeightVersions(engine)
-        self.lengths = LengthModel(lengths, default_order=length_order, placement=placement)
-        self.running: dict[str, Running] = {}  # sample id -> its engine request
-        self.planner = SegmentPlanner(
-            engine, self.counters, self.admission, allow_stale_kv, self.lengths
+        self.lengths = LengthModel(
+            durable.lengths, default_order=config.length_order, placement=config.placement
         )
-        # What a weight update's hooks call (the process registers it as their listener).
-        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner)
+        self.running: dict[str, Running] = {}  # sample id -> its engine request
+        self.places = SnapshotPlaces()  # where each sample's KV snapshot lives
+        self.planner = SegmentPlanner(
+            engine, self.counters, self.admission, config.allow_stale_kv, self.lengths, self.places
+        )
+        # What a weight push cuts (`root/holder.py` hands it to the process's weight session).
+        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner, self.places)
         self.segments = SegmentRunner(
             engine,
             self.counters,
@@ -88,10 +89,10 @@ class RolloutManager:
             self.running,
             self.planner,
             self.weight_cut,
+            self.places,
         )
         self.calls = LiveCalls()
-        self.policy = InflightPolicy(engine)
-        self.pool_advisor = PoolAdvisor()  # across calls: it plays from the lengths seen
+        self.sizing = PoolSizing(engine, self.admission, self.lengths)
         self.persister = Persister(self.buffer, store, self.running, self.lengths.history)
         self.background = Background(
             self.buffer,
@@ -101,28 +102,28 @@ class RolloutManager:
             self.versions,
             self.admission,
             self.calls,
+            self.places,
         )
-        self.loop_lag = loop_lag
+        self.loop_lag: LoopLagMonitor | None = None
+        if watch_loop:
+            self.loop_lag = LoopLagMonitor()
+            self.loop_lag.start()
         self.sweep: SnapshotSweep | None = None
         if sweep_s > 0 and self.planner.snap is not None:
-            self.sweep = SnapshotSweep(self.planner.snap, self.running, self.buffer, sweep_s)
+            self.sweep = SnapshotSweep(
+                self.planner.snap, self.running, self.buffer, self.places, sweep_s
+            )
             self.sweep.start()
 
         # ---- the operations the routes call ---------------------------------------------------
         call_parts = CallParts(
             engine=engine,
-            buffer=self.buffer,
-            segments=self.segments,
-            planner=self.planner,
+            holdings=Holdings(self.buffer, self.persister),
+            generation=Generation(self.segments, self.planner, self.versions, self.counters),
+            sizing=self.sizing,
+            lengths=self.lengths,
             background=self.background,
             calls=self.calls,
-            persister=self.persister,
-            versions=self.versions,
-            lengths=self.lengths,
-            policy=self.policy,
-            pool_advisor=self.pool_advisor,
-            admission=self.admission,
-            counters=self.counters,
         )
         self.rollout = Rollout(store, self.calls, self.background, self.counters, call_parts)
         self.reject = self.calls.reject
@@ -145,7 +146,7 @@ class RolloutManager:
         partials = Partials(self.buffer, self.segments, self.lengths)
         self.list_partials = partials.page
         self.show_partial = partials.one
-        self.forget_lengths = ForgetLengths(self.lengths, store, self.pool_advisor)
+        self.forget_lengths = ForgetLengths(self.lengths, store, self.sizing)
         self.weight_group = engine.weight_group
 
     async def close(self) -> None:
@@ -178,9 +179,9 @@ class RolloutManager:
             assert claimed[gid].samples[r.sample.index] is r.sample, f"{sid}: another body"
         for batch_id, call in self.calls.items():
             held = buf.held_by(batch_id)
-            listed = set(call.group_ids)
+            listed = set(call.state.group_ids)
             assert held <= listed, f"{batch_id} holds {sorted(held - listed)} it does not list"
-            if not call.stopped:  # a call that ended may have handed groups on (wind_down.py)
+            if not call.state.stopped:  # a call that ended may have handed groups on (wind_down.py)
                 assert listed == held, f"{batch_id} lists {sorted(listed - held)} it does not hold"
         self.background.check()
         buf.check(in_place=BACKGROUND)
@@ -227,6 +228,6 @@ class RolloutManager:
             "engine": self.engine.engine_stats(),
             "engine_time": clock,
             **idle_shares(clock),
-            "inflight_policy": self.policy.stats(),
+            "inflight_policy": self.sizing.stats(),
             "length_prediction": self.lengths.figures(),
         }

@@ -24,7 +24,8 @@ from april_client.protocol import (
     Segment,
     TurnsSpec,
 )
-from april_server.rules import routing as routing_rules
+from april_server.rules import routing_replay as routing_rules
+from april_server.rules import sampling_mask as mask_rules
 from april_server.rules.turns import check_params as check_turn_params
 from april_server.rules.turns import rule_of, with_turn_stops
 from april_server.wire.errors import bad_request
@@ -46,9 +47,12 @@ class SegmentResult:
     dp_rank: int | None = None  # the data-parallel rank that ran it, when the engine says
     matched: str | int | None = None  # the stop string or token id that ended it, if any
     # MoE routing replay: where the engine was asked for routed experts from (None: not
-    # asked) and what it returned (None: nothing); rules/routing.py records them.
+    # asked) and what it returned (None: nothing); rules/routing_replay.py records them.
     routing_asked: int | None = None
     routing: routing_rules.RoutingRows | None = None
+    # Each generated token's kept set and sampling logprob, when asked and returned
+    # (rules/sampling_mask.py records them).
+    sampling_mask: mask_rules.MaskRows | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +120,11 @@ def build_group(
     vocab_size: int | None,
     turns: TurnsSpec | None = None,
     routing: bool = False,
+    mask: bool = False,
 ) -> Group:
     """A new group from a request spec; raises 400 on bad input. `turns`: the call's turn
-    rule, for a group that carries none; `routing`: the call's `return_routed_experts`."""
+    rule, for a group that carries none; `routing`, `mask`: the call's `return_routed_experts`
+    and `return_sampling_mask`, for a group that does not set its own."""
     gid = spec.group_id
     if not gid:
         raise bad_request("invalid_group", "group_id must be a non-empty string")
@@ -165,6 +171,9 @@ def build_group(
                 turn_rule=rule,
                 return_routed_experts=(
                     routing if spec.return_routed_experts is None else spec.return_routed_experts
+                ),
+                return_sampling_mask=(
+                    mask if spec.return_sampling_mask is None else spec.return_sampling_mask
                 ),
             )
         )
@@ -230,6 +239,7 @@ def reset_output(sample: Sample) -> None:
     sample.status = "partial"
     sample.finish_reason = None
     routing_rules.reset(sample)
+    mask_rules.reset(sample)
     clear_snapshot(sample)
 
 
@@ -240,10 +250,9 @@ def restart_for_staleness(sample: Sample) -> None:
 
 
 def clear_snapshot(sample: Sample) -> None:
-    """Forget the sample's KV snapshot figures and where it lived (it has none now)."""
+    """Forget the sample's KV snapshot figures (it has none now)."""
     sample.snapshot_bytes = 0
     sample.snapshot_weight_version = None
-    sample.snapshot_engine = sample.snapshot_dp_rank = None
 
 
 def apply_segment(
@@ -259,6 +268,7 @@ def apply_segment(
     start = len(sample.output_ids)
     sample.output_ids += new_ids
     sample.output_logprobs += new_lps
+    mask_rules.record(sample, result.sampling_mask, len(new_ids))
     recorded = bool(new_ids) or result.finish_reason in ("stop", "length")
     if recorded:
         sample.segments.append(

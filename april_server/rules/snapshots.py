@@ -10,7 +10,8 @@
   not use it. A snapshot evicted by the store's LRU simply isn't there: the continuation
   re-prefills and its segment says so.
 
-A snapshot lives where its segment ran (engine, DP rank); the sample records that slot.
+A snapshot lives where its segment ran (engine, DP rank); the server records that slot
+(`engine/snapshot_places.py`), the sample only its size and weight version.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Sequence
 from typing import Literal
 
 from april_client.protocol import KvMode, Sample
-from april_server.rules.placement import LOCAL, Slot
 from april_server.rules.samples import clear_snapshot, version_lag
 
 
@@ -55,22 +55,15 @@ def wants_restore(mode: KvMode, is_usable: bool, restarted: bool) -> bool:
     return mode != "recompute" and is_usable and not restarted
 
 
-def held_at(sample: Sample) -> Slot | None:
-    """The slot holding the sample's snapshot, None when it has none."""
-    if sample.snapshot_bytes <= 0:
-        return None
-    return Slot(sample.snapshot_engine or LOCAL, sample.snapshot_dp_rank or 0)
-
-
-def record(sample: Sample, nbytes: int, slot: Slot, restored: bool = False) -> None:
-    """The snapshot the segment's abort left. Tagged with the weights of the oldest KV in it:
-    a segment that began from a restored snapshot of older weights (stale reuse, in its own
-    namespace) carries that KV in its prefix, so its snapshot is as old, never current."""
+def record(sample: Sample, nbytes: int, restored: bool = False) -> None:
+    """The snapshot the segment's abort left (where it lives is the server's own record,
+    `engine/snapshot_places.py`). Tagged with the weights of the oldest KV in it: a segment
+    that began from a restored snapshot of older weights (stale reuse, in its own namespace)
+    carries that KV in its prefix, so its snapshot is as old, never current."""
     newest = sample.segments[-1].weight_version if sample.segments else None
     older = sample.snapshot_weight_version if restored else None
     sample.snapshot_bytes = nbytes
     sample.snapshot_weight_version = older if older is not None else newest
-    sample.snapshot_engine, sample.snapshot_dp_rank = slot.engine, slot.dp_rank
 
 
 clear = clear_snapshot  # the sample holds no snapshot any more (samples.py)

@@ -58,10 +58,10 @@ from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import BACKGROUND, CallTally, Running
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
 from april_server.rules import samples as sample_rules
-from april_server.rules import snapshots as snapshot_rules
 from april_server.rules.inflight import Admission, kv_need
 from april_server.runtime.live_calls import LiveCalls
 
@@ -79,6 +79,7 @@ class Background:
         versions: WeightVersions,
         admission: Admission,
         calls: LiveCalls,
+        places: SnapshotPlaces,
     ) -> None:
         """`calls`: read only here: the background runs only while no call does."""
         self.buffer = buffer
@@ -88,6 +89,7 @@ class Background:
         self.versions = versions  # how far behind a group's tokens are
         self.admission = admission  # whether a group fits beside what runs
         self.calls = calls
+        self.places = places  # where each sample's snapshot lives
         self.wanted: dict[str, int | None] = {}  # group id -> the max_staleness it runs under
         self.handed_by: dict[str, str] = {}  # group id -> the call that handed it in
         # group id -> the max_staleness it was put here with, until a call claims it (5.)
@@ -149,7 +151,7 @@ class Background:
                 if self.segments.is_running(s.sample_id):  # taken over: judged at every cut
                     continue
                 if self._past_bound(s, bound):
-                    useless.append((s.sample_id, snapshot_rules.held_at(s)))
+                    useless.append((s.sample_id, self.places.of(s)))
                     sample_rules.restart_for_staleness(s)
                     self.planner.count_restart(s, tally)
                     rested = self.resting.pop(g.group_id, None)

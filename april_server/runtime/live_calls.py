@@ -17,8 +17,8 @@ from april_server.wire.errors import not_found
 MAX_REMEMBERED_BATCHES = 10_000
 
 
-class LiveCall(Protocol):
-    """What the rest of the server may ask of a running call (`calls.rollout.RolloutCall`)."""
+class CallView(Protocol):
+    """A running call's state as others may read it (`calls.state.CallState`)."""
 
     @property
     def batch_id(self) -> str: ...
@@ -30,9 +30,24 @@ class LiveCall(Protocol):
     def given_up(self) -> set[str]: ...
     @property
     def closed(self) -> asyncio.Event: ...
+
+
+class TurnsView(Protocol):
+    """What an abort and a tool's answer ask of a call's turns (`calls.turns_in_call`)."""
+
     def give_up(self, group_ids: set[str] | None) -> None: ...
     def holds_for_input(self, sample: Sample) -> bool: ...
     def continue_answered(self, sample: Sample) -> None: ...
+
+
+class LiveCall(Protocol):
+    """What the rest of the server may ask of a running call (`calls.rollout.RolloutCall`):
+    its state, its turns, and a reject."""
+
+    @property
+    def state(self) -> CallView: ...
+    @property
+    def turns(self) -> TurnsView: ...
     def reject(self, body: RejectReq) -> None: ...
 
 
@@ -53,7 +68,7 @@ class LiveCalls(Mapping[str, LiveCall]):
         return len(self._live)
 
     def add(self, call: LiveCall) -> None:
-        self._live[call.batch_id] = call
+        self._live[call.state.batch_id] = call
 
     def end(self, batch_id: str) -> None:
         """The call is over: it leaves, and is remembered for a while as ended."""

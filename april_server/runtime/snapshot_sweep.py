@@ -1,7 +1,7 @@
 """Free KV snapshots that nobody refers to any more, so no bytes stay held after a drain.
 
 A snapshot is referenced while its sample runs (`SegmentRunner.running`: a mark may be about to make
-one, a restore holds one) and while its buffered sample records it (`snapshots.held_at`). The
+one, a restore holds one) and while its buffered sample records it (`SnapshotPlaces.of`). The
 owner frees every snapshot when those end (`segment_runner.py`), and the paths where an engine could
 keep one unknown to it are closed where they happen (`fleet/remote.py`: segments whose answer was
 lost, drops an engine missed while out of reach). But the owner and its engines are separate
@@ -26,7 +26,7 @@ from april_client.protocol import Sample
 from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.engine.base import SnapshotEngine
 from april_server.engine.segment_state import Running
-from april_server.rules import snapshots as snapshot_rules
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.rules.placement import Slot
 from april_server.wire.ids import split_sample_id
 
@@ -42,6 +42,7 @@ class SnapshotSweep:
         snap: SnapshotEngine,
         running: Mapping[str, Running],
         buffer: PartialBuffer,
+        places: SnapshotPlaces,
         interval_s: float = SWEEP_INTERVAL_S,
         min_age_s: float = MIN_AGE_S,
     ) -> None:
@@ -49,6 +50,7 @@ class SnapshotSweep:
         self.snap = snap
         self.running = running
         self.buffer = buffer
+        self.places = places  # where each sample's snapshot lives, by the server's books
         self.interval_s = interval_s
         self.min_age_s = min_age_s
         self.suspects: set[tuple[Slot, str]] = set()  # unreferenced on the last sweep
@@ -111,7 +113,7 @@ class SnapshotSweep:
             gid, idx = _parts(key)
             group = bodies.get(gid)
             sample = _sample(group.samples if group else [], idx)
-            if sample is None or snapshot_rules.held_at(sample) != slot:
+            if sample is None or self.places.of(sample) != slot:
                 out.add((slot, key))
         return out
 
@@ -126,7 +128,7 @@ class SnapshotSweep:
         if group is None:
             return True  # being claimed: its body is in flight
         sample = _sample(group.samples, idx)
-        return sample is not None and snapshot_rules.held_at(sample) == slot
+        return sample is not None and self.places.of(sample) == slot
 
     def stats(self) -> dict[str, int]:
         return {"snapshot_sweeps": self.sweeps, "snapshots_swept": self.freed}

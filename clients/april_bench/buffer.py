@@ -30,11 +30,11 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from april_server.buffer.partial_buffer import PartialBuffer
 from april_server.buffer.store import BufferStore
 from april_server.buffer.synthetic import fill
 from april_server.engine.base import BaseEngine
 from april_server.http.app import create_router
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import EngineCapacity
 from april_server.rules.samples import SegmentResult
@@ -150,8 +150,8 @@ def in_process(state: Path, samples: int, add_groups: int) -> Table:
 
     rss0 = rss_bytes()
     t0 = time.perf_counter()
-    store = BufferStore(state / "buffer.sqlite")
-    buffer = PartialBuffer(store)
+    durable = Durable.open(state / "buffer.sqlite")  # what a restarting server runs
+    buffer = durable.buffer
     load_s = time.perf_counter() - t0
     per_sample = (rss_bytes() - rss0) / max(1, buffer.idle.samples)
     t.add(
@@ -162,7 +162,7 @@ def in_process(state: Path, samples: int, add_groups: int) -> Table:
         "<= 10 s",
     )
     t.add("rss_per_sample_b", "RSS per buffered sample (index in memory)", per_sample, "{:.0f} B")
-    mgr = RolloutManager(InstantEngine(), store, buffer=buffer)
+    mgr = RolloutManager(InstantEngine(), durable)
     app = FastAPI()
     app.include_router(create_router(lambda: mgr))
 

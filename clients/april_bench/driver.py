@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from .accounting import Consumed, Ledger
-from .lengths import length_figures, score_delta
+from .length_stats import length_figures, score_delta
 from .metrics import ModeResult, StepRecord, timeline_stats, windows_idle_frac
 from .server_api import (
     BenchError,

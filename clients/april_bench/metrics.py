@@ -234,7 +234,7 @@ class ModeResult:
     idle_push_s: float | None = None  # one weight push with nothing running, at the start
     background_tokens: int = 0  # generated between calls (april-async), not in any call's stats
     run_idle_frac: float | None = None  # over every step's span (rollout and training)
-    lengths: dict[str, Any] = field(default_factory=dict)  # consumed lengths (bench/lengths.py)
+    lengths: dict[str, Any] = field(default_factory=dict)  # consumed lengths (length_stats.py)
     length_prediction: dict[str, Any] | None = None  # the server's /stats figures, at the end
 
     def totals(self) -> dict[str, Any]:

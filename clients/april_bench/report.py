@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .lengths import lengths_line
+from .length_stats import lengths_line
 from .metrics import ModeResult
 from .staleness import describe
 

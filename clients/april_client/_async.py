@@ -117,9 +117,11 @@ class AsyncAprilClient(_ClientBase):
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
         return_routed_experts: bool = False,
+        return_sampling_mask: bool = False,
     ) -> RolloutResp:
         """POST /rollouts: run until `target_groups` groups finish; the rest is buffered.
-        `return_routed_experts`: every new group's samples carry their routing (MoE)."""
+        `return_routed_experts`: every new group's samples carry their routing (MoE);
+        `return_sampling_mask`: their sampling masks (top-k / top-p kept sets)."""
         return await self._send(
             routes.rollout(
                 groups,
@@ -132,6 +134,7 @@ class AsyncAprilClient(_ClientBase):
                 stream=False,
                 turns=turns,
                 return_routed_experts=return_routed_experts,
+                return_sampling_mask=return_sampling_mask,
             )
         )
 
@@ -146,6 +149,7 @@ class AsyncAprilClient(_ClientBase):
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
+        return_sampling_mask: bool = False,
     ) -> AsyncRolloutStream:
         """POST /rollouts with `stream: true`: `async for` the events as groups finish."""
         call = routes.rollout(
@@ -158,6 +162,7 @@ class AsyncAprilClient(_ClientBase):
             request_id=request_id,
             stream=True,
             turns=turns,
+            return_sampling_mask=return_sampling_mask,
         )
         return AsyncRolloutStream(call, self._url(call), lambda: self._open_stream(call))
 
@@ -169,6 +174,7 @@ class AsyncAprilClient(_ClientBase):
         max_staleness: int | None = None,
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
+        return_sampling_mask: bool = False,
     ) -> GroupsResp:
         """POST /groups: hand groups in without waiting (prefetch); `background` generates
         them between calls, `idle` only buffers them. A later call serves them."""
@@ -179,6 +185,7 @@ class AsyncAprilClient(_ClientBase):
                 max_staleness=max_staleness,
                 request_id=request_id,
                 turns=turns,
+                return_sampling_mask=return_sampling_mask,
             )
         )
 
@@ -204,9 +211,13 @@ class AsyncAprilClient(_ClientBase):
         append_ids: Mapping[str, Sequence[int]] | None = None,
         kv: KvMode = "auto",
         sampling_params: Mapping[str, Any] | None = None,
+        return_sampling_mask: bool | None = None,
     ) -> ResumeResp:
-        """Continue buffered samples; returns once they finish."""
-        return await self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
+        """Continue buffered samples; returns once they finish.
+        `return_sampling_mask`: turn their sampling masks on or off (None: as they are)."""
+        return await self._send(
+            routes.resume(sample_ids, append_ids, kv, sampling_params, return_sampling_mask)
+        )
 
     async def post_input(
         self,

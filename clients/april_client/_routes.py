@@ -231,6 +231,7 @@ def rollout(
     stream: bool,
     turns: TurnsArg = None,
     return_routed_experts: bool = False,
+    return_sampling_mask: bool = False,
 ) -> Call[RolloutResp]:
     req = RolloutReq(
         groups=group_specs(groups),
@@ -243,6 +244,7 @@ def rollout(
         request_id=request_id,
         turns=turns_spec(turns),
         return_routed_experts=return_routed_experts,
+        return_sampling_mask=return_sampling_mask,
     )
     # A request_id makes the call idempotent on the server, so only then may it be retried.
     return Call(
@@ -262,6 +264,7 @@ def add_groups(
     max_staleness: int | None,
     request_id: str | None,
     turns: TurnsArg = None,
+    return_sampling_mask: bool = False,
 ) -> Call[GroupsResp]:
     req = GroupsReq(
         groups=group_specs(groups),
@@ -269,6 +272,7 @@ def add_groups(
         max_staleness=max_staleness,
         request_id=request_id,
         turns=turns_spec(turns),
+        return_sampling_mask=return_sampling_mask,
     )
     return Call(
         "POST",
@@ -307,12 +311,14 @@ def resume(
     append_ids: Mapping[str, Sequence[int]] | None,
     kv: KvMode,
     sampling_params: Mapping[str, Any] | None,
+    return_sampling_mask: bool | None = None,
 ) -> Call[ResumeResp]:
     req = ResumeReq(
         sample_ids=_ids("sample_ids", sample_ids),
         append_ids=None if append_ids is None else {k: list(v) for k, v in append_ids.items()},
         kv=kv,
         sampling_params=None if sampling_params is None else dict(sampling_params),
+        return_sampling_mask=return_sampling_mask,
     )
     return Call("POST", f"{PREFIX}/resume", _resume_decoder.decode, _encode_req(req))
 

@@ -123,9 +123,11 @@ class AprilClient(_ClientBase):
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
         return_routed_experts: bool = False,
+        return_sampling_mask: bool = False,
     ) -> RolloutResp:
         """POST /rollouts: run until `target_groups` groups finish; the rest is buffered.
-        `return_routed_experts`: every new group's samples carry their routing (MoE)."""
+        `return_routed_experts`: every new group's samples carry their routing (MoE);
+        `return_sampling_mask`: their sampling masks (top-k / top-p kept sets)."""
         return self._send(
             routes.rollout(
                 groups,
@@ -138,6 +140,7 @@ class AprilClient(_ClientBase):
                 stream=False,
                 turns=turns,
                 return_routed_experts=return_routed_experts,
+                return_sampling_mask=return_sampling_mask,
             )
         )
 
@@ -152,6 +155,7 @@ class AprilClient(_ClientBase):
         max_inflight_groups: int | Literal["auto"] = "auto",
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
+        return_sampling_mask: bool = False,
     ) -> RolloutStream:
         """POST /rollouts with `stream: true`: iterate the events as groups finish."""
         call = routes.rollout(
@@ -164,6 +168,7 @@ class AprilClient(_ClientBase):
             request_id=request_id,
             stream=True,
             turns=turns,
+            return_sampling_mask=return_sampling_mask,
         )
         return RolloutStream(call, self._url(call), lambda: self._open_stream(call))
 
@@ -175,6 +180,7 @@ class AprilClient(_ClientBase):
         max_staleness: int | None = None,
         request_id: str | None = None,
         turns: routes.TurnsArg = None,
+        return_sampling_mask: bool = False,
     ) -> GroupsResp:
         """POST /groups: hand groups in without waiting (prefetch); `background` generates
         them between calls, `idle` only buffers them. A later call serves them."""
@@ -185,6 +191,7 @@ class AprilClient(_ClientBase):
                 max_staleness=max_staleness,
                 request_id=request_id,
                 turns=turns,
+                return_sampling_mask=return_sampling_mask,
             )
         )
 
@@ -210,9 +217,13 @@ class AprilClient(_ClientBase):
         append_ids: Mapping[str, Sequence[int]] | None = None,
         kv: KvMode = "auto",
         sampling_params: Mapping[str, Any] | None = None,
+        return_sampling_mask: bool | None = None,
     ) -> ResumeResp:
-        """Continue buffered samples; returns once they finish."""
-        return self._send(routes.resume(sample_ids, append_ids, kv, sampling_params))
+        """Continue buffered samples; returns once they finish.
+        `return_sampling_mask`: turn their sampling masks on or off (None: as they are)."""
+        return self._send(
+            routes.resume(sample_ids, append_ids, kv, sampling_params, return_sampling_mask)
+        )
 
     def post_input(
         self,

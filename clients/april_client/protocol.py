@@ -23,6 +23,7 @@ Keep = Literal["snapshot", "tokens", "drop"]
 OnQuota = Literal["snapshot", "tokens", "drop", "continue"]
 KvMode = Literal["auto", "restore", "recompute"]
 RoutingDtype = Literal["uint8", "int16"]  # of routed expert ids (docs/api.md, Routing)
+MaskDtype = Literal["uint16", "int32"]  # of sampling-mask token ids (docs/api.md, Sampling mask)
 
 
 class _Req(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -79,7 +80,8 @@ class Routing(_Resp):
     """The experts a mixture-of-experts model routed each context position to (docs/api.md,
     Routing): `experts` is `[positions, num_layers, top_k]` of `dtype` (little-endian,
     row-major; base64 in JSON), row p for context token p as the model's input. The last
-    context token has no row until a later segment feeds it. `april_client.routing` decodes."""
+    context token has no row until a later segment feeds it. `april_client.routed_experts`
+    decodes it."""
 
     num_layers: int
     top_k: int
@@ -92,6 +94,25 @@ class Routing(_Resp):
     def num_positions(self) -> int:
         row = self.num_layers * self.top_k * (1 if self.dtype == "uint8" else 2)
         return len(self.experts) // row if row else 0
+
+
+class SamplingMask(_Resp):
+    """What the sampler kept of the vocabulary for each generated token (docs/api.md, Sampling
+    mask): row i belongs to `output_ids[i]`. `ids`: every row's kept token ids, row after row,
+    ascending within a row, `dtype` little-endian (base64 in JSON); `counts`: how many ids each
+    row holds, in `dtype` too (0: a token whose mask the engine was not asked for, or did not
+    return); `logprobs[i]`: the logprob of `output_ids[i]` over its row, renormalised (0.0 for a
+    greedy token, alone in its row; 0.0 and meaningless where the count is 0). Decode with
+    `april_client.sampling_mask`."""
+
+    dtype: MaskDtype
+    ids: bytes
+    counts: bytes
+    logprobs: list[float]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.logprobs)
 
 
 class Appended(_Resp):
@@ -141,9 +162,6 @@ class Sample(_Resp):
     metadata: Any = None
     snapshot_bytes: int = 0
     snapshot_weight_version: str | None = None
-    # Where the KV snapshot lives (the slot of the segment it was taken from); null without one.
-    snapshot_engine: str | None = None
-    snapshot_dp_rank: int | None = None
     # Agent rollouts (docs/api.md, Turns): the member's turn rule and its finished turns.
     turn_rule: TurnRule | None = None
     turns: list[Turn] = []
@@ -160,6 +178,10 @@ class Sample(_Resp):
     # group, kept across segments; null when not asked for.
     return_routed_experts: bool = False
     routing: Routing | None = None
+    # The kept set and the sampling logprob of every generated token (docs/api.md, Sampling
+    # mask): asked for by the call, the group or /resume, kept across segments; null when off.
+    return_sampling_mask: bool = False
+    sampling_mask: SamplingMask | None = None
 
     @property
     def turn(self) -> int:
@@ -231,6 +253,8 @@ class GroupSpec(_Req):
     turns: TurnsSpec | None = None
     # Return the routed experts of every position (MoE; docs/api.md, Routing); null: the call's.
     return_routed_experts: bool | None = None
+    # Return every generated token's sampling mask (docs/api.md, Sampling mask); null: the call's.
+    return_sampling_mask: bool | None = None
 
 
 class RolloutReq(_Req):
@@ -251,6 +275,8 @@ class RolloutReq(_Req):
     length_order: Literal["arrival", "longest_first", "shortest_first"] | None = None
     # Every new group's samples carry their routed experts (MoE; docs/api.md, Routing).
     return_routed_experts: bool = False
+    # Every new group's samples carry their sampling masks (docs/api.md, Sampling mask).
+    return_sampling_mask: bool = False
 
 
 class GroupsReq(_Req):
@@ -262,6 +288,7 @@ class GroupsReq(_Req):
     request_id: str | None = None
     turns: TurnsSpec | None = None
     return_routed_experts: bool = False
+    return_sampling_mask: bool = False
 
 
 class RejectReq(_Req):
@@ -286,6 +313,9 @@ class ResumeReq(_Req):
     max_staleness: int | None = None
     # Turn routing replay on (or off) for these samples from now on; null keeps their setting.
     return_routed_experts: bool | None = None
+    # Turn sampling masks on (or off: the record is dropped) for these samples from now on;
+    # null keeps their setting.
+    return_sampling_mask: bool | None = None
 
 
 class InputReq(_Req):

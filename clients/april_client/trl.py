@@ -37,7 +37,11 @@ alone, with TRL pinned to 1.16.0; `rollout_func` is experimental there, set
    pair it with `GRPOConfig(loss_type="cispo", epsilon_high=5.0)`, which keeps every token's
    gradient with a capped importance weight (docs/trainers.md, "The loss: why cispo").
    TRL's `off_policy_mask_threshold` can also use those `logprobs` to drop sequences that
-   drifted too far. Each record
+   drifted too far. With top-k sampling, `sampling_mask=True` returns each token's kept set
+   (docs/api.md, Sampling mask): `logprobs` are then over the kept sets, and the trainer's own
+   logprobs are taken over the same sets (`trl_correction.use_kept_sets`), so a fresh token's
+   ratio is 1 and a stale one's is its importance weight under truncated sampling too (needs
+   `GRPOConfig(top_k=...)`, as SGLang bounds a mask by it). Each record
    (`records`) counts the returned samples that had restarted for the bound; when they are
    10 % or more of a step's, the adapter logs a warning once (the bound is too tight).
 6. At the end of training (`callback()`, or `close()`), it aborts and deletes every group it
@@ -93,6 +97,7 @@ from typing import Any, Literal, get_args
 
 from . import AprilClient, NotFound
 from ._routes import TurnsArg
+from .sampling_mask import response_ids_and_offsets, sampling_logprobs
 from .trainer_batch import (
     Ledger,
     StaleTokens,
@@ -102,7 +107,7 @@ from .trainer_batch import (
     rows_from_groups,
     unique_prompts,
 )
-from .trl_correction import use_sampling_policy_as_old
+from .trl_correction import KeptRow, set_kept_rows, use_kept_sets, use_sampling_policy_as_old
 from .trl_prompts import draw_prompts, group_spec, index_dataset, prompt_key, sampling_params
 from .trl_tools import Tool, ToolLoop
 from .weight_sync import WeightBroadcaster
@@ -173,6 +178,9 @@ class AprilRollout:
     _tools: ToolLoop | None = None
     _warned_restarts: bool = False
     _advised: int = 0  # the last training call's stats.groups_wanted (size_pool)
+    # Return each token's kept set (top-k / top-p) and train over it: `logprobs` are over the
+    # kept sets and so are the trainer's (trl_correction.py). Needs GRPOConfig(top_k=...).
+    sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         if self.tool is not None:
@@ -197,6 +205,11 @@ class AprilRollout:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         if self.stale_tokens == "correct":
             use_sampling_policy_as_old(trainer)  # before TRL's first loss
+        if self.sampling_mask:
+            params = sampling_params(trainer)
+            if "top_k" not in params and params["temperature"] > 0:  # SGLang's rule
+                raise ValueError("sampling_mask=True needs a top_k: set GRPOConfig(top_k=...)")
+            use_kept_sets(trainer)
         training = bool(trainer.model.training)
         n = trainer.num_generations if training else trainer.num_generations_eval
         step = int(trainer.state.global_step)
@@ -233,6 +246,7 @@ class AprilRollout:
             max_staleness=self.max_staleness,
             max_inflight_groups=self.max_inflight_groups,
             request_id=f"{self.run_id}.c{call}",
+            return_sampling_mask=self.sampling_mask,
         )
         if self._tools is None:
             resp = self.client.rollout(specs, len(firsts), **kw)
@@ -251,6 +265,12 @@ class AprilRollout:
             rows = rows_from_groups(resp.groups, n, version, self.stale_tokens)
         else:
             rows, tool_calls = self._tools.rows(resp.groups, n, version, self.stale_tokens)
+        if self.sampling_mask:  # rows in group order, members by index, as built above
+            samples = [s for g in resp.groups for s in sorted(g.samples, key=lambda s: s.index)]
+            rows.logprobs = [sampling_logprobs(s) for s in samples]
+            kept = [response_ids_and_offsets(s) for s in samples]
+            rows_kept = zip(rows.prompt_ids, rows.completion_ids, kept, strict=True)
+            set_kept_rows(trainer, [KeptRow(p, c, ids, off) for p, c, (ids, off) in rows_kept])
         wall_s = time.perf_counter() - t0
         prefetched = self._prefetch(firsts, n, params, trainer, step) if training else []
         restarts = [s.staleness_restarts for g in resp.groups for s in g.samples]
@@ -331,6 +351,7 @@ class AprilRollout:
             start="background",
             max_staleness=self.max_staleness,
             request_id=f"{self.run_id}.c{call}",
+            return_sampling_mask=self.sampling_mask,
         )
         return ids
 

@@ -58,9 +58,11 @@ def grpo_run(
     steps: int,
     max_completion_length: int,
     more_rewards: tuple[Reward, ...] = (),
+    config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train `steps` steps; `sender.rollout` (what sends the adapter's calls) is wrapped to
-    record each response, `scored_reward`'s values are recorded by step."""
+    record each response, `scored_reward`'s values are recorded by step. `config`: more
+    `GRPOConfig` settings (over the defaults below)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,7 +92,7 @@ def grpo_run(
         scored[int(kw["trainer_state"].global_step)] = [float(v or 0.0) for v in values]
         return values
 
-    args = GRPOConfig(
+    settings: dict[str, Any] = dict(
         output_dir=str(Path(workdir) / "trainer"),
         per_device_train_batch_size=PROMPTS * N,
         num_generations=N,
@@ -109,6 +111,7 @@ def grpo_run(
         disable_tqdm=True,
         seed=0,
     )
+    args = GRPOConfig(**{**settings, **(config or {})})
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_path),
         reward_funcs=[recorded, *more_rewards],
@@ -125,6 +128,7 @@ def grpo_run(
         "responses": responses,
         "records": adapter.records,
         "ledger": adapter.ledger,
+        "log_history": trainer.state.log_history,
     }
 
 

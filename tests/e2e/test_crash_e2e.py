@@ -15,14 +15,15 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e import trainer_recompute
 from tests.e2e.test_rollouts_e2e import R, group, ok
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
 
 
-# KV snapshots (their size, version and place) don't survive a crash
-VOLATILE = {"snapshot_bytes", "snapshot_weight_version", "snapshot_engine", "snapshot_dp_rank"}
+# KV snapshots (their size and version) don't survive a crash
+VOLATILE = {"snapshot_bytes", "snapshot_weight_version"}
 
 
 def partials(c: httpx.Client) -> list[dict[str, Any]]:
@@ -159,4 +160,57 @@ def test_crash_during_background_generation_loses_no_acknowledged_token(
         assert ok(c.get(R + "/stats"))["background_groups"] == 0
         for gid in ("slow", "pre"):  # leave the shared server's buffer empty
             ok(c.delete(R + f"/partials/{gid}"))
+        assert partials(c) == []
+
+
+def test_crash_keeps_the_sampling_mask_of_every_acknowledged_token(crashing: ServerProc) -> None:
+    """kill -9 while masked stragglers generate in the background: after a restart each keeps
+    at least its acknowledged tokens, every one with its row (the kept set a trainer
+    recomputes: `trainer_recompute.py`), and its continuation extends them."""
+    srv = running(crashing)
+    sampled = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+    masked = [group("mg", [8, 9], [3000]), group("ms", [7, 9], [3000], **sampled)]
+    with srv.client() as c:
+        body = {
+            "groups": [group("fast", [3], [4]), *masked],
+            "target_groups": 1,
+            "on_quota": "continue",
+            "return_sampling_mask": True,
+        }
+        assert sorted(ok(c.post(R + "/rollouts", json=body))["buffered_group_ids"]) == ["mg", "ms"]
+        deadline = time.monotonic() + 60
+        while ok(c.get(R + "/stats"))["background_running_samples"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+        mid = {"groups": [group("mid", [4], [4])], "target_groups": 1, "resume_first": False}
+        ok(c.post(R + "/rollouts", json=mid))  # pauses them: what they made is acknowledged
+        acked = {g: ok(c.get(f"{R}/partials/{g}"))["samples"][0] for g in ("mg", "ms")}
+        time.sleep(0.5)  # generating again in the background
+    srv.kill9()
+    srv.start()
+    with srv.client() as c:
+        restarted = {}
+        for gid, before in acked.items():
+            s = restarted[gid] = ok(c.get(f"{R}/partials/{gid}"))["samples"][0]
+            n = len(before["output_ids"])
+            assert n > 0 and s["output_ids"][:n] == before["output_ids"]
+            rows = trainer_recompute.rows(s["sampling_mask"])
+            assert len(rows) == len(s["output_ids"])
+            assert rows[:n] == trainer_recompute.rows(before["sampling_mask"])
+            assert s["sampling_mask"]["logprobs"][:n] == before["sampling_mask"]["logprobs"]
+        # Their continuation after the restart (they start first) extends the rows.
+        body = {"groups": [group("t", [5], [6])], "target_groups": 1, "on_quota": "tokens"}
+        body["max_inflight_groups"] = 3
+        assert ok(c.post(R + "/rollouts", json=body))["groups"][0]["group_id"] == "t"
+        for gid in ("mg", "ms"):
+            s = ok(c.get(f"{R}/partials/{gid}"))["samples"][0]
+            rows = trainer_recompute.rows(s["sampling_mask"])
+            if gid == "mg":
+                assert rows == [[t] for t in s["output_ids"]]
+            else:
+                trainer_recompute.check_kept_sets(s, 0.8, 20, 0.9)
+                assert trainer_recompute.recompute_gap(s, 0.8) < 1e-3
+            assert len(rows) == len(s["output_ids"]) > len(restarted[gid]["output_ids"])
+            ok(c.delete(f"{R}/partials/{gid}"))
         assert partials(c) == []

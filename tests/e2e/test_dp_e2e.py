@@ -94,12 +94,12 @@ def test_quota_is_exact_and_resumes_land_on_their_snapshots_rank(http: httpx.Cli
         for gid in ("l0", "l1")
         for s in ok(http.get(f"{R}/partials/{gid}"))["samples"]
     }
-    ranks = {sid: s["snapshot_dp_rank"] for sid, s in held.items()}
+    # A snapshot lives where its segment ran (the server's record, not the sample's).
+    ranks = {sid: s["segments"][-1]["dp_rank"] for sid, s in held.items()}
     assert set(ranks.values()) == {0, 1}, ranks  # spread over both ranks
     for s in held.values():
         assert s["status"] == "partial" and s["snapshot_bytes"] > 0
-        assert s["snapshot_engine"] == "local"
-        assert s["segments"][-1]["dp_rank"] == s["snapshot_dp_rank"]  # it lives where it ran
+        assert s["segments"][-1]["engine"] == "local"
     st = stats(http)
     for rank, figures in by_rank(st).items():
         assert figures["snapshots"] == sum(1 for v in ranks.values() if v == rank)
@@ -122,7 +122,7 @@ def test_resume_on_the_second_rank_equals_the_uninterrupted_run(http: httpx.Clie
     want, _ = reference(http, prompt, budget)
     # The trigger starts first and takes rank 0; the long sample runs on rank 1.
     s = interrupted_on_the_second_slot(http, prompt, budget)
-    assert s["snapshot_dp_rank"] == 1 and s["snapshot_bytes"] > 0
+    assert s["segments"][-1]["dp_rank"] == 1 and s["snapshot_bytes"] > 0
     assert by_rank(stats(http))[1]["snapshots"] == 1
     assert http.post("/flush_cache").status_code == 200
     # Rank 0 is idle, the least loaded: only affinity sends the resume to rank 1.

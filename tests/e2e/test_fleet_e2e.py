@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e import trainer_recompute
 from tests.e2e.fleet import KV_BYTES, Fleet, cleared_owner, engines, smg_over, wait_for
 from tests.e2e.test_rollouts_e2e import (
     R,
@@ -29,6 +30,7 @@ from tests.e2e.test_rollouts_e2e import (
     ok,
     reference,
 )
+from tests.e2e.test_sampling_mask_e2e import cut
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
@@ -149,16 +151,17 @@ def test_quota_is_exact_across_engines_and_resumes_restore_where_they_ran(
         for gid in ("l0", "l1")
         for s in ok(http.get(f"{R}/partials/{gid}"))["samples"]
     }
-    where = {sid: s["snapshot_engine"] for sid, s in held.items()}
+    # A snapshot lives where its segment ran (the owner's record, not the sample's; each
+    # engine's own listing below is the check).
+    where = {sid: s["segments"][-1]["engine"] for sid, s in held.items()}
     assert set(where.values()) == {fleet.name(0), fleet.name(1)}, where  # both engines
     for s in held.values():
         assert s["status"] == "partial" and s["snapshot_bytes"] > 0
-        assert s["segments"][-1]["engine"] == s["snapshot_engine"]  # it lives where it ran
     st = ok(http.get(R + "/stats"))
     per_engine = {e["engine"]: e["snapshots"] for e in st["engines"]}
     assert per_engine == {n: list(where.values()).count(n) for n in set(where.values())}
     # What the owner's snapshot sweep sees (`snapshot_sweep.py`): each engine lists exactly
-    # the snapshots the buffer records there, young, so none is a candidate.
+    # the snapshots of the samples that ran there last, young, so none is a candidate.
     for i, e in enumerate(fleet.engines):
         with e.client() as c:
             keys = ok(c.post("/april/v1/engine/kv", json={"op": "keys", "key": ""}))["info"]
@@ -196,7 +199,7 @@ def test_a_resume_on_the_second_engine_equals_the_uninterrupted_run(
     # slot); x runs on the other one.
     _, target = sorted([fleet.name(0), fleet.name(1)])
     s = interrupted_on_the_second_slot(http, prompt, budget)
-    assert s["snapshot_engine"] == target and s["snapshot_bytes"] > 0
+    assert s["segments"][-1]["engine"] == target and s["snapshot_bytes"] > 0
     assert ok(http.post("/flush_cache"))["success"]
     # The other engine is idle, the least loaded: only affinity sends the resume back.
     out = ok(http.post(R + "/resume", json={"sample_ids": ["x/0"], "kv": "auto"}))
@@ -205,6 +208,27 @@ def test_a_resume_on_the_second_engine_equals_the_uninterrupted_run(
     assert (seg["kv"], seg["engine"]) == ("restored", target)
     assert seg["cached_tokens"] >= len(prompt) + seg["start"] - PAGE
     assert s["output_ids"] == want  # a restore reuses the original bits
+
+
+def test_sampling_masks_cross_the_engine_protocol(http: httpx.Client) -> None:
+    """Masked samples cut on the engines and resumed through the owner (a restore where the
+    snapshot lives, a re-prefill anywhere) keep a row per token: the kept set a trainer
+    recomputes (`trainer_recompute.py`); the owner refuses what its engines would."""
+    sampled = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+    groups = [group(g, [50 + i, 9], [120], **sampled) for i, g in enumerate(("mr", "mc"))]
+    held = cut(http, groups, 12, "snapshot")
+    assert held["mr"]["snapshot_bytes"] > 0
+    assert http.post("/flush_cache").status_code == 200
+    for gid, kv, began in (("mr", "restore", "restored"), ("mc", "recompute", "recomputed")):
+        s = ok(http.post(R + "/resume", json={"sample_ids": [f"{gid}/0"], "kv": kv}))
+        s = s["samples"][0]
+        assert s["segments"][-1]["kv"] == began
+        assert len(trainer_recompute.rows(s["sampling_mask"])) == len(s["output_ids"]) == 120
+        trainer_recompute.check_kept_sets(s, 0.8, 20, 0.9)
+        assert trainer_recompute.recompute_gap(s, 0.8) < 1e-3
+    top_p_only = group("p", [3], [4], temperature=1.0, top_p=0.9)
+    r = http.post(R + "/rollouts", json={"groups": [top_p_only], "return_sampling_mask": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sampling_params"
 
 
 def test_weight_update_and_abort_reach_both_engines(http: httpx.Client, fleet: Fleet) -> None:

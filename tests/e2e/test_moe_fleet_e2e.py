@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from april_client import routing as decode
+from april_client import routed_experts as decode
 from tests.e2e.fleet import Fleet, cleared_owner
 from tests.e2e.test_moe_routing_e2e import as_sample, interrupt, sglang_routing
 from tests.e2e.test_rollouts_e2e import R, group, ok
@@ -68,7 +68,7 @@ def test_resume_through_the_owner_keeps_the_routing(
     _, mask = decode.recomputed(done.routing)
     last = done.segments[-1]
     if kv == "restore":
-        assert last.kv == "restored" and last.engine == s.snapshot_engine and not mask.any()
+        assert last.kv == "restored" and last.engine == s.segments[-1].engine and not mask.any()
     else:
         assert last.kv == "recomputed"
         assert np.flatnonzero(mask).tolist() == list(range(known))

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from april_client import routing as decode
+from april_client import routed_experts as decode
 from april_client.protocol import Sample
 from april_server.models import ensure_tiny_moe
 from tests.e2e.test_rollouts_e2e import GREEDY, R, clear_buffer, group, ok

@@ -115,8 +115,10 @@ def interrupted_on_the_second_slot(
         if first["group_id"] == "x-t":
             sample: dict[str, Any] = ok(http.get(f"{R}/partials/x"))["samples"][0]
             ran = first["samples"][0]["segments"][0]
-            x_slot = (sample["snapshot_engine"], sample["snapshot_dp_rank"])
-            if x_slot != (ran["engine"], ran["dp_rank"]):
+            # Its snapshot lives where its (only) segment ran.
+            x_ran = sample["segments"][-1] if sample["segments"] else ran
+            x_slot = (x_ran["engine"], x_ran["dp_rank"])
+            if sample["snapshot_bytes"] > 0 and x_slot != (ran["engine"], ran["dp_rank"]):
                 return sample
         # A scheduling race on 2 busy cores: the long one won, or the trigger finished
         # before x was placed (so x took the same, lowest slot). Again.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -19,6 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from april_server.models import ensure_tiny_model
+from tests.e2e import trainer_recompute
 from tests.e2e.test_rollouts_e2e import clear_buffer, ok
 from tests.server_proc import ServerProc
 
@@ -229,22 +232,30 @@ def test_min_p_is_refused_not_fatal(http: httpx.Client) -> None:
 
 
 def interrupted_run(
-    http: httpx.Client, prompt: list[int], budget: int, cuts: list[int], seed: int
+    http: httpx.Client,
+    prompt: list[int],
+    budget: int,
+    cuts: list[int],
+    seed: int,
+    params: dict[str, Any] | None = None,
+    mask: bool = False,
 ) -> dict[str, Any]:
-    """Sample x (seeded, temperature 1) interrupted near each cut: a short greedy trigger group
-    meets the quota first (on_quota=tokens); then resumed by re-prefill until finished."""
+    """Sample x (seeded, temperature 1 unless `params` say otherwise) interrupted near each
+    cut: a short greedy trigger group meets the quota first (on_quota=tokens); then resumed by
+    re-prefill until finished. `mask`: every sample returns its sampling mask."""
     x = {
         "group_id": "x",
         "input_ids": prompt,
         "n": 1,
         "seed": seed,  # member 0 samples with `seed`
-        "sampling_params": {**SAMPLED, "max_new_tokens": budget},
+        "sampling_params": {**SAMPLED, **(params or {}), "max_new_tokens": budget},
     }
     body: dict[str, Any] = {
         "groups": [x],
         "target_groups": 1,
         "on_quota": "tokens",
         "max_inflight_groups": 16,  # x and its trigger run side by side
+        "return_sampling_mask": mask,
     }
     s: dict[str, Any] | None = None
     prev = 0
@@ -258,7 +269,13 @@ def interrupted_run(
         prev = cut
         r = ok(http.post(R + "/rollouts", json=body))
         http.delete(f"{R}/partials/trigger{k}")
-        body = {"groups": [], "target_groups": 1, "on_quota": "tokens", "max_inflight_groups": 16}
+        body = {
+            "groups": [],
+            "target_groups": 1,
+            "on_quota": "tokens",
+            "max_inflight_groups": 16,
+            "return_sampling_mask": mask,
+        }
         if r["groups"][0]["group_id"] == "x":  # x won the race: it is finished, stop cutting
             s = r["groups"][0]["samples"][0]
             break
@@ -311,6 +328,74 @@ def test_seeded_interrupt_resume_equals_uninterrupted(
     got, lps = s["output_ids"], s["output_logprobs"]
     assert_same_or_near_tie(got, lps, want, top, seed, len(prompt), vocab)
     clear_buffer(http)
+
+
+# Truncated sampling with a sampling mask (docs/api.md, Sampling mask): SGLang then draws from
+# the sorted, truncated probabilities (its seeded noise indexed by rank, not token id).
+MASKED = {"temperature": 1.0, "top_k": 20, "top_p": 0.9}
+
+
+def masked_reference(
+    c: httpx.Client, prompt: list[int], budget: int, seed: int
+) -> tuple[list[int], list[list[int]], list[float]]:
+    """SGLang's own uninterrupted seeded run: tokens, kept sets (ascending), sampling logprobs."""
+    sp = {**SAMPLED, **MASKED, "max_new_tokens": budget, "sampling_seed": seed}
+    body = {"input_ids": prompt, "sampling_params": sp, "return_sampling_mask": True}
+    out = ok(c.post("/generate", json=body))
+    meta = out["meta_info"]
+    rows = [sorted(r) for r in meta["output_token_sampling_mask"]]
+    return out["output_ids"], rows, meta["output_token_sampling_logprobs"]
+
+
+def assert_same_masks(s: dict[str, Any], want: tuple[list[int], Any, list[float]]) -> float:
+    """Tokens and kept sets exactly the uninterrupted run's, sampling logprobs within a
+    re-prefill's fp32 drift; returns the largest logprob difference."""
+    ids, rows, lps = want
+    assert s["output_ids"] == ids
+    mask = s["sampling_mask"]
+    assert trainer_recompute.rows(mask) == rows
+    gap = max(abs(a - b) for a, b in zip(mask["logprobs"], lps, strict=True))
+    assert gap < NEAR_TIE, gap
+    return gap
+
+
+def test_seeded_sampling_masks_interrupted_equal_uninterrupted(http: httpx.Client) -> None:
+    prompt, budget, seed = [11, 12, 13, 14], 90, 4242
+    want = masked_reference(http, prompt, budget, seed)
+    s = interrupted_run(http, prompt, budget, [10, 40], seed, MASKED, mask=True)
+    assert len(s["segments"]) == 3
+    gap = assert_same_masks(s, want)
+    print(f"seeded, cut at {[seg['start'] for seg in s['segments'][1:]]}: max |diff| {gap:.2e}")
+
+
+def test_seeded_sampling_masks_across_a_push_equal_uninterrupted(http: httpx.Client) -> None:
+    """A push mid-call (the same files) cuts the sample at the version boundary; it goes on
+    re-prefilled under the new version and equals the uninterrupted run, masks and all."""
+    prompt, budget, seed = [21, 22, 23], 600, 99
+    want = masked_reference(http, prompt, budget, seed)
+    old = ok(http.get(R + "/stats"))["weight_version"]
+    x = {"group_id": "px", "input_ids": prompt, "seed": seed}
+    x["sampling_params"] = {**SAMPLED, **MASKED, "max_new_tokens": budget}
+    body = {"groups": [x], "target_groups": 1, "return_sampling_mask": True}
+    out: dict[str, Any] = {}
+    call = threading.Thread(
+        target=lambda: out.setdefault("r", http.post(R + "/rollouts", json=body))
+    )
+    call.start()
+    deadline = time.monotonic() + 60
+    while ok(http.get(R + "/stats"))["running_samples"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    new = f"{old}-seeded-masks"
+    push = {"model_path": str(ensure_tiny_model()), "weight_version": new}
+    assert ok(http.post("/update_weights_from_disk", json=push))["success"]
+    call.join(timeout=600)
+    s = ok(out["r"])["groups"][0]["samples"][0]
+    assert [seg["weight_version"] for seg in s["segments"]] == [old, new], s["segments"]
+    assert s["segments"][1]["kv"] == "recomputed"
+    gap = assert_same_masks(s, want)
+    print(f"seeded, push at token {s['segments'][1]['start']}: max |diff| {gap:.2e}")
 
 
 def test_snapshot_resume_falls_back_to_recompute_without_radix_cache(http: httpx.Client) -> None:

@@ -24,12 +24,14 @@ move it beyond noise); then:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from april_client import AprilClient
+from april_client.sampling_mask import sampling_logprobs
 from april_client.trainer_batch import rows_from_groups
 from april_client.trl import AprilRollout
 from april_server.models import ensure_tiny_model
@@ -130,3 +132,51 @@ def test_grpo_trainer_learns_on_april_server(
         left = [g.group_id for g in client.partials() if g.group_id.startswith("trl-e2e")]
         assert left == []
         assert client.stats()["buffered_groups"] == 0
+
+
+def train_top_k(url: str, workdir: str, steps: int) -> dict[str, Any]:
+    """A short run with top-k sampling, sampling masks and the ratio against the sampling
+    policy, every token fresh (no over-provisioning: each call returns all it sent)."""
+    client = AprilClient(url, timeout=600)
+    adapter = AprilRollout(
+        client, stale_tokens="correct", sampling_mask=True, run_id="trl-mask", seed=0
+    )
+    return grpo_run(
+        adapter,
+        client,
+        train_task.digit_format,
+        train_task.dataset(seed=0),
+        workdir,
+        steps,
+        max_completion_length=32,
+        config={"top_k": TOP_K, "epsilon": EPSILON},
+    )
+
+
+TOP_K = 3  # a small kept set: its mass often under 1 - epsilon
+EPSILON = 0.2
+
+
+def test_grpo_trainer_takes_fresh_ratios_of_one_over_the_kept_sets(
+    weights_server: ServerProc, tmp_path: Path
+) -> None:
+    """Top-k sampling, every token fresh. The returned logprobs are over the kept sets, and
+    a kept set's mass is often under 1 - epsilon: a trainer scoring over the whole vocabulary
+    would take those tokens' ratios at that mass and clip the ones with a negative advantage
+    (trl_correction.py; its unit test shows it on TRL's loss). TRL's own run, hooked to score
+    over the same kept sets, takes every ratio at 1 and clips nothing."""
+    with trained(weights_server, tmp_path, train_top_k, 2) as run:
+        clipped = [h["clip_ratio/region_mean"] for h in run["log_history"] if "loss" in h]
+        masses = []
+        for (_, out), resp in zip(run["outputs"], run["responses"], strict=True):
+            samples = [x for g in resp.groups for x in sorted(g.samples, key=lambda x: x.index)]
+            assert out["logprobs"] == [sampling_logprobs(x) for x in samples]
+            for x, kept in zip(samples, out["logprobs"], strict=True):
+                masses += [math.exp(a - b) for a, b in zip(x.output_logprobs, kept, strict=True)]
+        low = sum(m < 1 - EPSILON for m in masses) / len(masses)
+        print(
+            f"kept-set mass under 1 - epsilon for {low:.1%} of {len(masses)} tokens; "
+            f"TRL's clip_ratio/region_mean per step {clipped}"
+        )
+        assert low > 0.05
+        assert clipped == [0.0, 0.0]

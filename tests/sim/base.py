@@ -13,6 +13,7 @@ from april_client.protocol import (
     TurnsSpec,
 )
 from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from april_server.wire.ids import split_sample_id
@@ -36,7 +37,7 @@ class WorldBase:
         self.rng = rng
         self.eng = SimEngine(random.Random(rng.random()))
         self.store = BufferStore(None)
-        self.mgr = RolloutManager(self.eng, self.store)
+        self.mgr = RolloutManager(self.eng, Durable.load(self.store))
         self.ledger = Ledger()
         self.next_id = 0
         self.inflight = 0

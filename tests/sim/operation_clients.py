@@ -120,7 +120,7 @@ class OperationClients(WorldBase):
             holder = mgr.buffer.owner_of(gid)
             call = mgr.calls.get(holder or "")
             require(
-                call is None or gid in call.given_up,
+                call is None or gid in call.state.given_up,
                 f"{label}: call {holder} still holds {gid} without giving it up",
             )
             require(gid not in mgr.background.wanted, f"{label}: background still wants {gid}")

@@ -21,6 +21,7 @@ from april_server.rules import samples, turns
 from tests.sim.call_clients import CallClients
 from tests.sim.ledger import require
 from tests.sim.operation_clients import OperationClients
+from tests.unit.idle import idle_bodies
 
 
 class World(CallClients, OperationClients):
@@ -105,7 +106,7 @@ class World(CallClients, OperationClients):
         require(not lost, f"lost: {sorted(lost)}")
         twice = gone & buffered
         require(not (set(led.delivered) & buffered), f"delivered and still buffered: {twice}")
-        for g in [*mgr.buffer.load_idle(), *led.bodies]:
+        for g in [*idle_bodies(mgr.buffer), *led.bodies]:
             for s in g.samples:
                 led.check_sample(s)
                 if turns.awaiting(s):

@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from april_server.engine.base import BaseEngine, SnapshotEngine
+from april_server.engine.base import BaseEngine, SegmentCall, SnapshotEngine
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import Counters, Running
+from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
+from april_server.rules import sampling_mask as mask_rules
 from april_server.rules.inflight import Admission
 from april_server.rules.lengths import LengthModel
 from april_server.rules.placement import Slot
@@ -42,8 +45,20 @@ def next_token(context: list[int], vocab: int) -> int:
     return int.from_bytes(digest.digest(), "little") % vocab
 
 
+def kept_set(context: list[int], token: int, vocab: int) -> list[int]:
+    """The fake sampler's kept set when it drew `token` after `context`: the token and a few
+    others, a pure function of the context (so a resumed sample keeps an uninterrupted one's)."""
+    h = next_token(context + [vocab], vocab)
+    return sorted({token, (token + 1) % vocab, h, (h * 3 + len(context)) % vocab})
+
+
+def kept_logprob(context: list[int], token: int, vocab: int) -> float:
+    return -0.125 * len(kept_set(context, token, vocab))
+
+
 class FakeEngine(BaseEngine):
     eos_token_ids = frozenset({EOS})
+    sampling_mask_tokens = 16
 
     def __init__(self, delay_s: float = 0.001, vocab: int = 64, context_len: int = 512) -> None:
         self.delay_s = delay_s
@@ -113,6 +128,17 @@ class FakeEngine(BaseEngine):
         lps = [-0.01 * (t % 7) for t in out]
         return SegmentResult(out, lps, finish, self.version, cached_tokens=0, matched=matched)
 
+    async def generate_on(self, slot: Slot, call: SegmentCall) -> SegmentResult:
+        result = await self.generate(call.rid, call.input_ids, call.sampling_params)
+        if not call.sampling_mask:
+            return result
+        ctx, rows, lps = list(call.input_ids), [], []
+        for tok in result.output_ids:
+            rows.append(kept_set(ctx, tok, self.vocab_size)[::-1])  # SGLang's: any order
+            lps.append(kept_logprob(ctx, tok, self.vocab_size))
+            ctx.append(tok)
+        return replace(result, sampling_mask=mask_rules.encode(rows, lps, "uint16"))
+
     def abort(self, rid: str) -> None:
         self.aborted.add(rid)
 
@@ -169,6 +195,9 @@ def segment_runner_over(engine: BaseEngine, allow_stale: bool = False) -> Segmen
     counters, admission = Counters(), Admission()
     versions, lengths = WeightVersions(engine), LengthModel()
     running: dict[str, Running] = {}
-    planner = SegmentPlanner(engine, counters, admission, allow_stale, lengths)
-    cut = WeightCut(engine, running, versions, planner)
-    return SegmentRunner(engine, counters, admission, versions, lengths, running, planner, cut)
+    places = SnapshotPlaces()
+    planner = SegmentPlanner(engine, counters, admission, allow_stale, lengths, places)
+    cut = WeightCut(engine, running, versions, planner, places)
+    return SegmentRunner(
+        engine, counters, admission, versions, lengths, running, planner, cut, places
+    )

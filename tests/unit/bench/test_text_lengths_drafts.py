@@ -8,7 +8,7 @@ import math
 import pytest
 
 from april_bench.accounting import Consumed, Ledger
-from april_bench.lengths import length_figures, score_delta, shared_variance
+from april_bench.length_stats import length_figures, score_delta, shared_variance
 from april_bench.workload import Workload, humaneval_problems
 from examples.drafts import NgramIndex, evaluate, simulate
 

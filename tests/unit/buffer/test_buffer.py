@@ -25,9 +25,11 @@ from april_server.buffer.buffer_index import BufferIndex, PartialsFilter, summar
 from april_server.buffer.store import BufferStore
 from april_server.buffer.synthetic import fill, synthetic_group
 from april_server.http.app import create_router
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import EngineCapacity
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
+from tests.unit.idle import idle_bodies
 
 R = "/april/v1"
 NO_EOS = {"ignore_eos": True}
@@ -47,7 +49,8 @@ def test_index_keeps_age_order_and_counts_without_scanning() -> None:
     idx = BufferIndex([entry("c", 3), entry("a", 1), entry("b", 2, unfinished=0)])
     assert [e.group_id for e in idx.oldest()] == ["a", "b", "c"]
     assert (len(idx), idx.samples, idx.unfinished_groups, idx.unfinished_samples) == (3, 6, 2, 2)
-    assert [e.group_id for e in idx.pop_oldest(2)] == ["a", "b"]
+    for gid in ("a", "b"):  # claimed, oldest first
+        idx.remove(gid)
     idx.add(entry("a", 1))  # a released group goes back to its old position
     assert [e.group_id for e in idx.oldest()] == ["a", "c"]
     assert idx.remove("zz") is None and len(idx) == 2 and idx.samples == 4
@@ -167,7 +170,7 @@ def test_version_1_state_dirs_load_and_their_odd_ids_stay_reachable(tmp_path: Pa
     db.commit()
     db.close()
 
-    mgr = RolloutManager(FakeEngine(), BufferStore(path))
+    mgr = RolloutManager(FakeEngine(), Durable.open(path))
     assert [e.group_id for e in mgr.buffer.idle.oldest()] == ["run/7 q", "plain"]
     mgr.check_integrity()
     app = FastAPI()
@@ -212,7 +215,7 @@ def _resume_t() -> Any:
     ],
 )
 def test_ids_outside_the_contract_get_422_before_anything_starts(body: dict[str, Any]) -> None:
-    mgr = RolloutManager(FakeEngine(), BufferStore(None))
+    mgr = RolloutManager(FakeEngine(), Durable.open(None))
     app = FastAPI()
     app.include_router(create_router(lambda: mgr))
 
@@ -229,7 +232,7 @@ def test_ids_outside_the_contract_get_422_before_anything_starts(body: dict[str,
 
 def test_ids_at_the_edge_of_the_contract_are_accepted() -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        mgr = RolloutManager(FakeEngine(), Durable.open(None))
         gid = "A-z_0.9:" + "x" * 120
         req = RolloutReq(
             groups=[GroupSpec(gid, input_ids=[1], sampling_params={"max_new_tokens": 1})],
@@ -267,7 +270,7 @@ def test_a_call_beside_a_big_buffer_claims_only_what_it_runs(
     st = BufferStore(tmp_path / "b.sqlite")
     fill(st, 5_000, n=4, prompt_len=16, output_len=8, budget=24)
     eng = CapacityEngine(max_running=16, total_tokens=100_000)
-    mgr = RolloutManager(eng, st)
+    mgr = RolloutManager(eng, Durable.load(st))
     assert len(mgr.buffer.idle) == 5_000
 
     async def go() -> None:
@@ -304,7 +307,7 @@ def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> N
     async def go() -> None:
         # snapshot_info answers late: a segment lingers after its request returned
         eng = SnapshotFakeEngine(delay_s=0.005, info_delay_s=0.3)
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         groups = [
             GroupSpec("long", input_ids=[1, 2], sampling_params={"max_new_tokens": 400, **NO_EOS}),
             GroupSpec("short", input_ids=[3, 4], sampling_params={"max_new_tokens": 40, **NO_EOS}),
@@ -318,7 +321,7 @@ def test_a_segment_still_recording_its_end_is_persisted_with_its_snapshot() -> N
         r = await call
         await stop
         assert [g.group_id for g in r.groups] == ["short"]
-        (stored,) = mgr.buffer.load_idle()
+        (stored,) = idle_bodies(mgr.buffer)
         assert stored.samples[0].snapshot_bytes == 100  # what the scheduler holds is known
         assert eng.snaps == {"long/0"}
         await mgr.delete("long")
@@ -406,6 +409,6 @@ def test_the_index_keeps_waiting_groups_apart_and_lists_everything_by_age(
         page, start = idx.page(start, 3, PartialsFilter(), time.time())
         paged += [e.group_id for e in page]
     assert paged == by_age
-    assert [e.group_id for e in idx.pop_oldest(3)] == by_age[:3] and len(idx) == len(ref) - len(
-        by_age[:3]
-    )
+    for gid in by_age[:3]:
+        idx.remove(gid)
+    assert [e.group_id for e in idx.oldest()] == by_age[3:] and len(idx) == len(by_age[3:])

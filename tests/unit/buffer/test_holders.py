@@ -23,10 +23,12 @@ from april_client.protocol import (
     TurnsSpec,
 )
 from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules import samples, turns
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
+from tests.unit.idle import idle_bodies
 
 PROMPT = [5, 6, 7]
 BUDGET = 400
@@ -70,7 +72,7 @@ class HeldStore(BufferStore):
 
 def make(path: Path, delay_s: float = 0.005) -> tuple[RolloutManager, HeldStore]:
     store = HeldStore(path / "b.sqlite")
-    return RolloutManager(FakeEngine(delay_s=delay_s), store), store
+    return RolloutManager(FakeEngine(delay_s=delay_s), Durable.load(store)), store
 
 
 async def buffer_agent_group(mgr: RolloutManager, gid: str = "g") -> None:
@@ -130,7 +132,7 @@ def test_an_answer_posted_while_a_call_reads_the_group_waits_and_reaches_that_ca
         store.release.set()
         resp = await asyncio.wait_for(answer, 10)
         call = next(iter(mgr.calls.values()))
-        assert resp.batch_id == call.batch_id
+        assert resp.batch_id == call.state.batch_id
         assert resp.sample.appended[-1].ids == ANSWER
         assert "g/0" in mgr.segments.running  # it continues at once, under the call
         await settle(task, mgr)
@@ -154,7 +156,7 @@ def test_an_abort_during_the_read_makes_the_claiming_call_give_the_group_up(
         # Given up: nothing of it started after the abort answered; it stays buffered.
         assert not resp.stats.quota_met and resp.buffered_group_ids == ["g"]
         assert not [c for c in mgr.engine.calls if c[0].startswith("g/")]  # type: ignore[attr-defined]
-        (g,) = mgr.buffer.load_idle()
+        (g,) = idle_bodies(mgr.buffer)
         assert g.samples[1].output_ids == []
         mgr.check_integrity()
 
@@ -187,10 +189,10 @@ def test_an_answer_waiting_for_the_background_to_pause_reaches_the_call_that_too
         while mgr.buffer.owner_of("g") == "background":  # the call takes it over, running
             await asyncio.sleep(0.005)
         call = next(iter(mgr.calls.values()))
-        assert mgr.buffer.owner_of("g") == call.batch_id
+        assert mgr.buffer.owner_of("g") == call.state.batch_id
         gate.set()
         resp = await asyncio.wait_for(answer, 10)
-        assert resp.batch_id == call.batch_id and resp.sample.appended[-1].ids == ANSWER
+        assert resp.batch_id == call.state.batch_id and resp.sample.appended[-1].ids == ANSWER
         await settle(task, mgr)
 
     asyncio.run(go())

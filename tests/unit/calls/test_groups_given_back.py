@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from april_client.protocol import RejectReq, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine
@@ -26,7 +26,7 @@ def test_a_call_cancelled_while_claiming_buffered_groups_keeps_them(tmp_path: Pa
     """The black-box trigger: a call whose client leaves while it reads buffered bodies."""
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.001), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.001), Durable.open(tmp_path / "b.sqlite"))
         await buffered(mgr, ["g1", "g2"])
         gate = threading.Event()
         mgr.store._db.submit(lambda db: gate.wait(), write=False)  # reads queue behind it
@@ -53,7 +53,7 @@ def test_a_call_cancelled_while_claiming_buffered_groups_keeps_them(tmp_path: Pa
 
 def test_a_group_being_claimed_is_still_known(tmp_path: Path) -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.001), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.001), Durable.open(tmp_path / "b.sqlite"))
         await buffered(mgr, ["g1"])
         gate = threading.Event()
         mgr.store._db.submit(lambda db: gate.wait(), write=False)
@@ -76,7 +76,7 @@ def test_a_group_being_claimed_is_still_known(tmp_path: Path) -> None:
 
 def test_an_unexpected_error_in_a_call_puts_its_groups_back_intact(tmp_path: Path) -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         await buffered(mgr, ["old"], budget=300)
         before = len((await mgr.buffer.read_group("old")).samples[0].output_ids)
         req = RolloutReq(groups=[spec("new", 300)], target_groups=2, on_quota="tokens")
@@ -106,7 +106,7 @@ def test_a_reject_race_loses_no_group(tmp_path: Path) -> None:
     while the wind-down aborts) are buffered whole, never lost, never returned twice."""
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.001), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.001), Durable.open(tmp_path / "b.sqlite"))
         events: asyncio.Queue[Any] = asyncio.Queue()
         groups = [spec(f"g{i}", 20 + 5 * i) for i in range(6)]
         req = RolloutReq(groups=groups, target_groups=2, stream=True, reject_grace_s=0.3)
@@ -134,7 +134,7 @@ def test_a_stream_cancelled_right_after_it_started_keeps_its_groups(tmp_path: Pa
 
     async def go() -> None:
         path = tmp_path / "b.sqlite"
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(path))
         gate = asyncio.Event()
         real = mgr.segments.planner.admission_ready
 
@@ -155,7 +155,7 @@ def test_a_stream_cancelled_right_after_it_started_keeps_its_groups(tmp_path: Pa
         mgr.check_integrity()
         mgr.store.close()
         # Durable, with the attempt's record: after a restart a retry runs again on "a".
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(path))
         r = await mgr.rollout(msgspec.structs.replace(req, stream=False))
         assert [g.group_id for g in r.groups] == ["a"]
         assert len(r.groups[0].samples[0].output_ids) == 50
@@ -169,7 +169,7 @@ def test_an_undelivered_drop_call_keeps_its_stragglers_for_the_retry(tmp_path: P
     unfinished groups durably, and the retry of its request_id could not find them."""
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         groups = [spec("fast", 2), spec("slow", 400)]
         req = RolloutReq(groups=groups, target_groups=2, on_quota="drop", request_id="eval-3")
         first = asyncio.ensure_future(mgr.rollout(req))
@@ -194,7 +194,7 @@ def test_an_undelivered_call_gives_back_the_groups_its_trainer_rejected(tmp_path
     held goes back), and the retry sees it again."""
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         events: asyncio.Queue[Any] = asyncio.Queue()
         req = RolloutReq(
             groups=[spec("a", 2), spec("b", 400)],
@@ -225,7 +225,7 @@ def test_a_failure_after_the_answer_was_made_durable_still_answers(tmp_path: Pat
     delivery that had happened: without a request_id, the returned groups were gone."""
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         mgr.background.adopt = lambda owner, going: list(going)  # type: ignore[method-assign]
         real, commits = mgr.buffer.persist, [0]
 

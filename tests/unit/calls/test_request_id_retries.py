@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from april_client.protocol import RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine
 from tests.unit.group_specs import spec
@@ -19,7 +19,7 @@ from tests.unit.group_specs import spec
 
 def test_a_retry_after_a_cancelled_call_runs_again(tmp_path: Path) -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         req = RolloutReq(
             groups=[spec("a", 400), spec("b", 400)], target_groups=1, request_id="step-7"
         )
@@ -47,7 +47,7 @@ def test_a_retry_after_a_cancelled_call_runs_again(tmp_path: Path) -> None:
 def test_a_retry_after_the_cancelled_call_ended_claims_its_groups(tmp_path: Path) -> None:
     async def go() -> None:
         path = tmp_path / "b.sqlite"
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(path))
         req = RolloutReq(
             groups=[spec("a", 300), spec("b", 300)], target_groups=2, request_id="step-8"
         )
@@ -59,7 +59,7 @@ def test_a_retry_after_the_cancelled_call_ended_claims_its_groups(tmp_path: Path
         assert {e.group_id for e in mgr.buffer.idle.oldest()} == {"a", "b"}
         # Even after a restart: the attempt is remembered with the buffer, durably.
         mgr.store.close()
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(path))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(path))
         r = await mgr.rollout(req)  # before the fix: 409 group_exists
         assert sorted(g.group_id for g in r.groups) == ["a", "b"]
         assert all(len(g.samples[0].output_ids) == 300 for g in r.groups)
@@ -71,7 +71,7 @@ def test_a_retry_after_the_cancelled_call_ended_claims_its_groups(tmp_path: Path
 
 def test_a_retry_does_not_recreate_a_group_another_call_delivered(tmp_path: Path) -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         req = RolloutReq(
             groups=[spec("a", 300), spec("b", 300)], target_groups=1, request_id="step-9"
         )

@@ -13,14 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from april_client.protocol import GroupSpec, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
+from tests.unit.idle import idle_bodies
 
 
 def make(tmp: Path | None = None, **kw: Any) -> RolloutManager:
-    return RolloutManager(FakeEngine(**kw), BufferStore(tmp))
+    return RolloutManager(FakeEngine(**kw), Durable.open(tmp))
 
 
 def spec(gid: str, n: int, budgets: list[int], prompt: list[int] | None = None) -> GroupSpec:
@@ -65,7 +66,7 @@ def test_quota_buffer_and_resume_first() -> None:
         assert sorted(r1.buffered_group_ids) == ["g4", "g5", "g6", "g7"]
         assert not mgr.engine.active  # type: ignore[attr-defined]
         mgr.check_integrity()
-        for g in mgr.buffer.load_idle():
+        for g in idle_bodies(mgr.buffer):
             done = [s for s in g.samples if s.status == "truncated"]
             assert len(done) == 3  # finished members keep their outputs
             straggler = g.samples[1]
@@ -79,7 +80,7 @@ def test_quota_buffer_and_resume_first() -> None:
                 assert s.output_ids == reference(s.prompt_ids, b)
                 assert len(s.output_logprobs) == b
         assert r2.stats.resumed_samples == 4
-        assert mgr.buffer.load_idle() == []
+        assert idle_bodies(mgr.buffer) == []
         mgr.check_integrity()
 
     run(go())
@@ -99,8 +100,8 @@ def test_interrupt_and_resume_equals_uninterrupted(
         groups = [spec(f"g{i}", 1, [b], prompt=[i + 1, 3]) for i, b in enumerate(budgets)]
         resp = await mgr.rollout(RolloutReq(groups=groups, target_groups=target))
         got = {g.group_id: g for g in resp.groups}
-        while mgr.buffer.load_idle():
-            more = await mgr.rollout(RolloutReq(target_groups=len(mgr.buffer.load_idle())))
+        while idle_bodies(mgr.buffer):
+            more = await mgr.rollout(RolloutReq(target_groups=len(idle_bodies(mgr.buffer))))
             got.update({g.group_id: g for g in more.groups})
             mgr.check_integrity()
         assert len(got) == len(budgets)
@@ -121,7 +122,7 @@ def test_surplus_finished_groups_are_buffered_and_served_first() -> None:
         # the other two may have finished too (same budgets); whatever was not returned is kept
         r2 = await mgr.rollout(RolloutReq(groups=[spec("new", 1, [50])], target_groups=2))
         assert [g.group_id for g in r2.groups] == [g for g in r1.buffered_group_ids][:2]
-        assert [g.group_id for g in mgr.buffer.load_idle()] == ["new"]
+        assert [g.group_id for g in idle_bodies(mgr.buffer)] == ["new"]
 
     run(go())
 
@@ -132,7 +133,7 @@ def test_drop_discards_started_stragglers_only() -> None:
         groups = [spec("fast", 1, [2]), spec("slow", 1, [300])]
         r = await mgr.rollout(RolloutReq(groups=groups, target_groups=1, on_quota="drop"))
         assert [g.group_id for g in r.groups] == ["fast"]
-        assert r.stats.num_dropped_groups == 1 and mgr.buffer.load_idle() == []
+        assert r.stats.num_dropped_groups == 1 and idle_bodies(mgr.buffer) == []
 
     run(go())
 
@@ -185,11 +186,11 @@ def test_durable_buffer_survives_restart(tmp_path: Path) -> None:
     async def first() -> list[Any]:
         mgr = make(db)
         await mgr.rollout(RolloutReq(groups=[spec("a", 1, [2]), spec("b", 2, [300, 2])]))
-        return mgr.buffer.load_idle()
+        return idle_bodies(mgr.buffer)
 
     before = run(first())
     mgr2 = make(db)
-    assert mgr2.buffer.load_idle() == before
+    assert idle_bodies(mgr2.buffer) == before
     r = run(mgr2.rollout(RolloutReq(target_groups=1)))
     assert len(r.groups[0].samples[0].output_ids) == 300
 

@@ -20,7 +20,7 @@ from april_client.protocol import (
     StreamEvent,
     TurnsSpec,
 )
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
 
@@ -67,7 +67,7 @@ def spec(gid: str, max_turns: int = 3, n: int = 1) -> GroupSpec:
 
 
 def make(path: Path, delay_s: float = 0.002) -> RolloutManager:
-    return RolloutManager(FakeEngine(delay_s=delay_s), BufferStore(path / "b.sqlite"))
+    return RolloutManager(FakeEngine(delay_s=delay_s), Durable.open(path / "b.sqlite"))
 
 
 async def drive(

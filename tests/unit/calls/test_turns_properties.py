@@ -26,11 +26,12 @@ from april_client.protocol import (
     StreamEvent,
     TurnsSpec,
 )
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from april_server.wire.ids import split_sample_id
 from tests.unit.fake_engine import EOS, next_token
+from tests.unit.idle import idle_bodies
 from tests.unit.runtime.test_background_properties import Watch
 
 STOPS = [9, 17, 33, 41, 50]
@@ -90,7 +91,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
 
     async def go() -> None:
         eng = Watch()
-        mgr = RolloutManager(eng, BufferStore(path))
+        mgr = RolloutManager(eng, Durable.open(path))
         created: set[str] = set()
         delivered: list[str] = []
         gone: set[str] = set()
@@ -188,7 +189,7 @@ def test_turn_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[Any]) 
         buffered = {e.group_id for e in mgr.buffer.idle.oldest()}
         assert not set(delivered) & buffered and not gone & buffered
         assert set(delivered) | buffered | gone == created
-        for g in [*mgr.buffer.load_idle(), *bodies]:
+        for g in [*idle_bodies(mgr.buffer), *bodies]:
             for s in g.samples:
                 check_tokens(s)
                 # The answers it holds are exactly those the server took, once each, in order.

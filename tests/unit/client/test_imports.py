@@ -108,8 +108,8 @@ def client_modules(prefix: str) -> list[str]:
 
 
 def test_a_vendored_copy_works_under_its_own_name(tmp_path: Path) -> None:
-    """The README's vendoring recipe: clients/april_client/ under any package name. Its imports
-    are relative and it carries its wire types, so nothing else is copied."""
+    """The vendoring recipe (docs/trainers.md): clients/april_client/ under any package name.
+    Its imports are relative and it carries its wire types, so nothing else is copied."""
     shutil.copytree(
         CLIENT,
         tmp_path / "mytrainer" / "vendored",

@@ -9,6 +9,7 @@ learned), its ratio is clipped at 1 + epsilon and it no longer pushes the policy
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,11 @@ pytest.importorskip("trl")
 
 from april_client.trl import AprilRollout  # noqa: E402
 from april_client.trl_correction import (  # noqa: E402
+    KeptRow,
+    kept_rows_of,
+    kept_set_logps,
+    set_kept_rows,
+    use_kept_sets,
     use_sampling_policy_as_old,
     with_sampling_old_logps,
 )
@@ -160,5 +166,101 @@ def test_another_trl_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
     import trl
 
     monkeypatch.setattr(trl, "__version__", "2.0.0")
-    with pytest.raises(RuntimeError, match="hooks TRL 1.16.x internals"):
+    with pytest.raises(RuntimeError, match="hook TRL 1.16.x internals"):
         use_sampling_policy_as_old(object())
+
+
+# ---- sampling masks: the trainer's logprobs over the kept sets --------------------------------
+
+# `_batch`'s row: token 11 kept {3, 11, 40}, 12 no kept set, 13 kept {7, 13}.
+ROW = KeptRow([5, 6, 7], [11, 12, 13], [3, 11, 40, 7, 13], [0, 3, 3, 5])
+
+
+def _kept_batch(trainer: Any) -> dict[str, Any]:
+    """`_batch` whose sampling logprobs are over the kept sets, as the server's: each token
+    fresh (the trainer's own policy) under truncated sampling."""
+    batch = _batch(trainer)
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        logits = trainer.model(input_ids=ids).logits[0, 2:5] / trainer.temperature
+    full = torch.log_softmax(logits, -1)
+    own = full.gather(-1, batch["completion_ids"][0].unsqueeze(-1)).squeeze(-1)
+    renorm = own.clone()
+    for j, kept in ((0, [3, 11, 40]), (2, [7, 13])):
+        renorm[j] = own[j] - torch.logsumexp(full[j, kept], 0)
+    batch["sampling_per_token_logps"] = renorm.unsqueeze(0)
+    batch["full_logps"] = own.unsqueeze(0)
+    return batch
+
+
+def test_kept_set_logps_renormalise_over_each_tokens_kept_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against TRL's own fused head: the same logprob and entropy where a token has no kept
+    set, its logprob less the log of its kept set's mass where it has one."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = _trainer(tmp_path, loss_type="grpo")
+    batch = _kept_batch(trainer)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    args = (trainer.model, ids, torch.ones(1, 6), 3)
+    with torch.no_grad():
+        trl_logps, trl_ent, _ = trainer._get_per_token_logps_and_entropies(
+            *args, compute_entropy=True
+        )
+        logps, ent, aux = kept_set_logps(trainer, *args, [ROW], compute_entropy=True)
+    assert aux is None
+    assert torch.allclose(trl_logps, batch["full_logps"], atol=1e-5)  # the reference is TRL's
+    assert torch.allclose(logps, batch["sampling_per_token_logps"], atol=1e-5)
+    assert logps[0, 1] == pytest.approx(float(trl_logps[0, 1]), abs=1e-5)  # no kept set
+    assert (logps[0, [0, 2]] > trl_logps[0, [0, 2]]).all()  # mass below 1: renormalised up
+    assert torch.allclose(ent, trl_ent, atol=1e-4)  # entropies stay over the vocabulary
+
+
+def test_with_kept_sets_a_fresh_tokens_ratio_is_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling logprobs over the kept sets against the trainer's over the whole vocabulary:
+    a fresh truncated token's ratio is its kept set's mass, below 1 (its loss -r, not -1).
+    Over the same kept sets (the hook), every ratio is 1: TRL's loss with fresh tokens."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = _trainer(tmp_path, loss_type="grpo")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    batch = _kept_batch(trainer)
+    mass = (batch.pop("full_logps") - batch["sampling_per_token_logps"]).exp()[0]
+    assert mass[1] == pytest.approx(1.0) and (mass[[0, 2]] < 0.999).all()
+    use_sampling_policy_as_old(trainer)
+    unmasked, _ = _loss_and_grad(trainer, batch)
+    assert unmasked == pytest.approx(-float(mass.mean()), abs=1e-5)  # -r per token (A = 1)
+    use_kept_sets(trainer)
+    use_kept_sets(trainer)  # idempotent
+    set_kept_rows(trainer, [ROW])  # what the rollout function does
+    masked, _ = _loss_and_grad(trainer, batch)
+    assert masked == pytest.approx(-1.0, abs=1e-5)  # ratio 1 everywhere: -A per token
+
+
+def test_rows_are_found_by_their_tokens_whatever_trl_did_to_them() -> None:
+    """TRL pads prompts on the left and completions on the right, shuffles the rows and splits
+    them: each is found again by its prompt (as its attention mask shows it) and the longest
+    remembered completion it starts with, the newest call's among equals; None when none fits."""
+    trainer = SimpleNamespace()
+    old = KeptRow([1, 2], [9, 9], [9], [0, 1, 1])
+    old_short = KeptRow([1, 2], [9], [9, 5], [0, 2])
+    set_kept_rows(trainer, [old, old_short])
+    short = KeptRow([1, 2], [9], [9, 4], [0, 2])
+    long = KeptRow([1, 2], [9, 9, 8], [9, 3, 9, 8], [0, 2, 3, 4])
+    other = KeptRow([3], [5, 6], [5, 6], [0, 1, 2])
+    set_kept_rows(trainer, [short, long, other])
+    pad = 0
+    ids = torch.tensor(
+        [
+            [pad, 3, 5, 6, pad],  # other, padded both sides
+            [1, 2, 9, 9, 8],  # long
+            [1, 2, 9, pad, pad],  # short
+            [1, 2, 9, 9, pad],  # the old call's [9, 9]: longer than any newer fit
+            [1, 7, 9, pad, pad],  # nobody's
+        ]
+    )
+    attention = torch.tensor([[0, 1, 1, 1, 0]] + [[1, 1, 1, 1, 1]] * 4)
+    found = kept_rows_of(trainer, ids, attention, 3)
+    assert found == [other, long, short, old, None]  # short: as old_short, but newer

@@ -1,6 +1,7 @@
-"""The weight-update hook (door/weight_hooks.py) over a fake TokenizerManager: a push with
-`abort_all_requests` whose flush raced the abort answers success once the flush went through,
-and the version the tokenizer reports equals the one the scheduler stamps."""
+"""The weight-update hooks (door/weight_hooks.py) over a fake TokenizerManager and the
+process's weight session: a push with `abort_all_requests` whose flush raced the abort answers
+success once the flush went through, and the version the tokenizer reports equals the one the
+scheduler stamps; pushes and begin..end sessions cut our segments and let them continue."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from april_server.door import weight_hooks
+from april_server.door.weight_hooks import WeightHooks
+from april_server.engine.weight_session import UpdateListener, WeightSession
 
 
 @dataclass
@@ -52,13 +55,21 @@ class FakeTm:
             self.version = v
 
 
+def hooks(cut: UpdateListener | None = None, limit_s: float = 300.0) -> WeightHooks:
+    """The hooks over a session of their own, cutting `cut` (the root's weight cut)."""
+    session = WeightSession(limit_s=limit_s)
+    if cut is not None:
+        session.cut_by(cut)
+    return WeightHooks(session)
+
+
 async def raced(tm: FakeTm, obj: Obj) -> tuple[bool, str, int]:
     return False, weight_hooks.UPDATED_BUT_NOT_FLUSHED + " because requests are still running", 0
 
 
 def test_a_raced_flush_is_retried_and_the_push_succeeds() -> None:
     tm = FakeTm(busy_flushes=3)
-    ok, msg, _ = asyncio.run(weight_hooks._around_update_flushing(raced, tm, Obj()))
+    ok, msg, _ = asyncio.run(hooks().around_update(raced, tm, Obj()))
     assert ok, msg
     assert tm.version == "v2" and tm.aborts == 3
 
@@ -69,7 +80,7 @@ def test_a_flush_that_never_goes_through_still_reports_the_version() -> None:
     async def go() -> tuple[bool, str, int]:
         weight_hooks.FLUSH_DEADLINE_S, old = 0.2, weight_hooks.FLUSH_DEADLINE_S
         try:
-            return await weight_hooks._around_update_flushing(raced, tm, Obj())
+            return await hooks().around_update(raced, tm, Obj())
         finally:
             weight_hooks.FLUSH_DEADLINE_S = old
 
@@ -80,9 +91,7 @@ def test_a_flush_that_never_goes_through_still_reports_the_version() -> None:
 
 def test_without_abort_the_flush_is_retried_without_aborting_anything() -> None:
     tm = FakeTm(busy_flushes=2)
-    ok, _, _ = asyncio.run(
-        weight_hooks._around_update_flushing(raced, tm, Obj(abort_all_requests=False))
-    )
+    ok, _, _ = asyncio.run(hooks().around_update(raced, tm, Obj(abort_all_requests=False)))
     assert ok and tm.aborts == 0 and tm.version == "v2"
 
 
@@ -95,9 +104,7 @@ def test_a_distributed_update_whose_flush_raced_its_cut_segments_succeeds_too() 
         return False, weight_hooks.UPDATED_BUT_NOT_FLUSHED + " because requests are still running"
 
     tm = FakeTm(busy_flushes=2)
-    out = asyncio.run(
-        weight_hooks._around_update_flushing(raced_two, tm, Obj(abort_all_requests=False))
-    )
+    out = asyncio.run(hooks().around_update(raced_two, tm, Obj(abort_all_requests=False)))
     assert len(out) == 2 and out[0] and tm.version == "v2" and tm.aborts == 0
 
 
@@ -114,7 +121,7 @@ class Segments:
 
 def test_our_segments_are_cut_before_the_update_and_continue_after_the_flush() -> None:
     log: list[str] = []
-    weight_hooks._listeners[:] = [lambda: Segments(log)]
+    h = hooks(Segments(log))
     tm = FakeTm(busy_flushes=1)
 
     async def update(tm: FakeTm, obj: Obj) -> tuple[bool, str, int]:
@@ -128,16 +135,11 @@ def test_our_segments_are_cut_before_the_update_and_continue_after_the_flush() -
         return await real_flush()
 
     tm.flush_cache = flush  # type: ignore[method-assign]
-    try:
-        ok, _, _ = asyncio.run(
-            weight_hooks._around_update_flushing(update, tm, Obj(abort_all_requests=False))
-        )
-        assert ok and log == ["cut", "update", "flush", "flush", "continue"]
-        log.clear()  # a caller that aborts everything gets no cut: its abort ends them
-        asyncio.run(weight_hooks._around_update_flushing(update, tm, Obj(abort_all_requests=True)))
-        assert "cut" not in log and "continue" not in log
-    finally:
-        weight_hooks._listeners.clear()
+    ok, _, _ = asyncio.run(h.around_update(update, tm, Obj(abort_all_requests=False)))
+    assert ok and log == ["cut", "update", "flush", "flush", "continue"]
+    log.clear()  # a caller that aborts everything gets no cut: its abort ends them
+    asyncio.run(h.around_update(update, tm, Obj(abort_all_requests=True)))
+    assert "cut" not in log and "continue" not in log
 
 
 def test_other_answers_pass_through() -> None:
@@ -145,7 +147,7 @@ def test_other_answers_pass_through() -> None:
         return True, "Succeeded", 0
 
     tm = FakeTm(busy_flushes=0)
-    assert asyncio.run(weight_hooks._around_update_flushing(fine, tm, Obj()))[0]
+    assert asyncio.run(hooks().around_update(fine, tm, Obj()))[0]
     assert tm.version == "v1"  # SGLang itself records it on success
 
 
@@ -160,10 +162,9 @@ class Listener:
         self.events.append("continue")
 
 
-def _with_listener(monkeypatch: Any) -> Listener:
+def _with_listener(limit_s: float = 300.0) -> tuple[WeightHooks, Listener]:
     lst = Listener()
-    monkeypatch.setattr(weight_hooks, "_listeners", [lambda: lst])
-    return lst
+    return hooks(lst, limit_s), lst
 
 
 async def _ok(tm: Any, obj: Any) -> tuple[bool, str]:
@@ -174,41 +175,38 @@ async def _refused(tm: Any, obj: Any) -> tuple[bool, str]:
     return False, "a weight-update session is already open"
 
 
-def test_a_session_holds_the_segments_cut_from_begin_to_end(monkeypatch: Any) -> None:
+def test_a_session_holds_the_segments_cut_from_begin_to_end() -> None:
     """#34: between a session's messages the model is mid-update (buckets), so our segments
     stay cut for the whole session; the updates inside it cut nothing more."""
-    lst = _with_listener(monkeypatch)
+    h, lst = _with_listener()
     tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
 
     async def go() -> None:
-        assert await weight_hooks._around_begin(_ok, tm, obj) == (True, "Success")
-        assert lst.events == ["cut"] and weight_hooks.Session.open
+        assert await h.around_begin(_ok, tm, obj) == (True, "Success")
+        assert lst.events == ["cut"] and h.session.open
         for _ in range(3):  # three buckets
-            assert await weight_hooks._around_update_flushing(_ok, tm, obj) == (True, "Success")
+            assert await h.around_update(_ok, tm, obj) == (True, "Success")
         assert lst.events == ["cut"]  # still held
-        await weight_hooks._around_end(_ok, tm, obj)
-        assert lst.events == ["cut", "continue"] and not weight_hooks.Session.open
-        assert weight_hooks.Session.watchdog is None
-        await weight_hooks._around_update_flushing(_ok, tm, obj)  # outside a session: its own cut
+        await h.around_end(_ok, tm, obj)
+        assert lst.events == ["cut", "continue"] and not h.session.open
+        assert h.session._watchdog is None
+        await h.around_update(_ok, tm, obj)  # outside a session: its own cut
         assert lst.events == ["cut", "continue", "cut", "continue"]
 
     asyncio.run(go())
 
 
-def test_a_refused_begin_holds_nothing_and_a_forgotten_session_expires(monkeypatch: Any) -> None:
-    lst = _with_listener(monkeypatch)
-    monkeypatch.setattr(weight_hooks, "SESSION_LIMIT_S", 0.01)
+def test_a_refused_begin_holds_nothing_and_a_forgotten_session_expires() -> None:
+    h, lst = _with_listener(limit_s=0.01)
     tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
 
     async def go() -> None:
-        await weight_hooks._around_begin(_refused, tm, obj)
-        assert lst.events == ["cut", "continue"] and not weight_hooks.Session.open
-        await weight_hooks._around_begin(_ok, tm, obj)  # never ended
-        assert weight_hooks.Session.open
+        await h.around_begin(_refused, tm, obj)
+        assert lst.events == ["cut", "continue"] and not h.session.open
+        await h.around_begin(_ok, tm, obj)  # never ended
+        assert h.session.open
         await asyncio.sleep(0.1)
-        assert (
-            lst.events == ["cut", "continue", "cut", "continue"] and not weight_hooks.Session.open
-        )
+        assert lst.events == ["cut", "continue", "cut", "continue"] and not h.session.open
 
     asyncio.run(go())
 
@@ -235,7 +233,7 @@ def test_a_flush_behind_requests_paused_in_place_gives_up_instead_of_wedging() -
     async def go() -> tuple[bool, str, int]:
         weight_hooks.FLUSH_DEADLINE_S, old = 0.2, weight_hooks.FLUSH_DEADLINE_S
         try:
-            return await asyncio.wait_for(weight_hooks._around_update_flushing(raced, tm, Obj()), 5)
+            return await asyncio.wait_for(hooks().around_update(raced, tm, Obj()), 5)
         finally:
             weight_hooks.FLUSH_DEADLINE_S = old
 
@@ -244,12 +242,12 @@ def test_a_flush_behind_requests_paused_in_place_gives_up_instead_of_wedging() -
     assert tm.version == "v2"
 
 
-def test_a_second_begin_or_a_racing_push_does_not_release_a_session(monkeypatch: Any) -> None:
+def test_a_second_begin_or_a_racing_push_does_not_release_a_session() -> None:
     """Found by review: a second begin sent while the first still waited for SGLang's answer
     cut again, and its refusal ("already open") continued the segments inside the first's
     session; a plain push that began before the session and ended inside it did the same.
     Either let our segments generate on half-updated weights."""
-    lst = _with_listener(monkeypatch)
+    h, lst = _with_listener()
     tm, obj = FakeTm(busy_flushes=0), Obj(abort_all_requests=False)
     gate = asyncio.Event
 
@@ -260,11 +258,11 @@ def test_a_second_begin_or_a_racing_push_does_not_release_a_session(monkeypatch:
             await answer.wait()
             return True, "Success"
 
-        first = asyncio.ensure_future(weight_hooks._around_begin(slow_ok, tm, obj))
+        first = asyncio.ensure_future(h.around_begin(slow_ok, tm, obj))
         await asyncio.sleep(0.01)
-        assert await weight_hooks._around_begin(_refused, tm, obj) == (False, _refused_msg)
+        assert await h.around_begin(_refused, tm, obj) == (False, _refused_msg)
         answer.set()
-        assert (await first)[0] and weight_hooks.Session.open
+        assert (await first)[0] and h.session.open
         assert lst.events == ["cut"]  # held: the refused second begin released nothing
         pushed = gate()
 
@@ -272,11 +270,11 @@ def test_a_second_begin_or_a_racing_push_does_not_release_a_session(monkeypatch:
             await pushed.wait()
             return True, "Success"
 
-        await weight_hooks._around_end(_ok, tm, obj)
+        await h.around_end(_ok, tm, obj)
         assert lst.events == ["cut", "continue"]
-        push = asyncio.ensure_future(weight_hooks._around_update_flushing(slow_push, tm, obj))
+        push = asyncio.ensure_future(h.around_update(slow_push, tm, obj))
         await asyncio.sleep(0.01)  # the push cut its segments ...
-        assert await weight_hooks._around_begin(_ok, tm, obj) == (
+        assert await h.around_begin(_ok, tm, obj) == (
             True,
             "Success",
         )  # ... a session began
@@ -284,8 +282,8 @@ def test_a_second_begin_or_a_racing_push_does_not_release_a_session(monkeypatch:
         await push
         # Still held (cut by the push, and by the begin), by the session now.
         assert lst.events == ["cut", "continue", "cut", "cut"]
-        await weight_hooks._around_end(_ok, tm, obj)
-        assert lst.events[4:] == ["continue", "continue"] and not weight_hooks.Session.open
+        await h.around_end(_ok, tm, obj)
+        assert lst.events[4:] == ["continue", "continue"] and not h.session.open
 
     asyncio.run(go())
 

@@ -18,14 +18,14 @@ import httpx
 import pytest
 
 from april_client.protocol import Group, RolloutReq, Sample
-from april_server.buffer.store import BufferStore
 from april_server.engine import segment_runner
 from april_server.engine.base import EngineUnavailable
 from april_server.engine.segment_runner import SegmentRunner
 from april_server.engine.segment_state import CallTally
-from april_server.fleet.wire import encoder
+from april_server.fleet.engine_wire import encoder
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
-from april_server.rules import samples, snapshots
+from april_server.rules import samples
 from april_server.rules.inflight import EngineCapacity
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
@@ -52,7 +52,7 @@ def test_admission_is_sized_again_when_the_pool_changes() -> None:
         servers = FiguredServers(["a:1", "b:1"])
         fleet = fleet_over(servers, ["a:1", "b:1"])
         await fleet.probe_all()
-        mgr = RolloutManager(fleet, BufferStore(None))
+        mgr = RolloutManager(fleet, Durable.open(None))
         one = EngineCapacity(10, 1000)
         await mgr.segments.planner.admission_ready()
         two = mgr.admission.max_samples
@@ -76,7 +76,7 @@ def test_an_unexpected_error_in_a_segment_leaves_the_sample_free_to_run(tmp_path
     it is logged, and the sample keeps what it had, as after an engine error."""
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         real = mgr.segments._one_segment
         failures = [1]
 
@@ -283,7 +283,7 @@ def test_a_stop_keeping_a_snapshot_marks_the_request_and_records_where_it_lives(
         (s,) = g.samples
         assert list(eng.marks.values()) == ["g/0"] and eng.snaps == {"g/0"}
         assert (s.snapshot_bytes, s.snapshot_weight_version) == (100, "0")
-        assert snapshots.held_at(s) == Slot()
+        assert runner.places.of(s) == Slot()
         # Its continuation plans a restore; whatever the restore made visible (nothing,
         # here), the snapshot is freed once the sample finished.
         task = start(runner, s, "call-2")
@@ -306,7 +306,7 @@ def test_forget_frees_a_samples_snapshot_and_refresh_clears_an_evicted_ones_figu
         assert eng.snaps == {"g/1", "g/2"} and forgotten.snapshot_bytes == 0
         eng.snaps.discard("g/1")  # the store evicted it
         await runner.refresh(g.samples)
-        assert evicted.snapshot_bytes == 0 and snapshots.held_at(evicted) is None
+        assert evicted.snapshot_bytes == 0 and runner.places.of(evicted) is None
         assert kept.snapshot_bytes == 100 and eng.snaps == {"g/2"}
 
     asyncio.run(go())
@@ -322,7 +322,7 @@ def test_refresh_lists_what_the_engine_holds_once_instead_of_asking_per_sample()
         asked = eng.info_asked
         await runner.refresh(g.samples)
         assert eng.info_asked == asked  # one listing, no question per sample
-        assert evicted.snapshot_bytes == 0 and snapshots.held_at(evicted) is None
+        assert evicted.snapshot_bytes == 0 and runner.places.of(evicted) is None
         assert kept.snapshot_bytes == 100 and also_kept.snapshot_bytes == 100
         eng.lists = False  # an engine that cannot list is asked per sample
         eng.snaps.discard("g/1")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from april_client.protocol import RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import SnapshotFakeEngine
 from tests.unit.group_specs import spec
@@ -20,7 +20,7 @@ from tests.unit.group_specs import spec
 def test_a_staleness_restart_frees_the_snapshot(tmp_path: Path) -> None:
     async def go() -> None:
         eng = SnapshotFakeEngine()
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="snapshot")
         await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
@@ -45,7 +45,7 @@ def test_a_restore_that_restored_nothing_does_not_leak_the_snapshot(tmp_path: Pa
 
     async def go() -> None:
         eng = SnapshotFakeEngine()
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="snapshot")
         await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
@@ -78,7 +78,7 @@ def test_a_segment_that_found_no_engine_keeps_the_snapshot_it_can_still_use(
 
     async def go() -> None:
         eng = Unreachable()
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 400)], on_quota="snapshot")
         await mgr.rollout(req)
         assert eng.snaps == {"long/0"}

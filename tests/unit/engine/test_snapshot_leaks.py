@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 from april_client.protocol import ResumeReq
-from april_server.buffer.store import BufferStore
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
 from tests.unit.fleet.test_fleet import fleet_over
@@ -36,7 +36,7 @@ class GoneOnce(ListingEngine):
 def test_a_segment_that_failed_before_freeing_the_old_snapshot_frees_it() -> None:
     async def go() -> None:
         eng = GoneOnce()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         await buffered_with_snapshot(eng, mgr)
         eng.version = "1"  # new weights: the snapshot is of no use, the plan frees it
         (s,) = await mgr.resume(ResumeReq(sample_ids=["long/0"]))

@@ -18,16 +18,17 @@ import httpx
 import pytest
 
 from april_client.protocol import GroupSpec, ResumeReq, RolloutReq
-from april_server.buffer.store import BufferStore
 from april_server.engine import segment_runner as segments_mod
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
+from april_server.fleet.engine_wire import EngineInfo, encoder
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.lanes import LANE_SIZE, Lanes
-from april_server.fleet.wire import EngineInfo, encoder
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.idle import idle_bodies
 
 NO_EOS = {"ignore_eos": True}
 
@@ -75,7 +76,7 @@ def test_a_dead_engines_segments_run_again_elsewhere_and_the_quota_holds() -> No
     async def go() -> None:
         eng = TwoEngines()
         eng.die.add("b")
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         groups = [spec(f"g{i}", [i + 3, 9], 40) for i in range(3)]
         # Every group is needed: nothing over-provisioned covers for the dead engine.
         r = await mgr.rollout(RolloutReq(groups=groups, target_groups=3, max_inflight_groups=3))
@@ -105,7 +106,7 @@ def test_with_no_engine_left_the_call_ends_and_the_sample_keeps_what_it_had(
 
     async def go() -> None:
         eng = TwoEngines()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         # A first call leaves the sample partial with 10 tokens (trigger meets the quota).
         first = RolloutReq(
             groups=[spec("t", [1], 3, n=1), spec("x", [5, 6], 300, n=1)],
@@ -114,7 +115,7 @@ def test_with_no_engine_left_the_call_ends_and_the_sample_keeps_what_it_had(
             max_inflight_groups=2,
         )
         await mgr.rollout(first)
-        (held,) = [s for g in mgr.buffer.load_idle() for s in g.samples]
+        (held,) = [s for g in idle_bodies(mgr.buffer) for s in g.samples]
         before = list(held.output_ids)
         assert 0 < len(before) < 300
         eng.die |= {"a", "b"}

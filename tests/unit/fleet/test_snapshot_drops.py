@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from april_server.engine.base import EngineUnavailable, SegmentCall
-from april_server.fleet.wire import KvResp, encoder
+from april_server.fleet.engine_wire import KvResp, encoder
 from april_server.rules.placement import Slot
 from tests.unit.fleet.test_fleet import FakeServers, fleet_over
 

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from april_server.engine.base import SegmentCall
-from april_server.fleet import weight_group
+from april_server.engine.weight_session import UpdateListener, WeightSession
+from april_server.fleet.engine_wire import EngineInfo, encoder
 from april_server.fleet.fleet import FleetEngine
 from april_server.fleet.weight_group import FleetWeights, rank_offsets
-from april_server.fleet.wire import EngineInfo, encoder
 from april_server.rules.placement import Slot
 from april_server.wire.errors import ApiError
 from tests.unit.fleet.test_fleet import FakeServers, fleet_over
@@ -65,6 +65,14 @@ class GroupServers(FakeServers):
         self.version[host], self.group[host] = "0", None
 
 
+def owner_session(fleet: FleetEngine, cut: UpdateListener | None = None) -> WeightSession:
+    """The owner's weight session as fleet/gateway.py builds it, cutting `cut` (the root's)."""
+    session = WeightSession(held_during_session=fleet.weights.session_gate())
+    if cut is not None:
+        session.cut_by(cut)
+    return session
+
+
 class Cut:
     """Stands in for the segment runner's cut: records the session's cut and continue."""
 
@@ -91,7 +99,7 @@ def test_init_gives_each_engine_its_ranks_and_checks_the_world_size() -> None:
     async def go() -> None:
         servers, fleet = setup(["b:1", "a:1"], tp={"b:1": 2})
         await fleet.probe_all()
-        weights = FleetWeights(fleet.weights, lambda: None)
+        weights = FleetWeights(fleet.weights, owner_session(fleet))
         info = fleet.weight_group()
         assert (info.ranks, info.group, info.in_sync) == (3, None, False)
         body = {
@@ -120,7 +128,7 @@ def test_a_push_is_refused_while_an_engine_is_outside_the_group_and_reaches_it_a
     async def go() -> None:
         servers, fleet = setup(["a:1", "b:1"])
         await fleet.probe_all()
-        weights = FleetWeights(fleet.weights, lambda: None)
+        weights = FleetWeights(fleet.weights, owner_session(fleet))
         group = {"master_address": "t", "master_port": 9, "world_size": 3, "group_name": "g1"}
         await weights.init(group)
         update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g1"}
@@ -160,15 +168,13 @@ def test_a_push_is_refused_while_an_engine_is_outside_the_group_and_reaches_it_a
     asyncio.run(go())
 
 
-def test_the_session_holds_new_segments_until_its_end_or_its_time_limit(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_session_holds_new_segments_until_its_end_or_its_time_limit() -> None:
     async def go() -> None:
         servers, fleet = setup(["a:1"])
         servers.hold_segments.set()
         await fleet.probe_all()
         cut = Cut()
-        weights = FleetWeights(fleet.weights, lambda: cut)
+        weights = FleetWeights(fleet.weights, owner_session(fleet, cut))
         await weights.init({"master_address": "t", "master_port": 9, "world_size": 2})
         await weights.begin({})
         call = SegmentCall("r1", "k", [1, 2], {"max_new_tokens": 1}, Slot("a:1", 0))
@@ -179,7 +185,7 @@ def test_the_session_holds_new_segments_until_its_end_or_its_time_limit(
         assert (await asyncio.wait_for(seg, 5)).result.output_ids == [7]
         assert cut.events == ["cut", "continue"]
         # A trainer that never ends its session does not wedge the owner.
-        monkeypatch.setattr(weight_group, "SESSION_LIMIT_S", 0.05)
+        weights.session.limit_s = 0.05
         await weights.begin({})
         seg = asyncio.ensure_future(fleet.run_segment(call))
         assert (await asyncio.wait_for(seg, 5)).result.output_ids == [7]
@@ -209,7 +215,7 @@ def test_a_begin_refused_by_one_engine_holds_nothing() -> None:
         fleet = fleet_over(servers, hosts)
         await fleet.probe_all()
         cut = Cut()
-        weights = FleetWeights(fleet.weights, lambda: cut)
+        weights = FleetWeights(fleet.weights, owner_session(fleet, cut))
         await weights.init({"master_address": "t", "master_port": 9, "world_size": 3})
         with pytest.raises(ApiError) as exc:
             await weights.begin({})

@@ -12,20 +12,21 @@ import pytest
 from fastapi import FastAPI
 
 from april_client.protocol import RejectReq, RolloutReq
-from april_server.buffer.store import BufferStore
 from april_server.http import app as app_module
 from april_server.http.app import create_router
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.settings.config import AprilConfig
 from april_server.wire.auth import AuthPolicy
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.idle import idle_bodies
 
 R = "/april/v1"
 
 
 def app_and_manager(delay_s: float = 0.001) -> tuple[FastAPI, RolloutManager]:
-    mgr = RolloutManager(FakeEngine(delay_s=delay_s), BufferStore(None))
+    mgr = RolloutManager(FakeEngine(delay_s=delay_s), Durable.open(None))
     app = FastAPI()
     app.include_router(create_router(lambda: mgr))
     return app, mgr
@@ -74,7 +75,7 @@ def test_stream_events_then_done() -> None:
         assert lines[0]["group"]["group_id"] == "a"
         assert lines[0]["batch_id"] == lines[1]["batch_id"] != ""
         assert lines[1]["buffered_group_ids"] == ["b"]
-        assert [g.group_id for g in mgr.buffer.load_idle()] == ["b"]
+        assert [g.group_id for g in idle_bodies(mgr.buffer)] == ["b"]
 
     asyncio.run(go())
 
@@ -159,7 +160,7 @@ def test_metrics_are_prometheus_text_of_the_stats() -> None:
 
 def test_root_metrics_route_is_open_and_april_route_needs_the_key() -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        mgr = RolloutManager(FakeEngine(), Durable.open(None))
         app = FastAPI()
         app.include_router(create_router(lambda: mgr, auth=AuthPolicy("user-k", None)))
         async with await _client(app) as c:
@@ -175,7 +176,7 @@ def test_root_metrics_route_is_open_and_april_route_needs_the_key() -> None:
 
 def test_api_key_and_admin_scope() -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        mgr = RolloutManager(FakeEngine(), Durable.open(None))
         app = FastAPI()
         app.include_router(create_router(lambda: mgr, auth=AuthPolicy("user-k", "admin-k")))
         user = {"Authorization": "Bearer user-k"}
@@ -202,7 +203,7 @@ def test_api_key_and_admin_scope() -> None:
 
 def test_limits_are_clear_4xx() -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        mgr = RolloutManager(FakeEngine(), Durable.open(None))
         app = FastAPI()
         cfg = AprilConfig(max_groups_per_call=2, max_n=4, max_samples_per_call=6)
         app.include_router(create_router(lambda: mgr, config=cfg))
@@ -234,7 +235,7 @@ def test_an_oversize_body_is_refused_before_it_is_read_whole(
     monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(), BufferStore(None))
+        mgr = RolloutManager(FakeEngine(), Durable.open(None))
         app = FastAPI()
         app.include_router(create_router(lambda: mgr))
         async with await _client(app) as c:

@@ -16,7 +16,7 @@ from april_client.protocol import (
     SampleAwaitingEvent,
     StreamEvent,
 )
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.calls.test_rollout import make as in_memory_manager
 from tests.unit.calls.test_rollout import spec as budgets_spec
@@ -75,7 +75,7 @@ def test_an_abort_while_a_continue_call_persists_keeps_what_it_asked_for(tmp_pat
 
     async def go() -> None:
         eng = SnapshotFakeEngine(delay_s=0.003)
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
         persist = mgr.persister.persist
         aborts: list[asyncio.Task[Any]] = []
 

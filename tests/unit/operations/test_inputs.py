@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from april_client.protocol import InputReq, RolloutReq, StreamEvent
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.calls.test_turns_in_call import TURNS, answer, drive, episode, make, spec
@@ -78,7 +78,7 @@ def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
                 call is None
                 and waiting
                 and not answers
-                and any(c.stopped for c in mgr.calls.values())
+                and any(c.state.stopped for c in mgr.calls.values())
             ):
                 req = InputReq(append_ids=answer(1))
                 answers.append(asyncio.create_task(mgr.post_input(waiting[0].sample_id, req)))
@@ -115,7 +115,7 @@ def test_a_text_answer_is_tokenized_without_special_tokens(tmp_path: Path) -> No
             return ([BOS] if special else []) + super().tokenize(text, special)
 
     async def go() -> None:
-        mgr = RolloutManager(AddsBos(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(AddsBos(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         never = RolloutReq(groups=[spec("a"), spec("filler", 1)], target_groups=1, stream=True)
 
         async def no_answer(ev: StreamEvent) -> bool:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from april_client.protocol import ResumeReq, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.samples import context_ids
 from april_server.wire.errors import ApiError
@@ -46,7 +46,7 @@ def test_resume_append_ids_and_budget() -> None:
 
 
 def test_cancelled_api_error_leaves_nothing_claimed(tmp_path: Path) -> None:
-    mgr = RolloutManager(FakeEngine(), BufferStore(None))
+    mgr = RolloutManager(FakeEngine(), Durable.open(None))
     with pytest.raises(ApiError):
         asyncio.run(mgr.resume(msgspec.convert({"sample_ids": ["nope/0"]}, ResumeReq)))
     assert mgr.buffer.holders == {}

@@ -9,19 +9,18 @@ from pathlib import Path
 
 from tests.unit.project.test_structure import ROOT
 
-# Lowest first, one subpackage of april_server each (README, "Architecture"). `kernels` imports
-# nothing of ours (its GPU-check parts included). Then the bookkeeping, plain Python: settings; the
-# wire contract; pure rules; the buffer and its store; the engine side (what an engine offers, the
-# segment runner); the runtime (background, live calls, persister, sweep); the call state machine;
-# the other operations; the composition root that builds and wires all of them (`root`). The door
-# runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over one root and the
-# holder that builds it. The fleet builds on those to drive engines on other machines. `entry`
-# (the command line, the model builder, the launcher that starts a server as a child process)
-# wires a process from all of them. The client sits on top; its wire types
-# (`april_client.protocol`) are the server's wire layer, shared. The bench
-# (clients/april_bench/), which launches servers and speaks through the client, is above it.
-# The GPU-check harness (april_bench.gpu_check) starts servers and benchmarks, so it is above
-# everything.
+# Lowest first, one subpackage of april_server each (docs/architecture.md, "Layers"). `kernels`
+# imports nothing of ours (its GPU-check parts included). Then the bookkeeping, plain Python:
+# settings; the wire contract; pure rules; the buffer and its store; the engine side (what an engine
+# offers, the segment runner); the runtime (background, live calls, persister, sweep); the call
+# state machine; the other operations; the composition root that builds and wires all of them
+# (`root`). The door runs SGLang (and only it imports SGLang). `http` is the /april/v1 router over
+# one root and the holder that builds it. The fleet builds on those to drive engines on other
+# machines. `entry` (the command line, the model builder, the launcher that starts a server as a
+# child process) wires a process from all of them. The client sits on top; its wire types
+# (`april_client.protocol`) are the server's wire layer, shared. The bench (clients/april_bench/),
+# which launches servers and speaks through the client, is above it. The GPU-check harness
+# (april_bench.gpu_check) starts servers and benchmarks, so it is above everything.
 LAYERS = [
     "kernels", "settings", "wire", "rules", "buffer", "engine", "runtime", "calls", "operations",
     "root", "door", "http", "fleet", "entry", "april_client", "april_bench", "harness",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -21,14 +23,26 @@ def imported_modules(path: Path) -> set[str]:
     return mods
 
 
+# Outside the server, SGLang is imported only as a yardstick, never to serve (both are named in
+# docs/architecture.md, "One door to SGLang").
+SGLANG_YARDSTICKS = {
+    "kernels/bench_kv_copy.py",  # SGLang's own KV copy, a column of the copy benchmark
+    "clients/april_bench/gpu_check/server_parts.py",  # the GPU run loads SGLang's model config
+}
+
+
 def test_the_door_package_is_the_only_importer_of_sglang() -> None:
-    offenders = [
+    importers = {
         str(p.relative_to(ROOT))
-        for p in sorted((ROOT / "april_server").rglob("*.py"))
-        if DOOR not in p.parents and any(m.split(".")[0] == "sglang" for m in imported_modules(p))
-    ]
-    assert offenders == []
+        for top in ("april_server", "clients", "kernels", "examples")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if any(m.split(".")[0] == "sglang" for m in imported_modules(p))
+    }
+    outside = {p for p in importers if not p.startswith("april_server/door/")}
+    assert outside == SGLANG_YARDSTICKS
     assert any(m.startswith("sglang") for m in imported_modules(DOOR / "engine.py"))
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"`{p}`" in architecture for p in SGLANG_YARDSTICKS)
 
 
 def test_bookkeeping_is_plain_python() -> None:
@@ -60,6 +74,80 @@ def test_no_pickle_or_eval_of_request_data() -> None:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
         assert not calls & {"eval", "exec", "compile", "__import__"}, p
+
+
+# SGLang calls our plugin hooks as module-level functions, so the once-only registrations and
+# what a scheduler process holds once (its KV state, reached from `release_kv_cache`) can only
+# be module state; nothing else of the server is.
+PLUGIN_STATE = {
+    ("april_server/door/deterministic.py", "_registered"),
+    ("april_server/door/moe_hooks.py", "_registered"),
+    ("april_server/door/preload.py", "_started"),
+    ("april_server/door/scheduler_hooks.py", "_active"),
+}
+MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "__setitem__"}
+
+
+def module_state(path: Path) -> list[str]:
+    """What wires parts through module or class state: `global` rebinding, a module-level
+    container changed inside a function (a registry), a class used as a global (`Name.x = `)."""
+    tree = ast.parse(path.read_text())
+    found = [
+        f"global {n}" for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names
+    ]
+    module_names = {
+        t.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    functions = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    for fn in functions:
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id in module_names:
+                    if node.func.attr in MUTATORS:
+                        found.append(f"registry {owner.id}.{node.func.attr}")
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                    if target.value.id in module_names:
+                        found.append(f"registry {target.value.id}[...]")
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    if target.value.id in classes or target.value.id == "cls":
+                        found.append(f"class state {target.value.id}.{target.attr}")
+    return found
+
+
+def test_no_module_global_wires_a_part() -> None:
+    """Parts are handed what they use (the root builds them; the process hands the door its
+    weight session): no module-level registry, no class used as a global."""
+    found = {
+        (str(p.relative_to(ROOT)), what)
+        for p in sorted((ROOT / "april_server").rglob("*.py"))
+        for what in module_state(p)
+    }
+    assert found == {(path, f"global {name}") for path, name in PLUGIN_STATE}
+
+
+def test_the_module_state_check_sees_registries_and_class_globals(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text(
+        "_listeners = []\n"
+        "class Session:\n    open = False\n"
+        "def listen(f):\n    _listeners.append(f)\n"
+        "def begin():\n    Session.open = True\n"
+    )
+    assert module_state(src) == ["registry _listeners.append", "class state Session.open"]
 
 
 MAX_LINES = 500  # formatted: a file past this has a part with a name of its own: split it out
@@ -161,6 +249,32 @@ def test_the_data_table_rule_tells_tables_from_code() -> None:
     assert not is_data_table(first("OPS = {'a': f(1), 'b': 2, 'c': 3}"))  # a call
     assert not is_data_table(first("PAIR = (1, 2)"))  # too short to be a table
     assert not is_data_table(first("x = g(a,\n      b)"))
+
+
+def test_no_server_function_is_called_only_by_tests() -> None:
+    """A function or method of the server whose name no code but its own definition and the
+    tests mentions is test scaffolding living in production: it belongs in the tests."""
+    code = {
+        p: p.read_text()
+        for top in PYTHON_HOMES
+        if top != "tests"
+        for p in (ROOT / top).rglob("*.py")
+    }
+    words = Counter(w for text in code.values() for w in re.findall(r"\w+", text))
+    tested = set(
+        re.findall(r"\w+", "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py")))
+    )
+    only_tests = sorted(
+        f"{p.relative_to(ROOT)}:{node.name}"
+        for p, text in code.items()
+        if p.is_relative_to(ROOT / "april_server")
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and not node.name.startswith("__")
+        and words[node.name] == 1
+        and node.name in tested
+    )
+    assert only_tests == []
 
 
 UNIT = ROOT / "tests" / "unit"

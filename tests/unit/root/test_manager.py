@@ -13,6 +13,7 @@ import pytest
 from april_client.protocol import GroupSpec, RolloutReq
 from april_server.buffer.store import BufferStore
 from april_server.buffer.synthetic import fill
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine
 
@@ -31,7 +32,7 @@ async def until(cond: Any, timeout: float = 30.0) -> None:
 
 def test_stats_follow_a_call_from_running_to_buffered(tmp_path: Path) -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         groups = [long_group("quick", 40), long_group("slow")]
         call = asyncio.create_task(
             mgr.rollout(RolloutReq(groups=groups, target_groups=1, on_quota="tokens"))
@@ -57,7 +58,7 @@ def test_stats_follow_a_call_from_running_to_buffered(tmp_path: Path) -> None:
 
 def test_integrity_catches_a_sample_whose_logprobs_and_tokens_disagree(tmp_path: Path) -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         call = asyncio.create_task(mgr.rollout(RolloutReq(groups=[long_group("g")])))
         await until(lambda: "g" in mgr.buffer.claimed)
         mgr.check_integrity()
@@ -75,7 +76,7 @@ def test_integrity_catches_a_sample_whose_logprobs_and_tokens_disagree(tmp_path:
 
 def test_integrity_catches_tokens_that_no_segment_accounts_for(tmp_path: Path) -> None:
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         call = asyncio.create_task(mgr.rollout(RolloutReq(groups=[long_group("g")])))
         await until(lambda: "g" in mgr.buffer.claimed)
         sample = mgr.buffer.claimed["g"].samples[0]
@@ -94,7 +95,7 @@ def test_integrity_catches_tokens_that_no_segment_accounts_for(tmp_path: Path) -
 def test_integrity_catches_a_stored_group_that_is_neither_idle_nor_held(tmp_path: Path) -> None:
     store = BufferStore(tmp_path / "b.sqlite")
     fill(store, 3, n=2, output_len=4)
-    mgr = RolloutManager(FakeEngine(vocab=256), store)
+    mgr = RolloutManager(FakeEngine(vocab=256), Durable.load(store))
     mgr.check_integrity()  # what it loaded at start is idle, and the store agrees
     fill(store, 1, prefix="stray", seed=1, n=2, output_len=4)  # behind the buffer's back
     with pytest.raises(AssertionError, match="stray-0"):
@@ -104,7 +105,7 @@ def test_integrity_catches_a_stored_group_that_is_neither_idle_nor_held(tmp_path
 def test_stats_count_the_buffer_without_listing_it(tmp_path: Path) -> None:
     st = BufferStore(tmp_path / "b.sqlite")
     fill(st, 300, n=4, output_len=8)
-    mgr = RolloutManager(FakeEngine(vocab=256), st)
+    mgr = RolloutManager(FakeEngine(vocab=256), Durable.load(st))
     calls: list[list[str]] = []
     real = st.read_groups
 

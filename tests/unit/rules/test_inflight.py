@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from april_client.protocol import GroupSpec, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import (
     MIN_RUNNING,
@@ -110,7 +110,7 @@ def test_auto_refills_up_to_the_target_and_never_beyond_what_was_sent() -> None:
     async def go() -> None:
         eng = CurveEngine({b: 0.002 * b for b in SIZES})  # linear cost: the quota's demand,
         # raised to the floor of MIN_RUNNING samples
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         groups = staggered_groups()
         r = await mgr.rollout(RolloutReq(groups=groups, target_groups=3))
         assert r.stats.inflight_target == MIN_RUNNING == 8  # demand 3 groups x 2 samples = 6

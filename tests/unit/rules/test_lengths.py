@@ -182,7 +182,7 @@ def test_a_call_starts_the_predicted_longest_first_and_reports_the_error() -> No
             for s in page[0]["samples"]:
                 assert s["predicted_tokens"] == 40 and s["prediction_confidence"] > 0.5
                 assert s["predicted_remaining"] == 40 - len(s["output_ids"])
-            advisor = mgr.pool_advisor
+            advisor = mgr.sizing.advisor
             r = await c.delete(R + "/lengths")
             assert r.status_code == 200 and r.json() == {"forgotten_prompts": 2}
             assert advisor.version is None and not advisor.targets and not advisor.pushes
@@ -281,7 +281,8 @@ def test_the_history_is_loaded_at_start_up_not_on_the_first_request(tmp_path: An
     """Found by review: the manager (built on the first request, on the event loop every
     request shares) read and replayed the whole stored history there."""
     from april_server.buffer.store import BufferStore
-    from april_server.http.server import ManagerHolder
+    from april_server.engine.weight_session import WeightSession
+    from april_server.root.holder import RootHolder
     from april_server.settings.config import AprilConfig
 
     store = BufferStore(tmp_path / "buffer.sqlite")
@@ -291,6 +292,7 @@ def test_the_history_is_loaded_at_start_up_not_on_the_first_request(tmp_path: An
     def no_engine() -> Any:
         raise AssertionError("not built at start-up")
 
-    holder = ManagerHolder(AprilConfig(state_dir=tmp_path), no_engine)
-    assert list(holder.lengths.get("a")) == [5, 7] and len(holder.lengths) == 2
-    holder.store.close()
+    holder = RootHolder(AprilConfig(state_dir=tmp_path), no_engine, WeightSession())
+    lengths = holder.durable.lengths
+    assert list(lengths.get("a")) == [5, 7] and len(lengths) == 2
+    holder.durable.store.close()

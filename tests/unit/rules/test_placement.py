@@ -25,6 +25,7 @@ from april_client.protocol import AbortReq, GroupSpec, ResumeReq, RolloutReq
 from april_server.buffer import store as store_mod
 from april_server.buffer.store import BufferStore
 from april_server.engine.base import SegmentCall, SnapshotEngine
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.inflight import StepCurve, StepStat, aggregate_curve, pool_steps
 from april_server.rules.lengths import prompt_key
@@ -41,6 +42,7 @@ from april_server.rules.placement import (
 from april_server.rules.ranks import merge_rank_stats
 from april_server.rules.samples import SegmentResult
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.idle import idle_bodies
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_EOS = {"ignore_eos": True}
@@ -170,7 +172,7 @@ class TwoRankEngine(FakeEngine, SnapshotEngine):
 def test_a_resume_lands_on_its_snapshots_rank() -> None:
     async def go() -> None:
         eng = TwoRankEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         params = {"max_new_tokens": 300, **NO_EOS}
         groups = [
             GroupSpec(f"g{i}", input_ids=[i + 1, 7], sampling_params=params) for i in range(4)
@@ -182,17 +184,18 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         # Five fresh samples over two idle ranks: spread, not piled on one.
         ranks = list(eng.ran.values())
         assert sorted(ranks.count(k) for k in (0, 1)) == [2, 3]
-        held = {s.sample_id: s for g in mgr.buffer.load_idle() for s in g.samples}
+        held = {s.sample_id: s for g in idle_bodies(mgr.buffer) for s in g.samples}
         for sid, s in held.items():
             assert s.snapshot_bytes > 0
             rank = s.segments[-1].dp_rank
-            assert (s.snapshot_engine, s.snapshot_dp_rank) == (LOCAL, rank)
+            assert mgr.places.of(s) == Slot(LOCAL, rank)
             assert ("mark", sid, rank) in eng.acts  # the mark named that rank only
             assert sid in eng.snaps[rank] and sid not in eng.snaps[1 - rank]
         # Resume one: it runs on its snapshot's rank, restores there, and frees it there.
         sid = "g2/0"
-        rank = held[sid].snapshot_dp_rank
-        assert rank is not None
+        place = mgr.places.of(held[sid])
+        assert place is not None
+        rank = place.dp_rank
         eng.acts.clear()
         (s,) = await mgr.resume(ResumeReq(sample_ids=[sid], kv="restore"))
         seg = s.segments[-1]
@@ -201,7 +204,9 @@ def test_a_resume_lands_on_its_snapshots_rank() -> None:
         assert s.status == "truncated" and s.snapshot_bytes == 0
         # kv: recompute never restores: the unused snapshot is freed where it lives first.
         other = "g0/0"
-        other_rank = held[other].snapshot_dp_rank
+        other_place = mgr.places.of(held[other])
+        assert other_place is not None
+        other_rank = other_place.dp_rank
         eng.acts.clear()
         await mgr.resume(ResumeReq(sample_ids=[other], kv="recompute"))
         assert eng.acts[0] == ("drop", other, other_rank)
@@ -217,7 +222,7 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
     # the next tie to the other rank (a flaky DP e2e test). Idle means exactly zero.
     async def go() -> None:
         eng = TwoRankEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         groups = [
             GroupSpec(
                 f"g{i}",
@@ -247,7 +252,7 @@ def test_an_idle_server_places_as_a_fresh_one_does() -> None:
 
 def test_stats_show_what_runs_where() -> None:
     async def go() -> dict[str, Any]:
-        mgr = RolloutManager(TwoRankEngine(), BufferStore(None))
+        mgr = RolloutManager(TwoRankEngine(), Durable.open(None))
         return await mgr.stats()
 
     by_slot = asyncio.run(go())["running_by_slot"]
@@ -264,7 +269,7 @@ def test_placement_is_durable_and_old_rows_load_with_defaults(tmp_path: Path) ->
     async def go() -> None:
         eng = TwoRankEngine()
         st_ = BufferStore(tmp_path / "b.sqlite")
-        mgr = RolloutManager(eng, st_)
+        mgr = RolloutManager(eng, Durable.load(st_))
         params = {"max_new_tokens": 200, **NO_EOS}
         groups = [GroupSpec(f"g{i}", input_ids=[i + 1], sampling_params=params) for i in range(2)]
         trigger = GroupSpec("t", input_ids=[3], sampling_params={"max_new_tokens": 4, **NO_EOS})
@@ -299,7 +304,6 @@ def test_placement_is_durable_and_old_rows_load_with_defaults(tmp_path: Path) ->
         g = store_mod.decode_group(body)
         seg = g.samples[0].segments[0]
         assert (seg.engine, seg.dp_rank) == (LOCAL, 0)
-        assert g.samples[0].snapshot_dp_rank is None
 
 
 # ---- figures of several ranks -------------------------------------------------------------------
@@ -435,7 +439,7 @@ def test_tail_placement_puts_the_predicted_long_on_one_rank() -> None:
 
     async def go(placement: str) -> dict[str, int]:
         eng = TwoRankEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         mgr.segments.lengths.placement = placement  # type: ignore[assignment]
         lengths = mgr.segments.lengths
         for p in range(1, 7):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from april_client.protocol import RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules import pool_size
 from april_server.rules.inflight import StepCurve, choose_running_target
@@ -180,9 +180,9 @@ def test_a_call_reports_the_advice_from_its_curve_and_its_lengths(monkeypatch: A
         seen.clear()
 
         async def go() -> int | None:
-            mgr = RolloutManager(CurveEngine(points), BufferStore(None))
+            mgr = RolloutManager(CurveEngine(points), Durable.open(None))
             # As after an earlier call with no push since: the 4 x bound applies.
-            mgr.pool_advisor.version = mgr.versions.now()
+            mgr.sizing.advisor.version = mgr.versions.now()
             req = RolloutReq(
                 groups=staggered_groups(), target_groups=3, max_inflight_groups=pinned or "auto"
             )

@@ -7,7 +7,6 @@ import pytest
 
 from april_client.protocol import Sample, Segment
 from april_server.rules import snapshots
-from april_server.rules.placement import LOCAL, Slot
 
 
 def sample(bytes_: int, version: str | None) -> Sample:
@@ -47,19 +46,6 @@ def test_version_policy(
     assert snapshots.usable(sample(0, current), current, [], None, allow_stale) is False
 
 
-def test_a_snapshot_lives_where_its_segment_ran() -> None:
-    s = sample(0, None)
-    assert snapshots.held_at(s) is None
-    s.segments = [Segment(0, 1, "7", "fresh", engine=LOCAL, dp_rank=1)]
-    snapshots.record(s, 640, Slot(LOCAL, 1))
-    assert (s.snapshot_bytes, s.snapshot_weight_version) == (640, "7")
-    assert snapshots.held_at(s) == Slot(LOCAL, 1)
-    snapshots.clear(s)
-    assert snapshots.held_at(s) is None and s.snapshot_dp_rank is None
-    # A sample recorded before placement existed: its snapshot is on the local rank 0.
-    assert snapshots.held_at(sample(10, "0")) == Slot()
-
-
 @pytest.mark.parametrize(
     ("nbytes", "interrupted", "wanted", "marked", "restored", "verdict"),
     [
@@ -90,11 +76,11 @@ def test_a_snapshot_over_restored_stale_kv_stays_stale() -> None:
     shared namespace where any request with that prefix would match old-weights KV."""
     s = sample(100, "2")
     s.segments = [Segment(0, 1, "3", "restored", "abort")]
-    snapshots.record(s, 200, Slot(LOCAL, 0), restored=True)
+    snapshots.record(s, 200, restored=True)
     assert s.snapshot_weight_version == "2"
     assert not snapshots.usable(s, "3", ["2", "3"], None, True)  # stale: the caller must allow it
     assert snapshots.cache_namespace(s, "3") == "april-stale/g/0"
     fresh = sample(100, "2")
     fresh.segments = [Segment(0, 1, "3", "recomputed", "abort")]
-    snapshots.record(fresh, 200, Slot(LOCAL, 0))  # re-prefilled under "3": all of it is "3"
+    snapshots.record(fresh, 200)  # re-prefilled under "3": all of it is "3"
     assert fresh.snapshot_weight_version == "3" and snapshots.cache_namespace(fresh, "3") is None

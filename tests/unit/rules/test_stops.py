@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from april_client.protocol import GroupSpec, InputReq, RolloutReq, Sample, TurnsSpec
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.stops import reached_stop
 from april_server.rules.turns import awaiting
 from tests.unit.calls.test_turns_in_call import BUDGET, PROMPT, STOPS, answer, episode
 from tests.unit.fake_engine import EOS, FakeEngine, next_token
+from tests.unit.idle import idle_bodies
 
 
 def text(ids: list[int]) -> str:
@@ -54,7 +55,7 @@ def run_episode(
     async def go() -> tuple[Sample, int]:
         engine = FakeEngine(delay_s=0.0)
         engine.abort_in_step = lambda rid, n: first_segment(rid) and n == at
-        mgr = RolloutManager(engine, BufferStore(tmp_path / f"b{at}.sqlite"))
+        mgr = RolloutManager(engine, Durable.open(tmp_path / f"b{at}.sqlite"))
         spec = GroupSpec(
             "e",
             input_ids=PROMPT,
@@ -67,7 +68,7 @@ def run_episode(
             mgr.check_integrity()
             if resp.groups:
                 return resp.groups[0].samples[0], calls
-            (g,) = mgr.buffer.load_idle()
+            (g,) = idle_bodies(mgr.buffer)
             s = g.samples[0]
             if awaiting(s):
                 await mgr.post_input(s.sample_id, InputReq(append_ids=answer_of[s.turn]))

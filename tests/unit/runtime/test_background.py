@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from april_client.protocol import GroupSpec, GroupsReq, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine, next_token
 
@@ -40,7 +40,7 @@ async def until(cond: Any, timeout: float = 30.0) -> None:
 
 
 def make(path: Path, delay_s: float = 0.002) -> RolloutManager:
-    return RolloutManager(FakeEngine(delay_s=delay_s), BufferStore(path / "b.sqlite"))
+    return RolloutManager(FakeEngine(delay_s=delay_s), Durable.open(path / "b.sqlite"))
 
 
 async def listed_state(mgr: RolloutManager, gid: str) -> str | None:
@@ -195,7 +195,7 @@ def test_a_round_does_not_rewrite_the_groups_that_found_no_room(tmp_path: Path) 
 
     async def go() -> None:
         eng = CapacityEngine(max_running=2, total_tokens=100_000)  # admits 2 + a queue of 8
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b.sqlite"))
         await mgr.segments.planner.admission_ready()
         real, written = mgr.buffer.persist, []
 

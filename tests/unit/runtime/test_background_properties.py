@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from april_client.protocol import AbortReq, GroupSpec, GroupsReq, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine, next_token
+from tests.unit.idle import idle_bodies
 
 OPS = st.lists(
     st.tuples(
@@ -76,7 +77,7 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
 
     async def go() -> None:
         eng = Watch()
-        mgr = RolloutManager(eng, BufferStore(path))
+        mgr = RolloutManager(eng, Durable.open(path))
         created: set[str] = set()
         delivered: list[str] = []
         gone: set[str] = set()
@@ -125,7 +126,7 @@ def test_background_interleavings_lose_nothing(tmp_path_factory: Any, ops: list[
         buffered = {e.group_id for e in mgr.buffer.idle.oldest()}
         assert not set(delivered) & buffered and not gone & buffered
         assert set(delivered) | buffered | gone == created
-        for g in [*mgr.buffer.load_idle(), *bodies]:
+        for g in [*idle_bodies(mgr.buffer), *bodies]:
             for s in g.samples:  # every kept token is the uninterrupted run's
                 assert (
                     s.output_ids

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from april_client.protocol import GroupsReq, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine
 from tests.unit.runtime.test_background import make, reference, spec, until
@@ -101,7 +101,7 @@ def test_a_stale_restart_at_a_claim_frees_the_members_snapshot(tmp_path: Path) -
 
     async def go() -> None:
         eng = SnapshotFakeEngine(delay_s=0.003)
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
         await mgr.add_groups(GroupsReq(groups=[spec("bg", 300)], max_staleness=1))
         await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
         await asyncio.sleep(0.05)
@@ -157,7 +157,7 @@ def test_a_call_pausing_the_background_resends_aborts_soon(
         return await real_wait(fs, timeout=timeout, **kw)
 
     async def go() -> None:
-        mgr = RolloutManager(LateRegistration(register_s=0.03), BufferStore(tmp_path / "b"))
+        mgr = RolloutManager(LateRegistration(register_s=0.03), Durable.open(tmp_path / "b"))
         await mgr.add_groups(GroupsReq(groups=[spec("bg", 500)]))
         await until(lambda: "bg" in mgr.background.running_groups())
         monkeypatch.setattr(segments.asyncio, "wait", recording_wait)
@@ -187,7 +187,7 @@ def test_a_weight_update_resends_its_cut_to_a_segment_not_registered_yet(tmp_pat
 
     async def go() -> None:
         eng = LateRegistration(register_s=0.0)
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
         await mgr.add_groups(GroupsReq(groups=[spec("w", 500)]))
         await until(lambda: bool(mgr.segments.running))
         run = mgr.segments.running["w/0"]
@@ -230,7 +230,7 @@ def test_a_segment_started_during_a_weight_update_waits_for_its_end(tmp_path: Pa
     async def go() -> None:
         eng = Restores()
         eng.restored = []
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b.sqlite"))
         req = RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="snapshot")
         await mgr.rollout(req)
         assert eng.snaps == {"long/0"}
@@ -261,7 +261,7 @@ def test_every_pushed_version_counts_toward_staleness(tmp_path: Path) -> None:
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
         eng.version = "s1"
-        mgr = RolloutManager(eng, BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b.sqlite"))
         await mgr.rollout(
             RolloutReq(groups=[spec("quick", 2), spec("long", 300)], on_quota="tokens")
         )

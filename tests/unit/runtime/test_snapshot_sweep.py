@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 
 from april_client.protocol import AbortReq, GroupSpec, RolloutReq
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import LOCAL, Slot
 from april_server.runtime.snapshot_sweep import SnapshotSweep
 from tests.unit.fake_engine import SnapshotFakeEngine
+from tests.unit.idle import idle_bodies
 
 NO_EOS = {"ignore_eos": True}
 HERE = Slot(LOCAL, 0)
@@ -30,7 +31,9 @@ class ListingEngine(SnapshotFakeEngine):
 
 def sweep_of(mgr: RolloutManager, min_age_s: float) -> SnapshotSweep:
     assert mgr.segments.snap is not None
-    return SnapshotSweep(mgr.segments.snap, mgr.segments.running, mgr.buffer, min_age_s=min_age_s)
+    return SnapshotSweep(
+        mgr.segments.snap, mgr.segments.running, mgr.buffer, mgr.places, min_age_s=min_age_s
+    )
 
 
 def spec(gid: str, tokens: int) -> GroupSpec:
@@ -44,14 +47,14 @@ async def buffered_with_snapshot(eng: ListingEngine, mgr: RolloutManager) -> Non
     await asyncio.sleep(0.05)
     await mgr.abort(AbortReq(sample_ids=["long/0"], keep="snapshot"))
     await call
-    (stored,) = mgr.buffer.load_idle()
+    (stored,) = idle_bodies(mgr.buffer)
     assert stored.samples[0].snapshot_bytes == 100 and eng.snaps == {"long/0"}
 
 
 def test_only_old_snapshots_nobody_refers_to_are_freed_on_the_second_sweep() -> None:
     async def go() -> None:
         eng = ListingEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         await buffered_with_snapshot(eng, mgr)
         sweep = sweep_of(mgr, min_age_s=30.0)
         eng.snaps |= {"ghost/0", "long/1", "young/0"}  # leaked, leaked, too young to judge
@@ -77,7 +80,7 @@ def test_only_old_snapshots_nobody_refers_to_are_freed_on_the_second_sweep() -> 
 def test_a_snapshot_whose_sample_runs_or_is_held_by_a_call_is_never_freed() -> None:
     async def go() -> None:
         eng = ListingEngine()
-        mgr = RolloutManager(eng, BufferStore(None))
+        mgr = RolloutManager(eng, Durable.open(None))
         sweep = sweep_of(mgr, min_age_s=0.0)
         req = RolloutReq(groups=[spec("run", 400)], target_groups=1)
         call = asyncio.ensure_future(mgr.rollout(req))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from april_server.buffer.store import BufferStore
+from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine
@@ -27,7 +27,7 @@ def test_a_sample_id_names_one_member_in_one_spelling(tmp_path: Path) -> None:
     assert [split_sample_id(s) for s in ("g/01", "g/²", "g/", "g", "/1", "g/-1")] == [None] * 6
 
     async def go() -> None:
-        mgr = RolloutManager(FakeEngine(delay_s=0.002), BufferStore(tmp_path / "b.sqlite"))
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
         await buffered(mgr, ["g"])
         for bad in (["g/0", "g/00"], ["g/²"]):
             with pytest.raises(ApiError) as exc:

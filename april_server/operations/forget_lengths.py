@@ -8,18 +8,18 @@ from dataclasses import dataclass
 
 from april_server.buffer.store import BufferStore
 from april_server.rules.lengths import LengthModel
-from april_server.rules.pool_size import PoolAdvisor
+from april_server.runtime.pool_sizing import PoolSizing
 
 
 @dataclass(eq=False)
 class ForgetLengths:
     lengths: LengthModel
     store: BufferStore
-    pool_advisor: PoolAdvisor
+    sizing: PoolSizing  # its pool advice played from the lengths forgotten
 
     def __call__(self) -> int:
         """How many prompts it held."""
         n = self.lengths.forget()
         self.store.save_lengths([], forget=True)
-        self.pool_advisor.forget()
+        self.sizing.forget()
         return n

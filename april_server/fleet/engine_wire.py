@@ -30,6 +30,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     weight_group: str | None = None  # the weight-update group it is in (a restart: none)
     # (layers, top_k, dtype) of the routed experts it returns (MoE capture); null: none.
     routing_format: tuple[int, int, RoutingDtype] | None = None
+    # The most ids a sampling-mask row may hold (--sampling-mask-max-tokens); null: no masks.
+    sampling_mask_tokens: int | None = None
 
 
 class ControlOp(msgspec.Struct, frozen=True):

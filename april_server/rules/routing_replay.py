@@ -58,10 +58,6 @@ def check_wanted(wanted: bool, available: object, where: str) -> None:
         )
 
 
-def known_positions(sample: Sample) -> int:
-    return 0 if sample.routing is None else sample.routing.num_positions
-
-
 def record(
     sample: Sample,
     rows: RoutingRows | None,

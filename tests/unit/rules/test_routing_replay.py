@@ -1,4 +1,4 @@
-"""Routing replay across segments (rules/routing.py), against a model of what SGLang returns.
+"""Routing replay across segments (rules/routing_replay.py), against a model of what SGLang returns.
 
 The fake model routes position p under weight version v to `truth(p, v)`. A segment is either
 restored from a snapshot (SGLang is asked from the restore point, nothing before it recomputed)
@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from april_client import routing as decode
+from april_client import routed_experts as decode
 from april_client.protocol import GroupSpec, Routing, Sample
-from april_server.rules import routing, samples
+from april_server.rules import routing_replay as routing
+from april_server.rules import samples
 
 LAYERS, TOP_K = 2, 2
 ROW = routing.row_bytes(LAYERS, TOP_K, "uint8")
@@ -107,7 +108,7 @@ def test_interruptions_keep_first_routing_and_flag_recomputation(
     newest_recompute: dict[int, int] = {}
     for i, (new, restored, hit, push) in enumerate(plan):
         version += push
-        known = routing.known_positions(s)
+        known = 0 if s.routing is None else s.routing.num_positions
         fed_after = len(samples.context_ids(s)) + new - 1
         if i > 0 and restored:
             start = cached = known  # a snapshot covers every fed position
@@ -159,9 +160,9 @@ def test_asking_routing_of_a_dense_model_is_a_400() -> None:
 
 
 def test_routing_crosses_the_owner_engine_wire() -> None:
-    """An owner sends a segment's `routing_start` and gets its rows back (fleet/wire.py)."""
+    """An owner sends a segment's `routing_start` and gets its rows back (fleet/engine_wire.py)."""
     from april_server.engine.base import SegmentCall, SegmentOutcome
-    from april_server.fleet.wire import (
+    from april_server.fleet.engine_wire import (
         EngineInfo,
         encoder,
         engine_info,

@@ -10,7 +10,7 @@ but not the work done) and response bytes per output token; then the routing's o
 position, on the wire (base64 in JSON) and in a KV snapshot (int32
 rows beside the KV, `/stats` `snapshot_routing_bytes`):
 
-    python -m april_bench.routing [--groups 8] [--n 4] [--max-tokens 128] [--repeats 3]
+    python -m april_bench.routing_cost [--groups 8] [--n 4] [--max-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations
