@@ -26,6 +26,11 @@ call on april-server, whose address is slime's router address (`--sglang-router-
   `--rollout-max-response-len`, stops; with `--sglang-enable-deterministic-inference` each
   group's seed is `--rollout-seed`, so member i samples with `rollout_seed + i`, as slime's.
 - `--use-rollout-routing-replay` asks the server for routing (`rollout_routed_experts`).
+- `--rollout-top-p` below 1 (slime then asks SGLang for `return_top_p_token_ids`) asks the server
+  for sampling masks (`return_sampling_mask`), kept across every cut, and fills slime's top-p
+  replay fields `rollout_top_p_token_ids` / `rollout_top_p_token_offsets` from them. The server
+  bounds a mask's row by a finite top-k: slime's top-k -1 is sent as the vocabulary's size
+  (the same distribution), which must be within the server's `--sampling-mask-max-tokens`.
 - Weight updates are slime's own, unchanged: its engines send `weight_version` with every update
   (disk, tensor, distributed), which is what the server's staleness and snapshots need.
 - Two optional attributes of `args` (slime's parser does not define them; set them with a
@@ -126,8 +131,15 @@ def check_args(args: Any) -> int:
     return int(over)
 
 
-def sampling_params(args: Any) -> dict[str, Any]:
-    """slime's rollout sampling parameters (`GenerateState`), as the server takes them."""
+def wants_masks(args: Any) -> bool:
+    """slime asks for top-p replay (`return_top_p_token_ids`) whenever its top-p is not 1."""
+    return float(args.rollout_top_p) != 1.0
+
+
+def sampling_params(args: Any, vocab_size: int | None = None) -> dict[str, Any]:
+    """slime's rollout sampling parameters (`GenerateState`), as the server takes them. With
+    top-p replay the server needs a finite top-k to bound a mask's row: top-p alone (slime's
+    top_k -1) becomes top_k = the vocabulary's size, the same distribution."""
     params = dict(
         temperature=args.rollout_temperature,
         top_p=args.rollout_top_p,
@@ -139,13 +151,17 @@ def sampling_params(args: Any) -> dict[str, Any]:
         no_stop_trim=True,
         spaces_between_special_tokens=False,
     )
+    if wants_masks(args) and (args.rollout_top_k is None or args.rollout_top_k < 1):
+        if vocab_size is None:
+            raise ValueError("top-p replay with top_k -1 needs the vocabulary's size")
+        params["top_k"] = int(vocab_size)
     return {k: v for k, v in params.items() if v is not None}
 
 
 def group_specs(
     args: Any, run: SlimeRun, groups: Sequence[Sequence[Any]], rollout_id: int
 ) -> list[dict[str, Any]]:
-    params = sampling_params(args)
+    params = sampling_params(args, len(run.tokenizer) if wants_masks(args) else None)
     deterministic = bool(getattr(args, "sglang_enable_deterministic_inference", False))
     specs = []
     for k, group in enumerate(groups):
@@ -223,6 +239,7 @@ def train_rollout(args: Any, rollout_id: int, data_source: Any) -> Any:
         max_inflight_groups=getattr(args, "april_max_inflight_groups", "auto"),
         request_id=f"{run.run_id}.r{rollout_id}",
         return_routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)),
+        return_sampling_mask=wants_masks(args),
     )
     run.last_response = resp
     version = resp.stats.weight_version

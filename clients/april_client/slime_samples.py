@@ -5,8 +5,9 @@ the prompt `Sample`'s own fields travel in the group's `metadata` (JSON), so a g
 back in a later rollout, or after the trainer restarted, is rebuilt with its own prompt, label
 and metadata. Each returned member fills the fields slime's training reads
 (`RolloutManager._convert_samples_to_train_data`): `tokens`, `response`, `response_length`,
-`loss_mask`, `rollout_log_probs`, `weight_versions`, `status`, and with routing replay
-`rollout_routed_experts`.
+`loss_mask`, `rollout_log_probs`, `weight_versions`, `status`, with routing replay
+`rollout_routed_experts`, and with top-p replay `rollout_top_p_token_ids` / `_offsets` (the
+server's sampling mask, docs/api.md, Sampling mask).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import msgspec
 
 from .protocol import Group
 from .protocol import Sample as AprilSample
+from .sampling_mask import response_ids_and_offsets
 from .trainer_batch import response_logprobs, response_mask
 
 KEY = "slime"  # the group metadata's key for the prompt Sample's fields
@@ -131,6 +133,10 @@ def fill_member(
     for seg in sample.segments:
         out.prefix_cache_info.cached_tokens += seg.cached_tokens
     if sample.routing is not None:
-        from .routing import experts
+        from .routed_experts import experts
 
         out.rollout_routed_experts = experts(sample.routing).astype("int32")
+    if sample.sampling_mask is not None:
+        # slime's top-p replay: each response token's kept ids (an empty span on tool answers)
+        ids, offsets = response_ids_and_offsets(sample)
+        out.rollout_top_p_token_ids, out.rollout_top_p_token_offsets = ids, offsets

@@ -18,7 +18,10 @@ as slime's engines send it), over-sampling 2x with `--partial-rollout`, then:
   of older versions, each sample's reward was computed from its own row (the prompt names its
   label);
 - a bad setting (`--over-sampling-batch-size` below `--rollout-batch-size`) is refused with a
-  message naming both.
+  message naming both;
+- with `--rollout-top-p` below 1 every sample carries slime's top-p replay fields, filled from
+  the server's sampling masks, which slime's own length check accepts, each sampled token in
+  its kept set.
 """
 
 from __future__ import annotations
@@ -220,3 +223,21 @@ def test_slime_rollouts_on_april_server(
         adapter.generate_rollout(bad, ROLLOUTS, data_source)
     for gid in left:
         client.delete_partial(gid)
+
+    # Top-p replay: slime asks for kept sets when its top-p is below 1; the adapter asks the
+    # server for sampling masks and fills slime's replay fields, which slime's own check accepts.
+    args.rollout_top_p, args.rollout_temperature = 0.9, 1.0
+    out = adapter.generate_rollout(args, ROLLOUTS + 1, data_source)
+    rows = 0
+    for group in out.samples:
+        for s in group:
+            s._validate_response_metadata_lengths()  # slime's own length checks
+            ids, offsets = s.rollout_top_p_token_ids, s.rollout_top_p_token_offsets
+            assert len(offsets) == s.response_length + 1
+            prompt = len(s.tokens) - s.response_length
+            for j, token in enumerate(s.tokens[prompt:]):
+                assert token in ids[offsets[j] : offsets[j + 1]]
+            rows += s.response_length
+    print(f"top-p replay: {rows} kept sets, {len(ids) / max(1, len(offsets) - 1):.1f} ids a row")
+    for g in client.partials():
+        client.delete_partial(g.group_id)

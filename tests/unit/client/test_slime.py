@@ -369,3 +369,37 @@ def test_without_slime_the_rollout_names_what_to_install() -> None:
         pytest.skip("slime is importable here")
     with pytest.raises(MissingFramework, match="github.com/THUDM/slime"):
         adapter.generate_rollout(args(), 0, FakeDataSource(2))
+
+
+def test_sampling_masks_fill_slime_s_top_p_replay_fields() -> None:
+    from array import array
+
+    from april_client.protocol import SamplingMask
+    from april_client.slime_samples import fill_member
+
+    out = FakeSample()
+    s = member("g", 0, [(3, "1")], appended=2)
+    rows = [[10, 40], [3, 11], [12]]
+    s.sampling_mask = SamplingMask(
+        dtype="uint16",
+        ids=array("H", [i for r in rows for i in r]).tobytes(),
+        counts=array("H", [len(r) for r in rows]).tobytes(),
+        logprobs=[-0.1, -0.2, 0.0],
+    )
+    out.rollout_top_p_token_ids = out.rollout_top_p_token_offsets = None  # type: ignore[attr-defined]
+    fill_member(out, s, current_version="1", mask_offpolicy=False, decode=lambda ids: "")
+    # response = 10, 90, 90, 11, 12: the tool's two tokens get empty spans
+    assert out.rollout_top_p_token_ids == [10, 40, 3, 11, 12]  # type: ignore[attr-defined]
+    assert out.rollout_top_p_token_offsets == [0, 2, 2, 2, 4, 5]  # type: ignore[attr-defined]
+
+
+def test_top_p_asks_for_masks_with_a_finite_top_k(fake_slime: dict[str, list[Any]]) -> None:
+    a = args(rollout_top_p=0.9)
+    client = FakeClient([])
+    run = install(client, a)
+    run.tokenizer = type("Tok", (FakeTokenizer,), {"__len__": lambda self: 448})()
+    adapter.generate_rollout(a, 0, FakeDataSource(2))
+    call = client.calls[0]
+    assert call["return_sampling_mask"] is True
+    assert call["specs"][0]["sampling_params"]["top_k"] == 448
+    assert adapter.sampling_params(args())["top_k"] == -1  # without top-p: slime's own top_k
