@@ -207,21 +207,30 @@ def test_areal_workflow_batches_on_april_server(server: ServerProc, tmp_path: Pa
         assert carried, "no group was carried from one call to a later one"
         across = [g for g, i in back.items() if step_of_call[i] > step_of_call[sent[g]]]
         print(f"{len(carried)} groups came back in a later call, {len(across)} at a later step")
-        # The tool turn: AReaL's rollout_batch, each member's turns answered by the tool.
+        # The tool turn: a second engine (prepare_batch keeps its first workflow), each
+        # member's turns answered by the tool.
         tooled = cls(
             reward_fn=reward,
             gconfig=gconfig(),
             tokenizer=model,
             tool=tool,
             turns={"stop_token_ids": [370, 380], "max_turns": 2},
-        )  # noqa: E501
-        out = engine.rollout_batch(rows()[:BATCH], workflow=tooled, group_size=N)
+        )
+        tool_engine = engine_for(server.url, tmp_path)
+        try:
+            tool_loader = StatefulDataLoader(
+                rows(), batch_size=BATCH, shuffle=False, collate_fn=lambda x: x
+            )
+            out = tool_engine.prepare_batch(tool_loader, workflow=tooled, group_size=N)
+        finally:
+            tool_engine.destroy()
         assert len(out) == BATCH
         answers = 0
+        tool_groups = [g for r in list(tooled.batcher.records) for g in r["groups"]]
         for traj in out:
             for i in range(N):
                 one = {k: v[i : i + 1] for k, v in traj.items()}
-                g, s = matching(tooled.batcher.records[-1]["groups"], one, i)
+                g, s = matching(tool_groups, one, i)
                 p = len(s.prompt_ids)
                 mask = one["loss_mask"][0][p:].tolist()
                 assert mask == s.loss_mask
