@@ -17,7 +17,8 @@ Two pieces, both driven by verl's own code (`verl/workers/rollout/llm_server.py`
   served first at the next step (`verl_batch.py`).
 
 Settings: `config.april` (`+april.url=...`, `+april.over_provision=2`, `+april.max_staleness=1`,
-`+april.stale_tokens=mask|keep`), or the `APRIL_SERVER_URL` environment variable for the URL.
+`+april.stale_tokens=mask|keep`, `+april.sampling.stop_token_ids=[...]`), or the
+`APRIL_SERVER_URL` environment variable for the URL.
 Weights: `AprilCheckpointEngine` (`verl_weights.py`) is a verl checkpoint-engine backend
 (`checkpoint_engine.backend=april`, `custom_backend_module=april_client.verl_weights`) whose
 `send_weights(weights, global_steps)` pushes verl's per-tensor weights to the server over a
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._async import AsyncAprilClient
@@ -53,10 +54,22 @@ class AprilSettings:
     stale_tokens: Literal["mask", "keep"] = "keep"
     max_inflight_groups: int | Literal["auto"] = "auto"
     seed: int = 0
+    # Merged into every group's sampling params, e.g. {"stop_token_ids": [...]}: verl's rollout
+    # config has no field for stops.
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def plain(value: Any) -> Any:
+    """An OmegaConf node (DictConfig, ListConfig) as plain dicts and lists."""
+    if hasattr(value, "items"):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        return value
+    return [plain(v) for v in value]
 
 
 def settings(config: Any) -> AprilSettings:
-    april = dict(config.get("april") or {}) if config is not None else {}
+    april = plain(config.get("april") or {}) if config is not None else {}
     url = april.pop("url", None) or os.environ.get(URL_ENV)
     if not url:
         raise ValueError(

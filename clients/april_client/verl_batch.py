@@ -150,6 +150,7 @@ async def quota_batch(manager: Any, prompts: Any) -> Any:
         "top_p": rollout.top_p,
         "top_k": rollout.top_k,
         "repetition_penalty": 1.0,
+        **quota.april.sampling,
     }
     specs: list[dict[str, Any]] = []
     for k, row in enumerate(chosen):

@@ -93,6 +93,9 @@ def verl_config(url: str, model: str, data: Path, **april: Any) -> Any:
         "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
         "april_client.verl.AprilAgentLoopManager",
         *(f"+april.{k}={v}" for k, v in settings.items()),
+        # greedy answers that stop at two of the tiny model's common tokens: lengths differ by
+        # prompt, so some groups are still generating at a quota (partials, carried)
+        "+april.sampling.stop_token_ids=[370,380]",
     ]
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
