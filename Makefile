@@ -33,7 +33,7 @@ test-slow:  ## the slow tier: full-size storm and chaos soaks, the whole kernel 
 test-fast:  ## without the end-to-end tests (no SGLang server)
 	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2
 
-test-peers:  ## slime, verl 0.9.1 and AReaL 1.0.4 drive a live server through april_client's adapters: slime from ../shared/peers in our venv, verl and AReaL each in its own cached venv (scripts/peer-venv.sh; first build ~1-2 min each)
+test-peers:  ## slime, verl 0.9.1 and AReaL 1.0.4 drive a live server through april_client's adapters: slime from its pinned source beside the checkout, in our venv, verl and AReaL each in its own cached venv (scripts/peer-venv.sh; first build ~1-2 min each)
 	@V=$(VENV) && VERL=$$(bash scripts/peer-venv.sh verl) && AREAL=$$(bash scripts/peer-venv.sh areal) && \
 	$$V/bin/$(PYTEST) tests/e2e/test_slime_e2e.py && \
 	APRIL_SERVER_PYTHON=$$V/bin/python APRIL_TEST_ZYGOTE=0 $$VERL/bin/$(PYTEST) -m peers tests/peers/test_verl_e2e.py && \
