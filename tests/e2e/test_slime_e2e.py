@@ -148,9 +148,7 @@ def write_dataset(path: Path) -> None:
 def test_slime_rollouts_on_april_server(
     slime_modules: None, weights_server: ServerProc, tmp_path: Path
 ) -> None:
-    from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
-    from slime.utils.types import Sample
 
     from april_client import slime as adapter
 
@@ -159,6 +157,19 @@ def test_slime_rollouts_on_april_server(
     data_source = RolloutDataSourceWithBuffer(args)
     client = AprilClient(weights_server.url, timeout=120)
     assert client.stats()["buffered_groups"] == 0
+    try:
+        drive(adapter, args, data_source, client, weights_server.url, tmp_path)
+    finally:  # the server is shared with later tests: leave nothing of this run on it
+        for g in client.partials():
+            client.delete_partial(g.group_id)
+
+
+def drive(
+    adapter: Any, args: Namespace, data_source: Any, client: AprilClient, url: str, tmp: Path
+) -> None:
+    from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn
+    from slime.utils.types import Sample
+
     tiny = str(ensure_tiny_model())
 
     returned: dict[str, int] = {}
@@ -172,7 +183,7 @@ def test_slime_rollouts_on_april_server(
             adapter.generate_rollout, args, rollout_id, data_source, evaluation=False
         )
         assert isinstance(out, RolloutFnTrainOutput)
-        run = adapter.runs()[weights_server.url]
+        run = adapter.runs()[url]
         record, resp = run.records[-1], run.last_response
         assert resp is not None and resp.stats.weight_version == str(rollout_id)
         print(
@@ -218,14 +229,15 @@ def test_slime_rollouts_on_april_server(
     assert multi_segment, "no sample was continued across calls"
 
     with pytest.raises(ValueError, match="over-sampling-batch-size.*rollout-batch-size"):
-        bad = slime_args(weights_server.url, tmp_path / "data.jsonl", tmp_path / "s")
+        bad = slime_args(url, tmp / "data.jsonl", tmp / "s")
         bad.over_sampling_batch_size = 1
         adapter.generate_rollout(bad, ROLLOUTS, data_source)
-    for gid in left:
-        client.delete_partial(gid)
 
     # Top-p replay: slime asks for kept sets when its top-p is below 1; the adapter asks the
     # server for sampling masks and fills slime's replay fields, which slime's own check accepts.
+    # (New groups only: the greedy rollouts' leftovers, generated without masks, go first.)
+    for gid in left:
+        client.delete_partial(gid)
     args.rollout_top_p, args.rollout_temperature = 0.9, 1.0
     out = adapter.generate_rollout(args, ROLLOUTS + 1, data_source)
     rows = 0
@@ -239,5 +251,3 @@ def test_slime_rollouts_on_april_server(
                 assert token in ids[offsets[j] : offsets[j + 1]]
             rows += s.response_length
     print(f"top-p replay: {rows} kept sets, {len(ids) / max(1, len(offsets) - 1):.1f} ids a row")
-    for g in client.partials():
-        client.delete_partial(g.group_id)
