@@ -2,7 +2,7 @@
 # clone, keyed by the dependency pins), so each works on a fresh machine.
 VENV = $$(bash scripts/bootstrap.sh)
 
-.PHONY: simulate demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-aot check bench-kv bench-resume bench-routing bench-buffer bench-weights bench-fleet bench-placement gpu-check gpu-check-dry soak chaos
+.PHONY: simulate demo train-demo sweep bench-async bench-tail bench-drafts test test-slow test-fast test-peers test-aot check bench-kv bench-resume bench-routing bench-buffer bench-weights bench-fleet bench-placement gpu-check gpu-check-dry soak chaos
 
 demo:  ## server on the embedded CPU default + the APRIL load test: table + plots in out/
 	@V=$(VENV) && $$V/bin/april-bench --quick --json-out out/bench.jsonl --plot-dir out
@@ -32,6 +32,12 @@ test-slow:  ## the slow tier: full-size storm and chaos soaks, the whole kernel 
 
 test-fast:  ## without the end-to-end tests (no SGLang server)
 	@V=$(VENV) && $$V/bin/$(PYTEST) -m "not e2e and not slow" -n 2
+
+test-peers:  ## slime, verl 0.9.1 and AReaL 1.0.4 drive a live server through april_client's adapters: slime from its pinned source beside the checkout, in our venv, verl and AReaL each in its own cached venv (scripts/peer-venv.sh; first build ~1-2 min each)
+	@V=$(VENV) && VERL=$$(bash scripts/peer-venv.sh verl) && AREAL=$$(bash scripts/peer-venv.sh areal) && \
+	$$V/bin/$(PYTEST) tests/e2e/test_slime_e2e.py && \
+	APRIL_SERVER_PYTHON=$$V/bin/python APRIL_TEST_ZYGOTE=0 $$VERL/bin/$(PYTEST) -m peers tests/peers/test_verl_e2e.py && \
+	APRIL_SERVER_PYTHON=$$V/bin/python APRIL_TEST_ZYGOTE=0 $$AREAL/bin/$(PYTEST) -m peers tests/peers/test_areal_e2e.py
 
 test-aot:  ## KV kernels compiled ahead of time for sm_80/90/100 and their code checked (no GPU, ~100 s)
 	@V=$(VENV) && $$V/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_aot.py
@@ -66,8 +72,8 @@ bench-placement:  ## tail placement on an owner over two SmolLM2 engines (same c
 bench-fleet:  ## april-bench against one server, then an owner over 1 and 2 engine servers on the same cores (~5 min)
 	@V=$(VENV) && $$V/bin/python -m april_bench.fleet --json-out out/fleet.jsonl
 
-simulate:  ## the core's deterministic simulator (tests/sim): SEEDS seeds (default 10000) from START (0), seeds/s shown; a failure prints the command that replays it
-	@V=$(VENV) && PYTHONHASHSEED=0 $$V/bin/python -m tests.sim --seeds $${SEEDS:-10000} --start $${START:-0}
+simulate:  ## the core's deterministic simulator (tests/sim): SEEDS seeds (default 10000) from START (0), with seeded faults unless FAULTS=off, seeds/s shown; a failure prints the command that replays it
+	@V=$(VENV) && PYTHONHASHSEED=0 $$V/bin/python -m tests.sim --seeds $${SEEDS:-10000} --start $${START:-0} $(if $(filter off,$(FAULTS)),--no-faults)
 
 soak:  ## the storm test at 10x its CI size
 	@V=$(VENV) && APRIL_STORM_OPS=10000 $$V/bin/python -m pytest -q -p no:cacheprovider -s tests/e2e/test_storm_e2e.py -k quick

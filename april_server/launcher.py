@@ -4,8 +4,9 @@ For whoever needs a server of its own for a while: april-bench, the tests, the e
 GPU check. It lives with the server (the entry layer, beside `cli.py`) because starting an
 april-server is the server distribution's business; none of its users depends on another.
 
-The server runs as `python -m april_server` (the caller's interpreter) on a free port with a
-temporary state dir, in its own session so stopping it reaches SGLang's children. A caller
+The server runs as `python -m april_server` (the caller's interpreter, or `python`: a peer
+framework's venv that has only the client starts it from the server's venv) on a free port with
+a temporary state dir, in its own session so stopping it reaches SGLang's children. A caller
 that restarts a server on the same state (a crash test, a restarted engine) names its folder
 and port: a named folder is the caller's, so `stop` leaves it.
 `cpus` pins it (and the SGLang processes it starts, which inherit the affinity) to those cores,
@@ -64,8 +65,12 @@ class LaunchedServer:
         cpus: Sequence[int] | None = None,
         state_dir: Path | None = None,
         port: int | None = None,
+        python: str | None = None,
     ) -> None:
         self.cpus = None if cpus is None else set(cpus)
+        # The interpreter that runs the server: the caller's by default; another venv's (the
+        # server's, from a peer framework's venv that has only the client) when given.
+        self.python = python or sys.executable
         self.extra_args = list(extra_args or [])
         self.env = env  # added to this process's environment for the server
         self.keep_dir = keep_dir or state_dir is not None
@@ -86,7 +91,7 @@ class LaunchedServer:
     def spawn(self) -> None:
         """Start the process and return at once (`wait_healthy` waits for it)."""
         args = [
-            sys.executable,
+            self.python,
             "-m",
             "april_server",
             "--port",

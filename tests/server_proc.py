@@ -20,8 +20,9 @@ class ServerProc(LaunchedServer):
         env: dict[str, str] | None = None,
         own_process: bool = False,
         port: int | None = None,
+        python: str | None = None,
     ) -> None:
-        super().__init__(extra_args, env=env, state_dir=state_dir, port=port)
+        super().__init__(extra_args, env=env, state_dir=state_dir, port=port, python=python)
         # `python -m april_server` as users start it, not forked from the suite's zygote
         self.own_process = own_process
 

@@ -59,7 +59,18 @@ class WindDown:
         for gid in dict.fromkeys(r.sample.group_id for r in runs):
             if gid in self.holdings.buffer.claimed:
                 self.turns.announce_awaiting(gid)
-        resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
+        try:
+            resp = await self._finish(time.perf_counter() - t0, time_to_quota, deliver)
+        except Exception:
+            # Nothing was made durable (the store failed): the groups go back to the buffer as
+            # last persisted, so those meant to go on in place stop first, like the rest at
+            # step 7; left generating, they would record into bodies nobody holds any more.
+            going_runs = [r for rs in going.values() for r in rs]
+            await self.generation.segments.stop(
+                [r for r in going_runs if not r.stopping], "snapshot"
+            )
+            await _recorded([r.task for r in going_runs])
+            raise
         if going:
             try:
                 await self._hand_over_in_place(going)

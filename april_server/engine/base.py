@@ -190,7 +190,10 @@ class SnapshotEngine(BaseEngine):
         if call.restore:
             restored = await self.restore_snapshot(call.key, call.slot, call.cache_ns)
         if restored and call.routing_start is not None:
-            call = replace(call, routing_start=restored)
+            # Nothing before the restore point is computed again, and the input's last token
+            # always is: a snapshot longer than the input (taken after what the sample's body
+            # recorded, which a commit that failed leaves behind) stops at it.
+            call = replace(call, routing_start=min(restored, len(call.input_ids) - 1))
         try:
             result = await self.generate_on(call.slot, call)
         finally:

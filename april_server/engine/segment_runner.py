@@ -163,6 +163,7 @@ class SegmentRunner:
         run = Running(sample, owner, "", task, unplanned_drop=drop_if_unplanned)
         run.max_staleness, run.override_params, run.tally = max_staleness, override_params, tally
         run.planned_version = version
+        run.placing = call is None
         if call is not None:
             run.rid, run.slot, run.restore_planned = call.rid, call.slot, call.restore
             self.planner.add_load(call.slot, 1, need)
@@ -177,14 +178,18 @@ class SegmentRunner:
         """Plan again once a healthy slot exists; None when the run is being stopped, or
         nothing became healthy within ENGINE_WAIT_S."""
         deadline = time.monotonic() + ENGINE_WAIT_S
-        while not run.stopping and time.monotonic() < deadline:
-            held = run.unplanned_drop or (self.places.of(run.sample) if self.snap else None)
-            call = self.planner.plan(run.sample, run.owner, cont, restore, held)
-            if call is not None:
-                run.unplanned_drop = None
-                return call
-            await asyncio.sleep(HEALTH_POLL_S)
-        return None
+        run.placing = True
+        try:
+            while not run.stopping and time.monotonic() < deadline:
+                held = run.unplanned_drop or (self.places.of(run.sample) if self.snap else None)
+                call = self.planner.plan(run.sample, run.owner, cont, restore, held)
+                if call is not None:
+                    run.unplanned_drop = None
+                    return call
+                await asyncio.sleep(HEALTH_POLL_S)
+            return None
+        finally:
+            run.placing = False
 
     # ---- end -----------------------------------------------------------------------------
 
@@ -305,9 +310,12 @@ class SegmentRunner:
                 held = await self.weight_cut.held_for_update(run, call)
                 if held is not None:
                     return held
-                if self.versions.now() != run.planned_version:
-                    self.planner.add_load(call.slot, -1, -need)
-                    raise PlannedBeforeUpdate(call)
+            # Planned under weights an update has replaced since (held by it above, or planned
+            # again after its engine went away, with the continuation planned before): judged
+            # again under the version now, or its owner's max_staleness would be skipped.
+            if self.versions.now() != run.planned_version:
+                self.planner.add_load(call.slot, -1, -need)
+                raise PlannedBeforeUpdate(call)
             try:
                 return await self.engine.run_segment(call)
             except EngineUnavailable as exc:

@@ -31,6 +31,9 @@ class Running:
     unplanned_drop: Slot | None = None
     cut: bool = False  # aborted at a weight update's version boundary, to continue after it
     resuming: bool = False  # cut, its continuation not planned yet
+    # Planned, but waiting for a healthy engine to place it on: it has not generated under
+    # its plan yet (whoever takes it over would inherit a plan judged by another's rule).
+    placing: bool = False
     # Its segment was planned to restore the snapshot: whatever the restore achieved, the
     # snapshot is still held where it was and is freed unless kept as the new one.
     restore_planned: bool = False

@@ -71,12 +71,21 @@ class AddGroups:
         call = None if key is None else (key, _enc.encode(resp))
         owner = f"groups-{uuid.uuid4().hex[:12]}"
         buffer.adopt(built, owner)
+        committed = False
+
+        async def commit() -> None:
+            nonlocal committed
+            await self.persister.persist(built, [], call)
+            committed = True
+
         try:  # durable before acknowledged, even if the caller goes away meanwhile
-            await run_to_end(self.persister.persist(built, [], call))
+            await run_to_end(commit())
         finally:
             buffer.release(owner)
-        if background:
-            self.background.add(ids, req.max_staleness)
+            # Handed to the background once durable, even if the caller went away meanwhile:
+            # its retry is answered from the stored response, which says they were handed in.
+            if background and committed:
+                self.background.add(ids, req.max_staleness)
         return resp
 
 

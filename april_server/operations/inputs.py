@@ -3,7 +3,8 @@
 - A running call holds the member's group: the answer is appended and the member continues at
   once under that call's quota (`turns_in_call.continue_answered`); it is made durable with the
   call's outcome, like every token the call generates. An abort that named the group during
-  the call keeps the answer but does not continue the member (it waits idle after the call).
+  the call keeps the answer but does not continue the member (it waits idle after the call);
+  durable with that call's outcome all the same, the answer names the call.
 - A call that is winding down holds it: the answer waits until the call has handed the group
   back, then is taken as below (never lost between the call's persist and its release).
 - Otherwise (idle in the buffer, or held by the background, which is paused for it, after
@@ -86,8 +87,11 @@ class PostInput:
                 turn_rules.apply_answer(sample, ids)
                 if call.turns.holds_for_input(sample):
                     call.turns.continue_answered(sample)
-                    return InputResp(sample=sample, batch_id=call.state.batch_id)
-                return InputResp(sample=sample, batch_id=None)
+                # Continued or not (an abort named the group during the call: the member waits
+                # idle after it), the answer is in the call's copy, durable with the call's
+                # outcome: the route names the call. Null would say "made durable already",
+                # which a call that never commits (the process dies, its store fails) belies.
+                return InputResp(sample=sample, batch_id=call.state.batch_id)
             if holder.owner != BACKGROUND:  # a resume or a delete: 409 group_busy
                 return await self._answer_idle(sample_id, gid, ids, turn)
             async with self.background.paused():  # handed back first, like for a call

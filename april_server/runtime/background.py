@@ -63,7 +63,9 @@ from april_server.engine.versions import WeightVersions
 from april_server.engine.weight_cut import WeightCut
 from april_server.rules import samples as sample_rules
 from april_server.rules.inflight import Admission, kv_need
+from april_server.rules.placement import Slot
 from april_server.runtime.live_calls import LiveCalls
+from april_server.runtime.run_to_end import run_to_end
 
 logger = logging.getLogger(__name__)
 OWNER = BACKGROUND
@@ -108,6 +110,12 @@ class Background:
         self._left: dict[str, int] = {}
         self._changed = asyncio.Event()
         self._fill_due = False  # a round is to take and start the wanted groups (`kick`)
+        # A kick came while a round ran (groups handed in, a holder that let go, maybe before
+        # the round it stopped had ended: its stopped members are still held by it then, and
+        # no fill of this round takes them): they start in the next round, which this round's
+        # end begins.
+        self._kicked = False
+        self._failing = False  # the round failed: it stops everything and hands back
 
     # ---- what the rest of the server calls -------------------------------------------------
 
@@ -157,7 +165,14 @@ class Background:
                     rested = self.resting.pop(g.group_id, None)
                     if rested is not None:
                         self.wanted[g.group_id], self.handed_by[g.group_id] = rested
-        for sample_id, slot in useless:
+        held = [(sample_id, slot) for sample_id, slot in useless if slot is not None]
+        if held:
+            # To the end even if the call is cancelled meanwhile (its client went away): the
+            # restart cleared where each snapshot lives, so no one else would ever free it.
+            await run_to_end(self._drop(held))
+
+    async def _drop(self, held: list[tuple[str, Slot]]) -> None:
+        for sample_id, slot in held:
             await self.segments.drop(sample_id, slot)
 
     @asynccontextmanager
@@ -173,9 +188,15 @@ class Background:
 
     def may_adopt(self, owner: str) -> bool:
         """Whether the ending call `owner` may hand its groups still generating over in place:
-        no other call or operation holds the background, and no weight update holds cut
-        segments (those continue under their owner's rule after it)."""
-        return self._holds == 1 and list(self.calls) == [owner] and self.weight_cut.updated.is_set()
+        no other call or operation holds the background, no weight update holds cut segments
+        (those continue under their owner's rule after it), and no round is failing (it hands
+        back all it holds)."""
+        return (
+            self._holds == 1
+            and list(self.calls) == [owner]
+            and self.weight_cut.updated.is_set()
+            and not self._failing
+        )
 
     def adopt(self, owner: str, going: dict[str, list[Running]]) -> list[str]:
         """The ending call `owner`'s groups (with the runs it started) pass here generating,
@@ -238,16 +259,25 @@ class Background:
         for _, gid in running:
             group = self.buffer.claimed[gid]
             runs = self.segments.runs_in(gid)
+            tasks = [t for t, g in self._ends.items() if g == gid]
             # An abort is stopping it, or a push cut it and its continuation is not planned
-            # yet under the background's bound (the cut may not even have landed): not the
-            # call's.
-            if any(r.stopping or r.cut or r.resuming for r in runs):
+            # yet under the background's bound (the cut may not even have landed), or its
+            # segment waits for a healthy engine under the plan the background judged (it has
+            # not generated yet: taken over, it would run under no rule of the call's): not the
+            # call's. Nor while a segment task of it has left `running` but still records its
+            # end (awaiting its snapshot's release): the call tracks only the runs it is
+            # handed, so nobody would wait for that task, which would go on writing to a group
+            # the call holds (and the call would start that member again beside it).
+            if any(r.stopping or r.cut or r.resuming or r.placing for r in runs):
+                continue
+            run_tasks = {r.task for r in runs}
+            if any(not t.done() and t not in run_tasks for t in tasks):
                 continue
             if not take(group, len(runs)):
                 break
             self.buffer.pass_held(gid, owner)
             self.segments.pass_runs(runs, owner)
-            for t in [t for t, g in self._ends.items() if g == gid]:
+            for t in tasks:
                 del self._ends[t]
             del self._left[gid]
             taken.append(group)
@@ -295,6 +325,7 @@ class Background:
             self._fill_due = True
             self._task = asyncio.get_running_loop().create_task(self._round())
         else:  # the round checks whether a hand-over in place left it a fill to do
+            self._kicked = True
             self._changed.set()
 
     def check(self) -> None:
@@ -347,8 +378,16 @@ class Background:
                         await self._hand_back([gid])
         except Exception:  # the background must never take the server down
             logger.exception("april: background round failed; its groups stay buffered")
+            # Its groups go back only once every segment task of it has ended: one that left
+            # `running` may still record its end (awaiting its snapshot's release), into a body
+            # that must still be held then; and nothing more is handed over in place meanwhile
+            # (`may_adopt`), or it would go back generating.
+            self._failing = True
             runs = self.segments.runs_of(OWNER)
             await self.segments.stop(runs, "tokens")
+            pending = [t for t in ends if not t.done()]
+            if pending:
+                await asyncio.wait(pending)
             try:
                 await self._hand_back(list(self.running_groups()))
             except Exception:  # the store fails (a full disk): never keep them held
@@ -359,10 +398,15 @@ class Background:
                 self.buffer.release_in_place(OWNER)
         finally:
             self._task = None
+            self._failing = False
             self._ends.clear()
             self._left.clear()
-        if waiting and not self._holds:
-            self.kick()  # groups that found no room get their turn
+        kicked, self._kicked = self._kicked, False
+        if (waiting or kicked) and not self._holds:
+            # Groups that found no room get their turn; so do those a kick concerned while
+            # this round ran (handed in, or stopped by a holder that let go before the round
+            # ended: it cannot start a round that still runs).
+            self.kick()
 
     async def _fill(self) -> list[str]:
         """Hold the wanted groups in place and start what fits; returns those that did not."""

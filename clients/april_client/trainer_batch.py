@@ -121,6 +121,44 @@ def response_mask(
     return out + keep[pos:]
 
 
+def response_logprobs(sample: Sample) -> list[float]:
+    """Per `response_ids` token: the sampling logprob, 0.0 on appended context (tool answers),
+    as the trainers' own tool loops fill them."""
+    out: list[float] = []
+    pos = 0
+    for ap in sample.appended:
+        out += list(sample.output_logprobs[pos : ap.at]) + [0.0] * len(ap.ids)
+        pos = ap.at
+    return out + list(sample.output_logprobs[pos:])
+
+
+def token_versions(sample: Sample) -> list[str | None]:
+    """Per `response_ids` token: the weight version that sampled it, None on appended context."""
+    generated: list[str | None] = [None] * len(sample.output_ids)
+    for seg in sample.segments:
+        generated[seg.start : seg.end] = [seg.weight_version] * (seg.end - seg.start)
+    out: list[str | None] = []
+    pos = 0
+    for ap in sample.appended:
+        out += generated[pos : ap.at] + [None] * len(ap.ids)
+        pos = ap.at
+    return out + generated[pos:]
+
+
+def jsonable(value: Any) -> Any:
+    """A dataset row's value as JSON, to travel as a group's metadata (numpy arrays and scalars,
+    as parquet gives them, become lists and numbers); TypeError for what JSON cannot hold."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return jsonable(value.tolist())
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    raise TypeError(f"a row value of type {type(value).__name__} cannot travel as JSON")
+
+
 def stale_tokens(sample: Sample, current_version: str) -> int:
     return len(sample.output_ids) - sum(fresh_mask(sample, current_version))
 

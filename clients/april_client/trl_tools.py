@@ -25,7 +25,7 @@ from typing import Any
 from ._routes import TurnsArg
 from ._sync import AprilClient
 from .protocol import Group, RolloutResp, Sample, SampleAwaitingEvent
-from .trainer_batch import Rows, StaleTokens, fresh_mask, response_mask
+from .trainer_batch import Rows, StaleTokens, fresh_mask, response_logprobs, response_mask
 
 
 @dataclass(frozen=True)
@@ -105,17 +105,6 @@ def rollout_with_tool(
         buffered_group_ids=done.buffered_group_ids,
         stats=done.stats,
     )
-
-
-def response_logprobs(sample: Sample) -> list[float]:
-    """Per `response_ids` token: the sampling logprob, 0.0 on appended answers (as TRL's own
-    tool loop fills them)."""
-    out: list[float] = []
-    pos = 0
-    for ap in sample.appended:
-        out += list(sample.output_logprobs[pos : ap.at]) + [0.0] * len(ap.ids)
-        pos = ap.at
-    return out + list(sample.output_logprobs[pos:])
 
 
 def tool_rows(

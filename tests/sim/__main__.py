@@ -1,6 +1,8 @@
-"""`python -m tests.sim [--seeds N] [--start S] [--seed S --verbose]`: run seeds, print seeds
-per second, and for the first failure its check, the clients' trace and the replay command.
-Runs itself again with PYTHONHASHSEED=0 (set iteration order must not vary between runs)."""
+"""`python -m tests.sim [--seeds N] [--start S] [--seed S --verbose] [--no-faults]`: run seeds,
+print seeds per second, and for the first failure its check, the clients' trace and the replay
+command. Faults are on unless `--no-faults` (`faults.py`: then the simulator runs every seed
+exactly as it did before faults existed). Runs itself again with PYTHONHASHSEED=0 (set
+iteration order must not vary between runs)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true", help="print the trace and traceback")
     ap.add_argument("--keep-going", action="store_true", help="count every failing seed")
     ap.add_argument("--mutant", choices=sorted(MUTANTS), help="put a known bug back (mutants.py)")
+    ap.add_argument(
+        "--no-faults",
+        action="store_true",
+        help="inject no fault and drive no newer client: the seeds as they ran before faults",
+    )
     args = ap.parse_args()
     if not hash_seed_fixed():
         os.environ["PYTHONHASHSEED"] = "0"
@@ -32,13 +39,14 @@ def main() -> int:
     last = t0
     for seed in seeds:
         with mutant(args.mutant):
-            failure = run_seed(seed)
+            failure = run_seed(seed, faults=not args.no_faults)
         done += 1
         if failure is not None:
             failed.append(failure)
             if len(failed) == 1 or args.verbose:
                 print(f"seed {seed} FAILED: {failure.check}", flush=True)
                 if args.verbose:
+                    print(failure.plan)
                     print("\n".join(failure.trace[-60:]))
                     print(failure.detail)
                 extra = f" --mutant {args.mutant}" if args.mutant else ""

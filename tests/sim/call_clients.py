@@ -4,6 +4,7 @@ scenarios around them (a retry that grows, one id sent twice, answers racing a c
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 
@@ -19,11 +20,12 @@ from april_client.protocol import (
 from april_server.rules import turns
 from april_server.rules.idempotency import is_attempt
 from april_server.wire.errors import ApiError
-from tests.sim.base import WorldBase, group_of
+from tests.sim.base import group_of
+from tests.sim.feature_clients import FeatureClients
 from tests.sim.ledger import require
 
 
-class CallClients(WorldBase):
+class CallClients(FeatureClients):
     async def op_call(self) -> None:
         rng = self.rng
         agent = rng.random() < 0.4
@@ -42,6 +44,8 @@ class CallClients(WorldBase):
             stream=agent or rng.random() < 0.3,
             request_id=self.fresh("r") if rng.random() < 0.3 else None,
         )
+        if self.plan.on:
+            self.call_options(req)
         how = rng.choice(["plain", "plain", "abandon", "retry"])
         if how == "plain":
             await self.call(req, gids)
@@ -81,12 +85,18 @@ class CallClients(WorldBase):
         start_version = self.version()
         if req.request_id is not None:
             first = self.first_start.setdefault(req.request_id, start_version)
-            stored = await self.mgr.store.load_call(req.request_id) if retry else None
+            stored = await self.stored_call(req.request_id) if retry else None
             if stored is not None and not is_attempt(stored):
                 start_version = first
         reader = None
         if events is not None:
             reader = asyncio.ensure_future(self.read_events(events, answers))
+        self.answer_seq += 1
+        key = self.answer_seq
+        first_version = self.first_start.get(req.request_id or "", start_version)
+        self.calling[key] = (req, gids, first_version)  # if the process dies meanwhile
+        if req.request_id is not None:  # which attempt delivered, a stored answer cannot say
+            self.bounds_sent.setdefault(req.request_id, []).append(req.max_staleness)
         try:
             resp = await self.mgr.rollout(req, events)
         except ApiError as exc:
@@ -98,7 +108,18 @@ class CallClients(WorldBase):
         except asyncio.CancelledError:
             self.note(f"{label}: abandoned")
             raise
+        except OSError as exc:
+            if not self.injected(label, exc):
+                raise
+            # Answers a call took are durable with its outcome: this one's, unknown to its
+            # client, failed (so did the answers of any call that ended without answering).
+            answered = set(self.batches) | set(self.mgr.calls)
+            self.ledger.not_durable({b for b in self.ledger.batches_taking() if b not in answered})
+            if req.on_quota == "continue":  # it may have handed groups in with its bound
+                self.ledger.loosen(req.max_staleness)
+            return
         finally:
+            self.calling.pop(key, None)
             if events is not None and reader is not None:
                 events.put_nowait(None)
                 await reader
@@ -118,10 +139,19 @@ class CallClients(WorldBase):
                 return
         named = {g.group_id for g in resp.groups} | set(resp.buffered_group_ids)
         named |= set(resp.dropped_group_ids)
+        at = self.at_crash if self.after_crash else None
         for gid in gids:  # a stored response speaks for the groups of the attempt it answered
             if gid in named:
                 led.create(gid, req.request_id or resp.batch_id)
-        led.deliver(resp.groups, start_version)
+                # Read after the process died, it may speak of a group an unacknowledged
+                # operation had removed by then (as `crashed` judges those acknowledged).
+                if at is not None and (gid not in at.known or gid in at.removers):
+                    led.maybe_gone.add(gid)
+        own = req.max_staleness
+        sent = self.bounds_sent.get(req.request_id or "", [])
+        if sent:  # its attempts' loosest bound: any of them may have delivered
+            own = None if None in sent else max(b for b in sent if b is not None)
+        led.deliver(resp.groups, start_version, own, resp.batch_id)
         for gid in resp.dropped_group_ids:
             led.dropped.add(gid)
             led.leave(gid)
@@ -143,7 +173,7 @@ class CallClients(WorldBase):
             rid = req.request_id or ""
             if rid in self.ledger.answered:
                 continue
-            stored = await self.mgr.store.load_call(rid)
+            stored = await self.stored_call(rid)
             if stored is not None and not is_attempt(stored):
                 resp = msgspec.json.decode(stored, type=RolloutResp)
                 self.note(f"abandoned {rid} had delivered {[g.group_id for g in resp.groups]}")
@@ -175,7 +205,7 @@ class CallClients(WorldBase):
                     self.pending.append((sid, turn))
                     await self.abort_named(ev.sample.group_id)
             elif isinstance(ev, GroupFinishedEvent):
-                pass
+                await self.maybe_reject(ev.batch_id, ev.group.group_id)
 
     async def op_answer_beside_call(self) -> None:
         """A held-back answer posted as a call starts that may claim its group: the answer
@@ -240,7 +270,12 @@ class CallClients(WorldBase):
             await asyncio.sleep(0.005)
             if not self.mgr.buffer.known(gid):
                 return
-            g = await self.mgr.buffer.read_group(gid)
+            db: Any = self.mgr.store._db
+            db.spare_next = True  # the harness's look: never a fault
+            try:
+                g = await self.mgr.buffer.read_group(gid)
+            finally:
+                db.spare_next = False
             awaiting = next((s for s in g.samples if turns.awaiting(s)), None)
             if awaiting is not None:
                 break
@@ -274,6 +309,9 @@ class CallClients(WorldBase):
                 ok.append("groups")
             except ApiError as exc:
                 self.allowed("groups", exc, [gid])
+            except OSError as exc:
+                if not self.injected(f"groups {gid}", exc):
+                    raise
 
         async def by_call() -> None:
             req = RolloutReq(
@@ -288,8 +326,12 @@ class CallClients(WorldBase):
             except ApiError as exc:
                 self.allowed("call", exc, [gid])
                 return
+            except OSError as exc:
+                if not self.injected(f"call {gid}", exc):
+                    raise
+                return
             ok.append("call")
-            self.ledger.deliver(resp.groups, start_version)
+            self.ledger.deliver(resp.groups, start_version, req.max_staleness, resp.batch_id)
             for g in resp.dropped_group_ids:
                 self.ledger.dropped.add(g)
 
@@ -336,6 +378,10 @@ class CallClients(WorldBase):
                 await self.mgr.add_groups(GroupsReq(groups=[self.spec(extra, False)], start="idle"))
             except ApiError as exc:
                 self.allowed("groups", exc, [extra])
+                return
+            except OSError as exc:
+                if not self.injected(f"groups {extra}", exc):
+                    raise
                 return
             ok.append("groups")
             self.ledger.create(extra, "rival")

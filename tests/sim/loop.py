@@ -8,7 +8,13 @@ One seed is one interleaving, replayed exactly:
   could produce for callbacks ready together is reachable, and many it rarely produces.
 - Tasks hash by creation order, not by address, so iterating a set of tasks (`asyncio.wait`'s
   `done`) visits them in the same order on every run of a seed.
-- Nothing here runs on another thread: `call_soon_threadsafe` is `call_soon`.
+- Nothing here runs on another thread: `call_soon_threadsafe` is `call_soon`, and work handed
+  to an executor (`asyncio.to_thread`: a text answer's tokenizer) runs on the loop, its future
+  settled at once.
+- A crash (`Crash`, raised between two callbacks) stops the loop where it stands, like a
+  `kill -9`: no callback runs again, no task is cancelled (a cancellation would run the
+  server's clean-up code, which a killed process never runs). `run` then closes the dead
+  tasks' coroutines quietly and returns the crash; a new loop carries on from its clock.
 `determinism()` also points `time.time`/`perf_counter`/`monotonic`, `uuid.uuid4` and
 `secrets.randbelow` at the loop's clock and generator while a seed runs, since the server reads
 them and would otherwise make two runs of a seed differ.
@@ -18,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import heapq
 import random
 import secrets
+import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -31,6 +40,14 @@ START_TIME = 1_000_000.0  # virtual seconds at a seed's start (not 0: code subtr
 
 class Wedged(RuntimeError):
     """Nothing is ready and no timer is due, yet the main coroutine has not ended."""
+
+
+class Crash(BaseException):
+    """The simulated process dies here (raised between two callbacks; `run` returns it)."""
+
+    def __init__(self, at: float) -> None:
+        super().__init__(f"crash at t={at - START_TIME:.4f} s")
+        self.at = at
 
 
 class SimTask(asyncio.Task):  # type: ignore[type-arg]
@@ -48,10 +65,10 @@ class SimTask(asyncio.Task):  # type: ignore[type-arg]
 
 
 class SimLoop(asyncio.SelectorEventLoop):
-    def __init__(self, seed: int, max_virtual_s: float = 3600.0) -> None:
+    def __init__(self, seed: int, max_virtual_s: float = 3600.0, start: float = START_TIME) -> None:
         super().__init__()
         self.rng = random.Random(seed)
-        self.now = START_TIME
+        self.now = start
         self.max_virtual_s = max_virtual_s
         self.steps = 0  # callbacks run
         self._task_count = 0
@@ -66,6 +83,14 @@ class SimLoop(asyncio.SelectorEventLoop):
 
     def _write_to_self(self) -> None:
         pass
+
+    def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = self.create_future()
+        try:
+            fut.set_result(func(*args))
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+            fut.set_exception(exc)
+        return fut
 
     def _run_once(self) -> None:
         ready, scheduled = self._ready, self._scheduled
@@ -122,18 +147,54 @@ def determinism(loop: SimLoop) -> Iterator[None]:
         time.time, time.perf_counter, time.monotonic, uuid.uuid4, secrets.randbelow = saved
 
 
-def run(seed: int, main: Callable[[], Coroutine[Any, Any, Any]], max_virtual_s: float) -> Any:
-    """Run `main()` to its end on a fresh `SimLoop` for `seed`."""
-    loop = SimLoop(seed, max_virtual_s)
+def run(
+    seed: int,
+    main: Callable[[], Coroutine[Any, Any, Any]],
+    max_virtual_s: float,
+    start: float = START_TIME,
+) -> Crash | None:
+    """Run `main()` to its end on a fresh `SimLoop` for `seed`, its clock at `start`; returns
+    the `Crash` that stopped it instead, if one did."""
+    loop = SimLoop(seed, max_virtual_s, start)
     asyncio.set_event_loop(loop)
+    crash: Crash | None = None
     try:
         with determinism(loop):
-            return loop.run_until_complete(main())
+            loop.run_until_complete(main())
+    except Crash as exc:
+        crash = exc
     finally:
-        with contextlib.suppress(Exception):
-            _cancel_all(loop)
+        if crash is not None:
+            _bury(loop)
+        else:
+            with contextlib.suppress(Exception):
+                _cancel_all(loop)
         asyncio.set_event_loop(None)
         loop.close()
+    return crash
+
+
+def _bury(loop: SimLoop) -> None:
+    """A crashed loop's tasks never run again: close their coroutines now, oldest first, so
+    that the clean-up code they hold (`finally` blocks, against the dead process's objects
+    only) runs at this known point, not whenever the garbage collector finds them during a
+    later seed. Whatever that code raises is the dead process's."""
+    tasks = sorted(asyncio.all_tasks(loop), key=lambda t: getattr(t, "_sim_id", 0))
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _: None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for t in tasks:
+                coro: Any = t.get_coro()
+                with contextlib.suppress(BaseException):
+                    coro.close()
+                t._log_destroy_pending = False  # type: ignore[attr-defined]
+            loop._ready.clear()  # type: ignore[attr-defined]
+            loop._scheduled.clear()  # type: ignore[attr-defined]
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def _cancel_all(loop: SimLoop) -> None:

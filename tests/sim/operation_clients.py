@@ -24,27 +24,45 @@ class OperationClients(WorldBase):
     async def answer(self, sid: str, turn: int, twice: bool = False, delay: bool = False) -> None:
         if delay:
             await asyncio.sleep(self.rng.uniform(0, 0.01 if self.rng.random() < 0.5 else 0.1))
-        ids = [(len(sid) + turn) % 60 + 1, turn]
+        text, ids = self.answer_text(sid, turn)
+        if text is None:
+            ids = [(len(sid) + turn) % 60 + 1, turn]
+        body = InputReq(text=text, turn=turn) if text else InputReq(append_ids=ids, turn=turn)
         gid = group_of(sid)
+        self.answer_seq += 1
+        key = self.answer_seq
+        self.answering[key] = (sid, ids)  # taken or not, if the process dies meanwhile
         try:
-            await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
+            resp = await self.mgr.post_input(sid, body)
         except ApiError as exc:
             self.note(f"answer {sid} turn {turn}: {exc.code}")
             self.allowed("answer", exc, [gid])
             return
         except asyncio.CancelledError:  # its client went away: taken or not, it cannot know
             self.note(f"answer {sid} turn {turn}: abandoned")
-            self.ledger.answers.setdefault(sid, []).append((ids, False))
+            self.ledger.answer_taken(sid, ids, False, None)
             raise
+        except OSError as exc:  # not made durable: the answer was not taken
+            if not self.injected(f"answer {sid} turn {turn}", exc):
+                raise
+            return
+        finally:
+            self.answering.pop(key, None)
         self.note(f"answer {sid} turn {turn}: taken")
-        self.ledger.answers.setdefault(sid, []).append((ids, True))
+        # Held as it answers, unless a staleness restart of its continuation forgot it already.
+        held = ids in [a.ids for a in resp.sample.appended]
+        restarts = resp.sample.staleness_restarts if held else -1
+        self.ledger.answer_taken(sid, ids, True, resp.batch_id, restarts)
         if twice:
             try:
-                await self.mgr.post_input(sid, InputReq(append_ids=ids, turn=turn))
+                await self.mgr.post_input(sid, body)
             except ApiError as exc:
                 # Taken already (or the group left, or another operation holds it now).
                 require(exc.code in ("not_awaiting", "not_found", "group_busy"), f"second: {exc}")
                 self.allowed("answer", exc, [gid])
+            except OSError as exc:  # the store failed before it could look
+                if not self.injected(f"answer {sid} turn {turn} again", exc):
+                    raise
             else:
                 raise AssertionError(f"{sid} took a second answer for turn {turn}")
 
@@ -73,6 +91,10 @@ class OperationClients(WorldBase):
             except ApiError as exc:
                 self.note(f"{label}: {exc.code}")
                 self.allowed("groups", exc, gids)
+                return
+            except OSError as exc:
+                if not self.injected(label, exc):
+                    raise
                 return
             self.note(f"{label}: ok")
             require(resp.group_ids == gids, f"{label}: answered {resp.group_ids}")
@@ -105,14 +127,34 @@ class OperationClients(WorldBase):
         led, keep = self.ledger, req.keep
         label = f"abort all={req.all} batch={req.batch_id} named={sorted(named)} keep={keep}"
         self.note(f"{label} starts")
+        self.aborts += 1
+        if keep == "drop":  # it resets what it stops (what it names, or all of a batch)
+            if req.all or req.batch_id is not None:
+                led.drops += 1
+            for gid in named:
+                led.group_drops[gid] = led.group_drops.get(gid, 0) + 1
         if req.batch_id is not None:  # what the server says that batch left in the background
             named |= self.mgr.background.handed_in_by(req.batch_id)
+        self.aborting += 1
+        led.dropping += keep == "drop"
         try:
             await self.mgr.abort(req)
         except ApiError as exc:
             self.note(f"{label}: {exc.code}")
             self.allowed("abort", exc, sorted(named))
             return
+        except OSError as exc:  # it may have stopped some of them: the background may forget
+            if not self.injected(label, exc):
+                raise
+            led.background -= set(led.background) if req.all else named
+            return
+        except asyncio.CancelledError:  # abandoned half-way: the same
+            self.note(f"{label}: abandoned")
+            led.background -= set(led.background) if req.all else named
+            raise
+        finally:
+            self.aborting -= 1
+            led.dropping -= keep == "drop"
         # Right as it returns: nothing it named generates, no call still counts on it, and the
         # background no longer wants it.
         mgr = self.mgr
@@ -140,6 +182,15 @@ class OperationClients(WorldBase):
             self.note(f"delete {gid}: {exc.code}")
             self.allowed("delete", exc, [gid])
             return
+        except OSError as exc:
+            if not self.injected(f"delete {gid}", exc):
+                raise
+            return
+        except asyncio.CancelledError:  # deleted or not, its client cannot know
+            self.note(f"delete {gid}: abandoned")
+            self.ledger.maybe_gone.add(gid)
+            self.ledger.leave(gid)
+            raise
         self.note(f"delete {gid}: done")
         require(not self.mgr.buffer.known(gid), f"delete {gid}: still known")
         self.ledger.deleted.add(gid)
@@ -154,6 +205,10 @@ class OperationClients(WorldBase):
         sid = f"{gid}/0"
         try:
             out = await self.mgr.resume(ResumeReq(sample_ids=[sid]))
+        except OSError as exc:
+            if not self.injected(f"resume {sid}", exc):
+                raise
+            return
         except ApiError as exc:
             self.note(f"resume {sid}: {exc.code}")
             if exc.status == 404 and "sample" in str(exc) and self.mgr.buffer.known(gid):
@@ -171,9 +226,17 @@ class OperationClients(WorldBase):
         await seg.before_update()
         await asyncio.sleep(self.rng.uniform(0, 0.02))
         self.eng.version = str(self.version() + 1)
+        behind = self.eng.push_fails_on() if self.plan.on else None
         seg.after_update()
-        self.note(f"push to {self.version()} done")
+        self.note(f"push to {self.version()} done" + (f", failed on {behind}" if behind else ""))
+        if behind is not None:  # a probe brings it level a while later
+            self.late.append(asyncio.ensure_future(self.level(behind)))
         self.check()
+
+    async def level(self, engine: str) -> None:
+        await asyncio.sleep(self.rng.uniform(0.02, 0.5))
+        self.eng.stale.discard(engine)
+        self.note(f"engine {engine} level again")
 
     async def op_engine_errors(self) -> None:
         self.eng.fail_p = self.rng.uniform(0.05, 0.3)

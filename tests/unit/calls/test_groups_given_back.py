@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from april_client.protocol import RejectReq, RolloutReq
+from april_client.protocol import GroupsReq, RejectReq, RolloutReq
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
@@ -244,6 +244,38 @@ def test_a_failure_after_the_answer_was_made_durable_still_answers(tmp_path: Pat
         mgr.buffer.persist = real  # type: ignore[method-assign]
         r2 = await mgr.rollout(RolloutReq(groups=[], target_groups=1))
         assert len(r2.groups[0].samples[0].output_ids) == 400
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_continue_call_whose_answer_fails_to_persist_leaves_nothing_generating(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 15 with faults: a commit failing like a full disk): a
+    `continue` call whose own commit failed raised with its stragglers still generating in
+    place, meant for the background, and gave their groups back as last persisted while their
+    segments went on recording into bodies nobody held (a sample running for nobody)."""
+
+    async def go() -> None:
+        mgr = RolloutManager(FakeEngine(delay_s=0.002), Durable.open(tmp_path / "b.sqlite"))
+        await mgr.add_groups(GroupsReq(groups=[spec("long", 400)], start="idle"))
+        real = mgr.buffer.persist
+
+        async def full_disk(*args: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        mgr.buffer.persist = full_disk  # type: ignore[method-assign]
+        req = RolloutReq(groups=[spec("quick", 2)], target_groups=1, on_quota="continue")
+        with pytest.raises(OSError):
+            await mgr.rollout(req)
+        assert not mgr.segments.running  # before the fix: long/0, for a call that had ended
+        assert mgr.buffer.owner_of("long") is None
+        mgr.check_integrity()
+        mgr.buffer.persist = real  # type: ignore[method-assign]
+        r = await mgr.rollout(RolloutReq(groups=[], target_groups=1))
+        assert r.groups[0].group_id == "long"
+        assert len(r.groups[0].samples[0].output_ids) == 400
         mgr.check_integrity()
 
     asyncio.run(go())

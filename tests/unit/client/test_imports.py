@@ -75,6 +75,7 @@ def test_each_distribution_folder_is_named_as_it_is_imported() -> None:
 SERVER_SIDE = [
     "april_server", "torch", "sglang", "fastapi", "uvicorn", "starlette", "triton", "numpy",
     "pydantic", "transformers", "trl", "datasets", "matplotlib", "tqdm",
+    "slime", "verl", "areal", "ray", "hydra", "omegaconf", "safetensors",
 ]  # fmt: skip
 
 # Run in a fresh interpreter: drop the editable install's finder (it would map `april_client` to

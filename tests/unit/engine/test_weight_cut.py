@@ -7,7 +7,10 @@ helpers these use."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+from april_server.engine.base import EngineUnavailable
+from april_server.rules.placement import Slot
 from tests.unit.engine.test_segment_runner import (
     generating,
     group,
@@ -93,5 +96,53 @@ def test_a_cut_segment_stopped_during_the_update_keeps_what_the_old_weights_made
         assert [seg.weight_version for seg in s.segments] == ["0"] and s.status == "partial"
         assert len(eng.calls) == 1 and not runner.running
         runner.weight_cut.after_update()
+
+    asyncio.run(go())
+
+
+class GoneAcrossAnUpdate(FakeEngine):
+    """Its next segment waits at the engine until `gone` is set, then the engine is gone."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.002)
+        self.gone: asyncio.Event | None = None
+
+    async def generate(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> Any:
+        if self.gone is not None:
+            gone, self.gone = self.gone, None
+            await gone.wait()
+            raise EngineUnavailable(Slot(), "connection lost")
+        return await super().generate(rid, input_ids, params)
+
+
+def test_a_segment_planned_again_after_its_engine_went_away_is_judged_under_the_new_version() -> (
+    None
+):
+    """Found by the simulator (seed 13832 with faults: an owner whose push failed on one
+    engine): a segment planned under version 0 whose engine went away after a push to version
+    1 was planned again elsewhere with the continuation planned before the push, so it ran
+    under version 1 without its owner's max_staleness being applied (0 here: it must restart
+    from its prompt)."""
+
+    async def go() -> None:
+        eng = GoneAcrossAnUpdate()
+        runner = runner_over(eng)
+        g, _, tasks = await generating(eng, runner, 40)
+        await runner.stop(list(runner.running.values()), "tokens")
+        await asyncio.gather(*tasks)
+        (s,) = g.samples
+        assert [seg.weight_version for seg in s.segments] == ["0"]
+        eng.gone = gone = asyncio.Event()
+        _, (task,) = start_group(runner, g, max_staleness=0)  # continues: its segment is new
+        await until(lambda: len(eng.calls) == 1 and "g/0" in runner.running)
+        await asyncio.sleep(0.01)  # at the engine, which holds it
+        await runner.weight_cut.before_update()
+        eng.version = "1"
+        runner.weight_cut.after_update()
+        gone.set()  # the engine goes away: the segment is planned again elsewhere
+        await task
+        assert s.staleness_restarts == 1  # before the fix: 0, a version-0 segment continued
+        assert [seg.weight_version for seg in s.segments] == ["1"]
+        assert s.output_ids == uninterrupted(40)
 
     asyncio.run(go())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,41 @@ def test_a_request_id_names_a_hand_in_and_a_call_apart(tmp_path: Path) -> None:
         assert sorted(g.group_id for g in r.groups) == ["c", "p"]
         assert await mgr.add_groups(pre) == first  # each still idempotent
         assert await mgr.rollout(call) == r
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_groups_whose_client_left_during_the_commit_are_handed_in(tmp_path: Path) -> None:
+    """Found by the simulator (seed 0 with faults): a client that went away while its groups
+    were being made durable left them durable, and its retry got the stored answer ("handed
+    in"), but they were never handed to the background: they never ran, and their bound was
+    never recorded (a later call delivered them staler than it allowed)."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        real, gate = mgr.persister.persist, asyncio.Event()
+
+        async def slow(*args: Any) -> None:
+            await gate.wait()
+            await real(*args)
+
+        mgr.persister.persist = slow  # type: ignore[method-assign]
+        req = GroupsReq(groups=[spec("p1", 20)], max_staleness=1, request_id="hand-in-1")
+        first = asyncio.ensure_future(mgr.add_groups(req))
+        await until(lambda: mgr.buffer.known("p1"))  # adopted: its commit is under way
+        first.cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        mgr.persister.persist = real  # type: ignore[method-assign]
+        again = await mgr.add_groups(req)  # the stored answer
+        assert again.group_ids == ["p1"] and again.started_samples == 1
+        assert mgr.background.bounds.get("p1") == 1  # before the fix: never handed in
+        await until(lambda: mgr.buffer.idle.get("p1").unfinished == 0)
+        (s,) = (await mgr.buffer.read_group("p1")).samples
+        assert s.output_ids == reference(20)
         mgr.check_integrity()
 
     asyncio.run(go())

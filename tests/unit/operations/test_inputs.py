@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from april_client.protocol import InputReq, RolloutReq, StreamEvent
+from april_client.protocol import (
+    AbortReq,
+    GroupSpec,
+    InputReq,
+    RolloutReq,
+    SampleAwaitingEvent,
+    StreamEvent,
+)
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
@@ -100,6 +107,35 @@ def test_an_answer_during_the_wind_down_is_not_lost(tmp_path: Path) -> None:
         mgr = make(tmp_path)
         (s,) = (await mgr.buffer.read_group("a")).samples
         assert [a.ids for a in s.appended] == [answer(1)]  # durable
+
+    asyncio.run(go())
+
+
+def test_an_answer_for_a_group_its_call_gave_up_names_the_call(tmp_path: Path) -> None:
+    """Found by the simulator (seed 8763 with faults: a commit failing like a full disk): an
+    answer for a group its call had given up (an abort named it) was taken into the call's
+    copy, durable only with the call's outcome, but answered with batch_id null ("made
+    durable already"); the call's commit failed, and the answer was gone."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        params = {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+        long = GroupSpec("long", input_ids=[1, 2, 3], sampling_params=params)
+        req = RolloutReq(groups=[spec("a"), long], target_groups=2, stream=True)
+        answered: list[Any] = []
+
+        async def abort_then_answer(ev: StreamEvent) -> bool:
+            if isinstance(ev, SampleAwaitingEvent) and not answered:
+                await mgr.abort(AbortReq(group_ids=["a"]))  # the call gives "a" up, runs on
+                answered.append(await mgr.post_input("a/0", InputReq(append_ids=answer(1))))
+                assert not mgr.segments.is_running("a/0")  # not continued: it waits idle
+            return False
+
+        resp, _ = await drive(mgr, req, abort_then_answer)
+        assert answered and answered[0].batch_id == resp.batch_id  # before the fix: None
+        (s,) = (await mgr.buffer.read_group("a")).samples  # durable with the call's outcome
+        assert s.status == "partial" and [x.ids for x in s.appended] == [answer(1)]
+        mgr.check_integrity()
 
     asyncio.run(go())
 

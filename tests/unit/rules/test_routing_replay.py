@@ -198,3 +198,33 @@ def test_turned_on_mid_way_a_restore_marks_the_unrecorded_prefix_missing() -> No
         .astype(np.int16)
         .tobytes()
     )
+
+
+def test_a_restore_longer_than_the_input_asks_rows_from_its_last_token() -> None:
+    """Found by the simulator (seed 25645 with faults: a commit failing like a full disk, then
+    routed experts): the sample's stored body is older than its snapshot, which a later segment
+    replaced under the same key; restored, it made visible more tokens than the continuation
+    sends, and rows were asked from past the input (`engine/base.py`): the sample recorded rows
+    for positions its context does not have."""
+    import asyncio
+    from typing import Any
+
+    from april_server.engine.base import SegmentCall
+    from april_server.rules.placement import Slot
+    from tests.unit.fake_engine import SnapshotFakeEngine
+
+    class LongSnapshot(SnapshotFakeEngine):
+        asked: list[int | None] = []
+
+        async def restore_snapshot(self, key: str, slot: Slot, namespace: Any = None) -> int:
+            return 37  # taken after more tokens than the body now holds
+
+        async def generate_on(self, slot: Slot, call: SegmentCall) -> Any:
+            self.asked.append(call.routing_start)
+            return await super().generate_on(slot, call)
+
+    eng = LongSnapshot(delay_s=0.0)
+    ids = list(range(3, 25))  # 22 tokens: its last one, position 21, is always fed
+    call = SegmentCall("g/0@c.1.x", "g/0", ids, {"max_new_tokens": 2}, Slot(), True, None, None, 0)
+    asyncio.run(eng.run_segment(call))
+    assert eng.asked == [21]  # before the fix: 37, past the input

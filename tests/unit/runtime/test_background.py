@@ -290,3 +290,22 @@ def test_a_group_handed_on_generating_is_stored_whole(
         mgr.check_integrity()
 
     asyncio.run(go())
+
+
+def test_groups_handed_in_while_a_round_runs_start_once_it_ends(tmp_path: Path) -> None:
+    """Found by the simulator (seed 17, faults off): groups handed in while a background
+    round ran waited for "a later round", but the round ended without starting one, and
+    nothing else came to kick the background: they stayed idle until the next call."""
+
+    async def go() -> None:
+        mgr = make(tmp_path)
+        await mgr.add_groups(GroupsReq(groups=[spec("a", 60)]))
+        await until(lambda: mgr.background.running_groups() == {"a"})
+        await mgr.add_groups(GroupsReq(groups=[spec("b", 5)]))  # while "a"'s round runs
+        assert mgr.background.running_groups() == {"a"}  # not beside it: in the next round
+        await until(lambda: mgr.buffer.idle.get("b").unfinished == 0, timeout=10.0)
+        (s,) = (await mgr.buffer.read_group("b")).samples
+        assert s.output_ids == reference(5)
+        mgr.check_integrity()
+
+    asyncio.run(go())

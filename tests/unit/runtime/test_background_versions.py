@@ -121,6 +121,166 @@ def test_a_stale_restart_at_a_claim_frees_the_members_snapshot(tmp_path: Path) -
     asyncio.run(go())
 
 
+class SlowDrop(SnapshotFakeEngine):
+    """Frees a snapshot only once `freeing` is set (a busy scheduler's answer)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.003)
+        self.dropping, self.freeing = asyncio.Event(), asyncio.Event()
+
+    async def drop_snapshot(self, key: str, slot: Any) -> None:
+        self.dropping.set()
+        await self.freeing.wait()
+        await super().drop_snapshot(key, slot)
+
+
+def test_a_call_cancelled_while_a_stale_restart_frees_the_snapshot_still_frees_it(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 3518 with faults, window B): a call that claimed a group
+    past its bound restarted the member (clearing where its snapshot lives), then awaited the
+    snapshot's release; its client went away there, the release never happened, and the body
+    was persisted without the snapshot: held on the engine, referred to by nobody."""
+
+    async def go() -> None:
+        eng = SlowDrop()
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 300)], max_staleness=1))
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.05)
+        async with mgr.background.paused():  # stops it with a snapshot, as a call does
+            eng.version = "1"
+            eng.version = "2"  # two pushes: its tokens of version 0 are past its bound
+        call = asyncio.ensure_future(mgr.rollout(RolloutReq(groups=[], target_groups=1)))
+        await eng.dropping.wait()  # the call restarted it and frees its snapshot
+        call.cancel()
+        await asyncio.sleep(0.01)
+        eng.freeing.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert eng.snaps == set()  # before the fix: {"bg/0"}, held for good
+        (s,) = (await mgr.buffer.read_group("bg")).samples
+        assert s.snapshot_bytes == 0
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_call_does_not_take_over_a_group_whose_segment_still_records_its_end(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 11879 with faults, window A): a background segment that
+    had left `running` but still recorded its end (awaiting its snapshot's release) was
+    handed to a call with its group; the call tracked only the runs still running, so nobody
+    waited for that task, which went on writing to a group the call held (the call even
+    started the member again beside it). The group stays the background's until it ended."""
+
+    async def go() -> None:
+        eng = SlowDrop()
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 60)]))
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.02)
+        async with mgr.background.paused():  # stopped with a snapshot, restored after
+            pass
+        await eng.dropping.wait()  # it finished from the restore; its task frees the snapshot
+        (settling,) = mgr.background._ends
+        assert not mgr.segments.running and not settling.done()
+        call = asyncio.ensure_future(mgr.rollout(RolloutReq(groups=[], target_groups=1)))
+        await asyncio.sleep(0.05)
+        holder = mgr.buffer.owner_of("bg")
+        eng.freeing.set()
+        r = await call
+        assert holder == "background"  # before the fix: the call's, its segment task running
+        assert settling.done()
+        (s,) = r.groups[0].samples
+        assert s.output_ids == reference(60) and s.snapshot_bytes == 0
+        assert eng.snaps == set()
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+def test_a_failed_round_hands_its_groups_back_once_their_segments_recorded_their_end(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 5914 with faults, window C): a background round whose
+    commit failed stopped what still ran and handed every group back, but a segment task that
+    had left `running` still awaited its snapshot's release: the group was persisted with the
+    snapshot it was freeing, and the task then recorded its end into a body nobody held. The
+    store referred to a snapshot the engine no longer had."""
+
+    async def go() -> None:
+        eng = SlowDrop()
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 60)]))
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.02)
+        async with mgr.background.paused():  # stopped with a snapshot, restored after
+            await mgr.add_groups(GroupsReq(groups=[spec("a", 150)]))
+        real, failed = mgr.buffer.persist, []
+
+        async def fails_once(put: Any, *args: Any) -> None:
+            if not failed and any(g.group_id == "a" for g in put):
+                failed.append(True)
+                raise OSError(28, "No space left on device")
+            await real(put, *args)
+
+        mgr.buffer.persist = fails_once  # type: ignore[method-assign]
+        await eng.dropping.wait()  # "bg" finished from the restore: its task frees the snapshot
+        await until(lambda: bool(failed))  # "a" finished: its hand-back failed, the round too
+        await asyncio.sleep(0.02)
+        eng.freeing.set()
+        await until(lambda: not mgr.buffer.holders and not mgr.background._task)
+        stored = await mgr.store.read_groups(["bg"])
+        assert eng.snaps == set()
+        assert stored["bg"].samples[0].snapshot_bytes == 0  # before the fix: 100, freed since
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
+class Unhealthy(FakeEngine):
+    """Its one slot is unhealthy while `down` is set: a segment waits to be placed."""
+
+    down = False
+
+    def healthy(self, slot: Any) -> bool:
+        return not self.down
+
+
+def test_a_call_does_not_take_over_a_segment_still_waiting_for_an_engine(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulator (seed 37576 with faults: an owner whose pushes failed on both
+    engines): a background segment planned under the background's rule waited for a healthy
+    engine when a call with `max_staleness: 0` took its group over; placed later, it continued
+    version-0 tokens under version 2 in that call, which its own bound forbids."""
+
+    async def go() -> None:
+        eng = Unhealthy(delay_s=0.002)
+        mgr = RolloutManager(eng, Durable.open(tmp_path / "b"))
+        await mgr.add_groups(GroupsReq(groups=[spec("bg", 60)]))  # no bound in the background
+        await until(lambda: bool(mgr.segments.running) and bool(eng.calls))
+        await asyncio.sleep(0.02)
+        async with mgr.background.paused():  # stopped, its tokens of version 0 kept
+            eng.version = "2"
+            eng.down = True  # nowhere to place its continuation
+        await until(lambda: any(r.placing for r in mgr.segments.running.values()))
+        req = RolloutReq(groups=[], target_groups=1, max_staleness=0)
+        call = asyncio.ensure_future(mgr.rollout(req))
+        await asyncio.sleep(0.05)
+        eng.down = False
+        r = await call
+        (s,) = r.groups[0].samples
+        # Restarted by the call's own bound: before the fix, segments of versions 0 and 2.
+        assert [x.weight_version for x in s.segments] == ["2"] and s.staleness_restarts == 1
+        assert s.output_ids == reference(60)
+        mgr.check_integrity()
+
+    asyncio.run(go())
+
+
 class LateRegistration(FakeEngine):
     """Like SGLang's TokenizerManager: a request is known only a moment after its segment
     starts (`register_s`), and an abort for an unknown request is dropped, not kept."""
