@@ -1,9 +1,9 @@
 """An april-server for the peer frameworks' tests, which run in each framework's own venv.
 
 The server runs under the server's interpreter (`APRIL_SERVER_PYTHON`: the project venv's
-python, or /work/tools-style wrappers that put a checkout on PYTHONPATH; by default this
-interpreter, when it can import the server), not forked from the suite's zygote: a peer venv
-has the client and not the server. `make test-peers` sets it.
+python, or a wrapper that puts a checkout on PYTHONPATH; by default this interpreter, when it
+can import the server), not forked from the suite's zygote: a peer venv has the client and not
+the server. `make test-peers` sets it.
 """
 
 from __future__ import annotations
