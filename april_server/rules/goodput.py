@@ -128,6 +128,9 @@ class LengthCensus:
         self.longest_budget = 0
         self.prompt_tokens = 0.0  # mean prompt length of what was recorded
         self._prompts = 0
+        # The fit of what is seen now, until a record or a forget changes it: /stats and every
+        # "auto" call read it on the event loop, and it sorts the whole census.
+        self._fit: tuple[LengthFit | None] | None = None
 
     def record(
         self, sample_id: str, tokens: int, finished: bool, budget: int, prompt_len: int
@@ -145,16 +148,20 @@ class LengthCensus:
         self.longest_budget = max(self.longest_budget, budget)
         self._prompts += 1
         self.prompt_tokens += (prompt_len - self.prompt_tokens) / self._prompts
+        self._fit = None
 
     def fit(self) -> LengthFit | None:
-        exact = [x for x, done in self.seen.values() if done]
-        cut = [x for x, done in self.seen.values() if not done and x > 0]
-        return LengthFit.fit(exact, cut, self.longest_budget)
+        if self._fit is None:
+            exact = [x for x, done in self.seen.values() if done]
+            cut = [x for x, done in self.seen.values() if not done and x > 0]
+            self._fit = (LengthFit.fit(exact, cut, self.longest_budget),)
+        return self._fit[0]
 
     def forget(self) -> None:
         self.seen.clear()
         self.longest_budget = 0
         self.prompt_tokens, self._prompts = 0.0, 0
+        self._fit = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +181,6 @@ class Play:
     goodput: float  # tokens generated and not thrown away, per second
     throughput: float  # generated tokens per second
     thrown_share: float  # of the generated tokens, thrown away by staleness restarts
-    seconds_per_call: float
     carried: float  # groups carried into the next call, on average
 
 
@@ -226,7 +232,6 @@ def play(step_time: StepTime, lengths: Sequence[int], shape: CallShape, extra: i
         (generated - thrown) / seconds if seconds > 0 else 0.0,
         generated / seconds if seconds > 0 else 0.0,
         thrown / generated if generated > 0 else 0.0,
-        seconds / max(1, measured),
         carried / max(1, measured),
     )
 
@@ -316,11 +321,15 @@ def play_sync(step_time: StepTime, lengths: Sequence[int], shape: CallShape) -> 
 
 @dataclass(frozen=True, slots=True)
 class GoodputChoice:
-    extra: int
     running_target: int
     expected: Play
     sync: Play
     reason: str
+
+    @property
+    def extra(self) -> int:
+        """The extra groups chosen: the expected play's."""
+        return self.expected.extra
 
 
 def candidates(target_groups: int, most: int) -> list[int]:
@@ -364,4 +373,4 @@ def choose(
         f"{chosen.thrown_share:.1%} thrown away; sync {sync.goodput:.1f}; {len(plays)} pools "
         f"played from {fit.exact} finished and {fit.censored} cut lengths (mean {fit.mean:.0f})"
     )
-    return GoodputChoice(chosen.extra, target, chosen, sync, reason)
+    return GoodputChoice(target, chosen, sync, reason)

@@ -27,9 +27,11 @@ from april_server.rules.inflight import (
     choose_running_target,
 )
 from april_server.rules.lengths import LengthModel
-from april_server.rules.pool_size import MAX_WANTED_PER_QUOTA, PoolAdvisor
+from april_server.rules.pool_size import MAX_WANTED_PER_QUOTA, PUSH_MEMORY, PoolAdvisor
 
-VERSIONS_SEEN = 3  # weight versions at the last calls' starts: were there pushes between them
+# Weight versions at the last calls' starts: pushes between any of the last PUSH_MEMORY pairs
+# (the advice's memory of pushes, `rules/pool_size.py`).
+VERSIONS_SEEN = PUSH_MEMORY + 1
 GOODPUT_SEEN = 10  # calls the measured goodput is summed over
 
 
@@ -40,8 +42,11 @@ class CallPool:
     holds, within the running target)."""
 
     decision: InflightDecision
-    extra_groups: int | None = None
     goodput: GoodputChoice | None = None
+
+    @property
+    def extra_groups(self) -> int | None:
+        return None if self.goodput is None else self.goodput.extra
 
 
 class PoolSizing:
@@ -85,8 +90,10 @@ class PoolSizing:
         self.last = (decision, curve, raw)
         if self.versions is not None:
             self.started_at.append(self.versions.now())
-        fit = self.census.fit()
-        if not target_groups or not group_size or fit is None or len(curve.points) < 2:
+        fit = None
+        if target_groups and group_size and len(curve.points) >= 2:
+            fit = self.census.fit()
+        if not target_groups or not group_size or fit is None:
             self.pool = CallPool(decision)
             return self.pool
         # Unknown until two calls were seen: as if pushed (the cautious case under a bound).
@@ -111,7 +118,7 @@ class PoolSizing:
         )
         sized = InflightDecision(max(chosen.running_target, demand), chosen.reason)
         self.last = (sized, curve, raw)
-        self.pool = CallPool(sized, chosen.extra, chosen)
+        self.pool = CallPool(sized, chosen)
         return self.pool
 
     def observe(
@@ -131,7 +138,7 @@ class PoolSizing:
                     self.census.record(
                         s.sample_id,
                         len(s.output_ids),
-                        s.status in ("completed", "truncated"),
+                        sample_rules.is_finished(s),
                         s.max_new_tokens,
                         len(s.prompt_ids),
                     )
