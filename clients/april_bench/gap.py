@@ -52,14 +52,15 @@ def wall_by_cause(tot: Mapping[str, Any], full_batch: int | None) -> dict[str, f
     full = min(full, decode)
     tokens = tot.get("engine_prefill_tokens") or 0
     resumed = min(1.0, (tot.get("recomputed_tokens") or 0) / tokens) if tokens else 0.0
+    outside = wall - prefill - decode
     return {
         "full_batch_from": float(edge or 0),
         "decode_full_s": round(full, 4),
         "decode_tail_s": round(decode - full, 4),
         "prefill_resumed_s": round(prefill * resumed, 4),
         "prefill_new_s": round(prefill * (1 - resumed), 4),
-        "outside_forwards_s": round(wall - prefill - decode, 4),
-        **_outside_split(tot, wall - prefill - decode),
+        "outside_forwards_s": round(outside, 4),
+        **_outside_split(tot, outside),
     }
 
 

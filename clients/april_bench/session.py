@@ -170,9 +170,11 @@ async def run_modes(
     """Run `modes` in order against `url` (`transport` lets a test use an in-process app)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=4096)
     timeout = httpx.Timeout(3600.0, connect=30.0)
-    async with httpx.AsyncClient(
-        base_url=url, timeout=timeout, limits=limits, transport=transport
-    ) as http:
+
+    def client() -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, transport=transport)
+
+    async with client() as http:
         info = await probe(http)
         if args.workload in ("natural", "text") and not info.has_tokenizer:
             raise BenchError(
@@ -197,9 +199,7 @@ async def run_modes(
             )
             # Its own client: hundreds of connections the modes must not find in their pool
             # after the server closed them as idle (a POST on one is a read error, not retried).
-            async with httpx.AsyncClient(
-                base_url=url, timeout=timeout, limits=limits, transport=transport
-            ) as backlog_http:
+            async with client() as backlog_http:
                 bound = await measure_bound(
                     backlog_http, wl, cfg.max_tokens, cfg.temperature, args.bound_s, cfg.run_tag
                 )

@@ -24,7 +24,7 @@ from ._framework import framework
 from ._sync import AprilClient
 from .areal import engine_url, episode_lists, install_weight_versions
 from .protocol import Group, RolloutResp
-from .trainer_batch import jsonable
+from .trainer_batch import call_record, jsonable
 from .trl_tools import Tool, ToolCalls, rollout_with_tool
 
 KEY = "areal"
@@ -75,16 +75,12 @@ class TicketBatcher:
                         t.answer.set_exception(exc)
                 self.waiting.clear()
                 return
-            sent = {s["group_id"] for s in specs}
+            sent = sorted(s["group_id"] for s in specs)
             self.records.append(
                 {
                     "waiting": waiting,
                     "target": target,
-                    "sent": sorted(sent),
-                    "returned": [g.group_id for g in resp.groups],
-                    "carried": [g.group_id for g in resp.groups if g.group_id not in sent],
-                    "buffered": list(resp.buffered_group_ids),
-                    "weight_version": resp.stats.weight_version,
+                    **call_record(sent, resp),
                     "groups": list(resp.groups),
                 }
             )
@@ -174,7 +170,7 @@ def workflow_class() -> type:
             )
             if self.tool is None:
                 return self.client.rollout(specs, target, **kw)
-            meta: Mapping[str, Any] = {gid: row for gid, row in self.rows.items()}
+            meta: Mapping[str, Any] = dict(self.rows)
             return rollout_with_tool(
                 self.client,
                 specs,

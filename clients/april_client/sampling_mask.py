@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import sys
 from array import array
+from itertools import accumulate
 
 from .protocol import MaskDtype, Sample, SamplingMask
+from .trainer_batch import over_response
 
 _TYPECODES: dict[MaskDtype, str] = {"uint16": "H", "int32": "i"}
 
@@ -33,10 +35,7 @@ def counts(mask: SamplingMask) -> list[int]:
 
 def offsets(mask: SamplingMask) -> list[int]:
     """Row i is `ids[offsets[i]:offsets[i + 1]]`; `len(rows) + 1` entries, the first 0."""
-    out = [0]
-    for n in counts(mask):
-        out.append(out[-1] + n)
-    return out
+    return list(accumulate(counts(mask), initial=0))
 
 
 def rows(mask: SamplingMask) -> list[list[int]]:
@@ -64,17 +63,8 @@ def response_ids_and_offsets(sample: Sample) -> tuple[list[int], list[int]]:
     token's span is empty. `len(offsets) == len(response_ids) + 1`. Raises ValueError when the
     sample carries no mask."""
     mask = _checked(sample)
-    per_row = counts(mask)
-    out = [0]
-    pos = 0
-    for ap in sample.appended:
-        for n in per_row[pos : ap.at]:
-            out.append(out[-1] + n)
-        out += [out[-1]] * len(ap.ids)
-        pos = ap.at
-    for n in per_row[pos:]:
-        out.append(out[-1] + n)
-    return decode(mask.ids, mask.dtype), out
+    spans = over_response(sample, counts(mask), 0)
+    return decode(mask.ids, mask.dtype), list(accumulate(spans, initial=0))
 
 
 def sampling_logprobs(sample: Sample) -> list[float]:
@@ -84,9 +74,4 @@ def sampling_logprobs(sample: Sample) -> list[float]:
     mask = _checked(sample)
     rows_lps = zip(mask.logprobs, counts(mask), sample.output_logprobs, strict=True)
     own = [kept if n else full for kept, n, full in rows_lps]
-    out: list[float] = []
-    pos = 0
-    for ap in sample.appended:
-        out += own[pos : ap.at] + [0.0] * len(ap.ids)
-        pos = ap.at
-    return out + own[pos:]
+    return over_response(sample, own, 0.0)

@@ -228,7 +228,7 @@ def train_rollout(args: Any, rollout_id: int, data_source: Any) -> Any:
             args.hf_checkpoint, trust_remote_code=True
         )
     before = int(run.client.stats()["buffered_groups"])
-    new = max(0, over - before, int(args.rollout_batch_size) - before)
+    new = max(0, over - before)  # over >= rollout_batch_size (check_args)
     specs = group_specs(args, run, data_source.get_samples(new) if new else [], rollout_id)
     resp = run.client.rollout(
         specs,

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from .protocol import Group, Sample
+from .protocol import Group, RolloutResp, Sample
+
+T = TypeVar("T")
 
 StaleTokens = Literal["mask", "keep", "correct"]  # "correct": kept, see trl_correction.py
 
@@ -113,23 +115,24 @@ def response_mask(
         if current_version is None:
             raise ValueError("stale='mask' needs current_version")
         keep = fresh_mask(sample, current_version)
-    out: list[int] = []
+    return over_response(sample, keep, 0)
+
+
+def over_response(sample: Sample, per_output: Sequence[T], fill: T) -> list[T]:
+    """`per_output` (one value per `output_ids` token) laid over `sample.response_ids`: the
+    appended context (tool answers) spliced in at its places, each of its tokens `fill`."""
+    out: list[T] = []
     pos = 0
     for ap in sample.appended:
-        out += keep[pos : ap.at] + [0] * len(ap.ids)
+        out += list(per_output[pos : ap.at]) + [fill] * len(ap.ids)
         pos = ap.at
-    return out + keep[pos:]
+    return out + list(per_output[pos:])
 
 
 def response_logprobs(sample: Sample) -> list[float]:
     """Per `response_ids` token: the sampling logprob, 0.0 on appended context (tool answers),
     as the trainers' own tool loops fill them."""
-    out: list[float] = []
-    pos = 0
-    for ap in sample.appended:
-        out += list(sample.output_logprobs[pos : ap.at]) + [0.0] * len(ap.ids)
-        pos = ap.at
-    return out + list(sample.output_logprobs[pos:])
+    return over_response(sample, sample.output_logprobs, 0.0)
 
 
 def token_versions(sample: Sample) -> list[str | None]:
@@ -137,12 +140,21 @@ def token_versions(sample: Sample) -> list[str | None]:
     generated: list[str | None] = [None] * len(sample.output_ids)
     for seg in sample.segments:
         generated[seg.start : seg.end] = [seg.weight_version] * (seg.end - seg.start)
-    out: list[str | None] = []
-    pos = 0
-    for ap in sample.appended:
-        out += generated[pos : ap.at] + [None] * len(ap.ids)
-        pos = ap.at
-    return out + generated[pos:]
+    return over_response(sample, generated, None)
+
+
+def call_record(sent: Sequence[str], resp: RolloutResp) -> dict[str, Any]:
+    """What one quota call did, as the adapters log it: the groups it sent, those it returned,
+    those of them an earlier call had sent (carried on the server), those left buffered, and
+    the weight version it ended at."""
+    new = set(sent)
+    return {
+        "sent": list(sent),
+        "returned": [g.group_id for g in resp.groups],
+        "carried": [g.group_id for g in resp.groups if g.group_id not in new],
+        "buffered": list(resp.buffered_group_ids),
+        "weight_version": resp.stats.weight_version,
+    }
 
 
 def jsonable(value: Any) -> Any:

@@ -110,11 +110,17 @@ def server_sampling_params(
         if "max_tokens" in params:
             params["max_new_tokens"] = params.pop("max_tokens")
         elif rollout is not None:
-            params["max_new_tokens"] = min(
-                int(rollout.response_length),
-                int(rollout.prompt_length) + int(rollout.response_length) - prompt_len,
-            )
+            params["max_new_tokens"] = response_budget(rollout, prompt_len)
     return {k: v for k, v in params.items() if v is not None}
+
+
+def response_budget(rollout: Any, prompt_len: int) -> int:
+    """verl's default budget (its SGLang server's): the response length, within the context
+    the prompt leaves (`prompt_length + response_length` in all)."""
+    return min(
+        int(rollout.response_length),
+        int(rollout.prompt_length) + int(rollout.response_length) - prompt_len,
+    )
 
 
 class AprilLLMServerClient:

@@ -38,8 +38,22 @@ import msgspec
 from ._framework import framework
 from ._sync import AprilClient
 from .protocol import Group, RolloutResp
-from .trainer_batch import Ledger, extra_groups, jsonable, response_logprobs, response_mask
-from .verl import CALL_TIMEOUT_S, AprilLLMServerClient, AprilSettings, settings, version_steps
+from .trainer_batch import (
+    Ledger,
+    call_record,
+    extra_groups,
+    jsonable,
+    response_logprobs,
+    response_mask,
+)
+from .verl import (
+    CALL_TIMEOUT_S,
+    AprilLLMServerClient,
+    AprilSettings,
+    response_budget,
+    settings,
+    version_steps,
+)
 
 KEY = "verl"
 ROW_FIELDS = ("raw_prompt", "data_source", "reward_model", "extra_info", "index", "uid")
@@ -155,10 +169,7 @@ async def quota_batch(manager: Any, prompts: Any) -> Any:
     specs: list[dict[str, Any]] = []
     for k, row in enumerate(chosen):
         ids = await loop.ct_build_initial_tokens(list(row["raw_prompt"]))
-        budget = min(
-            int(rollout.response_length),
-            int(rollout.prompt_length) + int(rollout.response_length) - len(ids),
-        )
+        budget = response_budget(rollout, len(ids))
         meta = {KEY: {**{f: jsonable(row.get(f)) for f in ROW_FIELDS}, "sent_at_step": step}}
         specs.append(
             {
@@ -213,16 +224,7 @@ async def quota_batch(manager: Any, prompts: Any) -> Any:
             solution = worker.tokenizer.decode(response, skip_special_tokens=True)
             out.reward_score = quota.score(row, solution)
             outputs.append(await worker._agent_loop_postprocess(out, False, **row))
-    quota.records.append(
-        {
-            "step": step,
-            "sent": sent,
-            "returned": [g.group_id for g in resp.groups],
-            "carried": [g.group_id for g in resp.groups if g.group_id not in sent],
-            "buffered": list(resp.buffered_group_ids),
-            "weight_version": version,
-        }
-    )
+    quota.records.append({"step": step, **call_record(sent, resp)})
     return worker._postprocess(outputs, input_non_tensor_batch=nt, validate=False)
 
 

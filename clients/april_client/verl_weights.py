@@ -98,7 +98,6 @@ def engine_class() -> type:
             self.model_path = model_path
             self.is_master = is_master
             self.broadcaster = WeightBroadcaster(self.client) if mode == "distributed" else None
-            self.pushed: list[str] = []
 
         def prepare(self) -> dict[str, Any]:
             return {}
@@ -141,7 +140,6 @@ def engine_class() -> type:
             )
             if not answer.get("success", False):
                 raise RuntimeError(f"weight push for step {version} failed: {answer}")
-            self.pushed.append(version)
             return {}
 
         async def receive_weights(self, global_steps: int | None = None) -> Any:
