@@ -46,6 +46,11 @@ class WindDown:
         # (handed over in `_finish`); the rest stop with a snapshot, which it restores.
         going = self._going_on_in_place(runs)
         runs = [r for r in runs if r.sample.group_id not in going]
+        for r in (r for rs in going.values() for r in rs):
+            # Counted as the background's from here (what it generates between calls): their
+            # segments end after this call's figures are read, or while it commits, and counted
+            # on this call's tally then they would be in neither figure.
+            r.tally = self.background.tally
         keep: Keep | None = "snapshot" if state.req.on_quota in ("snapshot", "continue") else None
         await self.generation.segments.stop(runs, keep)
         # A segment leaves `running` when its request returned but still records its end
