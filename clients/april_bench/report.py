@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from .bound import bound_line
@@ -148,7 +149,7 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
         if r.get("staleness_hist") is not None:
             lines.append(staleness_line(r))
         if any(x is not None for x in r.get("goodput_expected") or []):
-            lines.append(pool_line(r))
+            lines.append(pool_line(r, r.get("bound_tok_s")))
         if r.get("push_count") or r.get("idle_push_s") is not None:
             lines.append(push_line(r))
         if r.get("lengths"):
@@ -168,16 +169,24 @@ def staleness_line(r: dict[str, Any]) -> str:
     )
 
 
-def pool_line(r: dict[str, Any]) -> str:
-    """The server's goodput pool per call: its choice, what it expected, what it got."""
+def pool_line(r: dict[str, Any], bound_tok_s: float | None = None) -> str:
+    """The server's goodput pool per call: its choice, what it expected, what it got. Its
+    median expectation as a share of the bound is the ceiling the server's own play sees for
+    every pool it weighs under the run's `max_staleness`."""
 
     def seq(key: str, spec: str = ".0f") -> str:
         return "/".join("-" if v is None else format(v, spec) for v in r.get(key) or [])
 
+    expected = [v for v in r.get("goodput_expected") or [] if v is not None]
+    ceiling = (
+        f" (median {median(expected) / bound_tok_s:.2f} of the bound)"
+        if expected and bound_tok_s
+        else ""
+    )
     return (
         f"{r['mode']} auto pool per call: running target {seq('inflight_targets', 'd')}, extra "
         f"groups {seq('extra_groups', 'd')}, advised {seq('groups_wanted', 'd')}; goodput "
-        f"expected {seq('goodput_expected')} (sync {seq('goodput_sync')}) tok/s, got "
+        f"expected {seq('goodput_expected')}{ceiling} (sync {seq('goodput_sync')}) tok/s, got "
         f"{seq('goodput_got')}"
     )
 

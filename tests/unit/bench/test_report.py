@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from april_bench.bound import Bound, BoundLevel
 from april_bench.metrics import ModeResult, StepRecord
-from april_bench.report import records, summary_table
+from april_bench.report import pool_line, records, summary_table
 
 
 def mode(name: str, consumed: int, generated: int, wasted: int = 0) -> ModeResult:
@@ -43,3 +43,19 @@ def test_without_a_bound_the_fractions_are_absent() -> None:
     recs = records([mode("sync", 4000, 4000)], {})
     assert recs[0]["output_throughput_vs_bound"] is None and recs[0]["gap_to_bound"] is None
     assert "vs the bound" not in summary_table(recs)
+
+
+def test_the_pool_line_shows_the_plays_median_expectation_against_the_bound() -> None:
+    rec = {
+        "mode": "april@auto",
+        "inflight_targets": [None, 32, 32],
+        "extra_groups": [None, 4, 2],
+        "groups_wanted": [16, 12, 10],
+        "goodput_expected": [None, 5000.0, 7000.0, 6000.0],
+        "goodput_sync": [None, 4000.0, 4100.0, 4200.0],
+        "goodput_got": [3000.0, 9000.0, 4000.0, 6000.0],
+    }
+    line = pool_line(rec, 8000.0)
+    assert "goodput expected -/5000/7000/6000 (median 0.75 of the bound)" in line
+    assert "of the bound" not in pool_line(rec, None)
+    assert "of the bound" not in pool_line({**rec, "goodput_expected": [None, None]}, 8000.0)
