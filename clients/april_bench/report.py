@@ -13,6 +13,7 @@ from .gap import gap_line, gap_to_bound, shares_of_generated, wall_by_cause, wal
 from .length_stats import lengths_line
 from .metrics import ModeResult
 from .staleness import describe
+from .staleness_ceiling import ceiling_line
 
 
 def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -125,6 +126,8 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     if bound is not None:
         lines.append(bound_line(bound))
+        if bound.get("staleness_ceiling"):
+            lines.append(ceiling_line(bound["staleness_ceiling"]))
     lat = [r for r in recs if r.get("median_e2e_latency_ms") is not None]
     for r in lat:
         lines.append(

@@ -30,6 +30,7 @@ from .server_api import (
     forget_lengths,
     probe,
 )
+from .staleness_ceiling import for_run as staleness_ceiling_for
 from .workload import Workload, load_lengths
 
 
@@ -264,4 +265,9 @@ async def run_modes(
         "cost_model": cost,
         **({} if bound is None else bound.to_json()),
     }
+    ceiling = staleness_ceiling_for(
+        meta.get("bound_levels"), wl, cfg.groups * cfg.n, cfg.max_staleness, cfg.bump_version
+    )
+    if ceiling is not None:
+        meta["staleness_ceiling"] = ceiling.to_json()
     return results, meta

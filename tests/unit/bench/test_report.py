@@ -7,6 +7,7 @@ from __future__ import annotations
 from april_bench.bound import Bound, BoundLevel
 from april_bench.metrics import ModeResult, StepRecord
 from april_bench.report import pool_line, records, summary_table
+from april_bench.staleness_ceiling import staleness_ceiling
 
 
 def mode(name: str, consumed: int, generated: int, wasted: int = 0) -> ModeResult:
@@ -37,6 +38,19 @@ def test_every_mode_gets_its_fraction_of_the_bound_and_its_gap() -> None:
     table = summary_table(recs)
     assert "x bound" in table and "4000.0 tok/s at concurrency 32" in table
     assert "april wall by cause" in table and "april vs the bound: consumed 0.75" in table
+    assert "staleness ceiling" not in table  # none computed for this run
+
+
+def test_a_runs_staleness_ceiling_is_printed_under_the_bound() -> None:
+    b = Bound(levels=[BoundLevel(c, 1.0, 125 * c, c, 8.0, 100.0, 0.9, 0.0, True) for c in (8, 16)])
+    levels = b.to_json()["bound_levels"]
+    ceiling = staleness_ceiling(levels, [100] * 64, quota_samples=32, max_staleness=1)
+    assert ceiling is not None
+    run = {**b.to_json(), "staleness_ceiling": ceiling.to_json()}
+    table = summary_table(records([mode("sync", 4000, 4000)], run))
+    assert "staleness ceiling (a push every step, every consumed token within max_staleness 1" in (
+        table
+    )
 
 
 def test_without_a_bound_the_fractions_are_absent() -> None:
