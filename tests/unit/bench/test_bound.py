@@ -16,6 +16,7 @@ from april_bench.bound import (
     Bound,
     BoundLevel,
     bound_line,
+    keep_faster,
     level_budgets,
     levels,
     mean_need,
@@ -91,6 +92,7 @@ class FakeEngine:
         }
         self.max_running = max_running
         self.aborted: list[str] = []
+        self.rids: list[str] = []
         self.app = FastAPI()
         self.app.post("/generate")(self.generate)
         self.app.post("/abort_request")(self.abort)
@@ -104,6 +106,7 @@ class FakeEngine:
 
     async def generate(self, request: Request) -> dict[str, Any]:
         body = await request.json()
+        self.rids.append(body["rid"])
         k = body["sampling_params"]["max_new_tokens"]
         await asyncio.sleep(0.001)
         self.clock["prefill_requests"] += 1
@@ -133,6 +136,20 @@ def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
     assert b.capacity == (16, 10**6) and b.level_cap == 16
     assert all(lv.tokens > 0 and lv.window_s > 0 for lv in b.levels)
     assert b.tok_s is not None and "the most the engine holds" in b.stopped
+    best = b.best
+    assert best is not None
+    for lv in b.levels:  # the levels below the best were measured a second time
+        assert (lv.other_tok_s is not None) == (lv.concurrency < best.concurrency)
+    assert any("-again-" in rid for rid in engine.rids) == (best.concurrency > 8)
+
+
+def test_a_level_measured_again_keeps_its_faster_window() -> None:
+    def lv(c: int, tokens: int) -> BoundLevel:
+        return BoundLevel(c, 1.0, tokens, float(c), 1.0, 100.0, 0.9, 0.0, True)
+
+    kept = keep_faster([lv(8, 2800), lv(16, 5000), lv(32, 7000)], [lv(8, 3900), lv(16, 4900)])
+    assert [(x.tok_s, x.other_tok_s) for x in kept] == [(3900, 2800), (5000, 4900), (7000, None)]
+    assert "8: 3900 (batch 8) [2800]" in bound_line(Bound(levels=kept).to_json())
 
 
 def test_the_phase_stops_once_the_running_batch_no_longer_follows_the_concurrency(
