@@ -191,6 +191,11 @@ def pool_line(r: dict[str, Any], bound_tok_s: float | None = None) -> str:
         f"groups {seq('extra_groups', 'd')}, advised {seq('groups_wanted', 'd')}; goodput "
         f"expected {seq('goodput_expected')}{ceiling} (sync {seq('goodput_sync')}) tok/s, got "
         f"{seq('goodput_got')}"
+        + (
+            ""
+            if r.get("goodput_got_run") is None
+            else f" ({r['goodput_got_run']:.0f} over the run)"
+        )
     )
 
 

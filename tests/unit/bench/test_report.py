@@ -5,7 +5,7 @@ cause and the gap, and the bound's own line."""
 from __future__ import annotations
 
 from april_bench.bound import Bound, BoundLevel
-from april_bench.metrics import ModeResult, StepRecord
+from april_bench.metrics import ModeResult, StepRecord, run_rate
 from april_bench.report import pool_line, records, summary_table
 from april_bench.staleness_ceiling import staleness_ceiling
 
@@ -71,5 +71,8 @@ def test_the_pool_line_shows_the_plays_median_expectation_against_the_bound() ->
     }
     line = pool_line(rec, 8000.0)
     assert "goodput expected -/5000/7000/6000 (median 0.75 of the bound)" in line
+    assert "over the run" not in line
+    run_line = pool_line({**rec, "goodput_got_run": run_rate([(20.0, 40.0), (3e5, 0.01)])})
+    assert "got 3000/9000/4000/6000 (95 over the run)" in run_line  # (800 + 3000) / 40.01
     assert "of the bound" not in pool_line(rec, None)
     assert "of the bound" not in pool_line({**rec, "goodput_expected": [None, None]}, 8000.0)
