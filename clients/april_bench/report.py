@@ -46,6 +46,10 @@ def records(results: Sequence[ModeResult], run: dict[str, Any]) -> list[dict[str
             "steady_wall_throughput",
         ):
             rec[f"{key}_vs_bound"] = round(tot[key] / bound, 4) if bound and tot[key] else None
+        ceiling = (run.get("staleness_ceiling") or {}).get("tok_s")
+        rec["output_throughput_vs_ceiling"] = (
+            round(tot["output_throughput"] / ceiling, 4) if ceiling else None
+        )
         rec["thrown_away_share"], rec["unconsumed_share"] = shares_of_generated(tot)
         rec["wall_by_cause"] = wall_by_cause(tot, run.get("bound_full_batch"))
         rec["gap_to_bound"] = gap_to_bound(tot, bound)
@@ -128,6 +132,7 @@ def summary_table(recs: Sequence[dict[str, Any]]) -> str:
         lines.append(bound_line(bound))
         if bound.get("staleness_ceiling"):
             lines.append(ceiling_line(bound["staleness_ceiling"]))
+            lines.append(ceiling_fractions_line(recs, bound["staleness_ceiling"]["max_staleness"]))
     lat = [r for r in recs if r.get("median_e2e_latency_ms") is not None]
     for r in lat:
         lines.append(
@@ -170,6 +175,22 @@ def staleness_line(r: dict[str, Any]) -> str:
         f"{r['mode']} consumed tokens by versions old (lag: tokens): {describe(hist)}; "
         f"run {r['run_wall_s']:.1f}s of which training {r['train_s']:.1f}s"
     )
+
+
+def ceiling_fractions_line(recs: Sequence[dict[str, Any]], max_staleness: int) -> str:
+    """Each mode's consumed tokens per second against the staleness ceiling, and the share of
+    its consumed tokens older than the ceiling assumes (a mode that keeps them may pass it)."""
+    parts = []
+    for r in recs:
+        share = r.get("output_throughput_vs_ceiling")
+        if share is None:
+            continue
+        hist = {int(k): v for k, v in (r.get("staleness_hist") or {}).items()}
+        older = sum(v for k, v in hist.items() if k > max_staleness)
+        total = sum(hist.values())
+        past = f" ({older / total:.0%} of its tokens older)" if total and older else ""
+        parts.append(f"{r['mode']} {share:.2f}{past}")
+    return "consumed x the staleness ceiling: " + ", ".join(parts)
 
 
 def pool_line(r: dict[str, Any], bound_tok_s: float | None = None) -> str:

@@ -4,6 +4,8 @@ cause and the gap, and the bound's own line."""
 
 from __future__ import annotations
 
+import pytest
+
 from april_bench.bound import Bound, BoundLevel
 from april_bench.metrics import ModeResult, StepRecord, run_rate
 from april_bench.report import pool_line, records, summary_table
@@ -47,8 +49,15 @@ def test_a_runs_staleness_ceiling_is_printed_under_the_bound() -> None:
     ceiling = staleness_ceiling(levels, [100] * 64, quota_samples=32, max_staleness=1)
     assert ceiling is not None
     run = {**b.to_json(), "staleness_ceiling": ceiling.to_json()}
-    table = summary_table(records([mode("sync", 4000, 4000)], run))
+    recs = records([mode("sync", 4000, 4000), mode("april", 6000, 6000)], run)
+    recs[0]["staleness_hist"], recs[1]["staleness_hist"] = {"0": 4000}, {"0": 3000, "2": 3000}
+    table = summary_table(recs)
     assert "staleness ceiling (a push every step, every consumed token within max_staleness 1" in (
+        table
+    )
+    sync, april = (round(2000 / ceiling.tok_s, 2), round(3000 / ceiling.tok_s, 2))
+    assert [r["output_throughput_vs_ceiling"] for r in recs] == pytest.approx([sync, april], 0.01)
+    assert f"consumed x the staleness ceiling: sync {sync:.2f}, april {april:.2f} (50% of its" in (
         table
     )
 
