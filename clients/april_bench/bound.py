@@ -16,10 +16,10 @@ SGLang's scheduling and HTTP are inside it, as they are inside every mode.
 Time per level is shared out in proportion to its concurrency (a big batch takes longer to
 turn over), `budget_s` in all, each at least a few seconds (a phase too short for every level
 leaves out the smallest); a level cut short by its cap says so (`settled` false). The levels
-below the best are measured again afterwards, on a fresh backlog, and keep the faster of their
+up to the best are measured again afterwards, on a fresh backlog, and keep the faster of their
 two windows: a window of a second or two is at the mercy of whatever else the machine ran
-then, and the staleness ceiling (`staleness_ceiling.py`) reads the engine's cost at those
-batches.
+then, so the bound errs high rather than low (every fraction of it errs low), and the
+staleness ceiling (`staleness_ceiling.py`) reads the engine's cost at those batches.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ async def measure_bound(
         again = [
             (lv.concurrency, level_s)
             for lv, level_s in zip(out.levels, budgets, strict=False)
-            if best is not None and lv.concurrency < best.concurrency
+            if best is not None and lv.concurrency <= best.concurrency
         ]
         if again and not backlog.errors:
             await backlog.stop()

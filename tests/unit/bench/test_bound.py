@@ -136,11 +136,12 @@ def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
     assert b.capacity == (16, 10**6) and b.level_cap == 16
     assert all(lv.tokens > 0 and lv.window_s > 0 for lv in b.levels)
     assert b.tok_s is not None and "the most the engine holds" in b.stopped
+    # The levels up to the first sweep's best were measured a second time: the smallest, and
+    # the best (that one, or a smaller level whose second window beat it).
     best = b.best
-    assert best is not None
-    for lv in b.levels:  # the levels below the best were measured a second time
-        assert (lv.other_tok_s is not None) == (lv.concurrency < best.concurrency)
-    assert any("-again-" in rid for rid in engine.rids) == (best.concurrency > 8)
+    assert best is not None and best.other_tok_s is not None
+    assert b.levels[0].other_tok_s is not None
+    assert any("-again-" in rid for rid in engine.rids)
 
 
 def test_a_level_measured_again_keeps_its_faster_window() -> None:
