@@ -42,6 +42,7 @@ LEVEL_MIN_WINDOWS = 2.5  # a level gets at least this many minimal windows of ti
 FULL_SHARE = 0.95  # the knee: the smallest level within 5 % of the best
 KV_FULL = 0.75  # a mean decode batch below this share of the concurrency: the pool is full
 BOUND_INDEX = 3 * 10**6  # the backlog's groups, outside the modes' stream and the warm-up's
+AGAIN_INDEX = 4 * 10**6  # the second pass's
 
 
 @dataclass
@@ -164,21 +165,27 @@ class Backlog:
     in flight, each replaced as it finishes; `stop()` aborts what is left."""
 
     def __init__(
-        self, http: httpx.AsyncClient, wl: Workload, max_tokens: int, temperature: float, tag: str
+        self,
+        http: httpx.AsyncClient,
+        wl: Workload,
+        max_tokens: int,
+        temperature: float,
+        tag: str,
+        first_group: int = BOUND_INDEX,
     ) -> None:
         self.http, self.wl, self.tag = http, wl, tag
         self.max_tokens, self.temperature = max_tokens, temperature
-        self.samples = self._samples()
+        self.samples = self._samples(first_group)
         self.workers: list[asyncio.Task[None]] = []
         self.in_flight: set[str] = set()
         self.finished = 0
         self.stopping = False
         self.errors: list[str] = []
 
-    def _samples(self) -> Iterator[dict[str, Any]]:
+    def _samples(self, first_group: int) -> Iterator[dict[str, Any]]:
         i = 0
         while True:
-            g = self.wl.group(BOUND_INDEX + i)
+            g = self.wl.group(first_group + i)
             prompt = (
                 {"input_ids": list(g.input_ids)} if g.input_ids is not None else {"text": g.text}
             )
@@ -268,7 +275,10 @@ async def measure_bound(
         ]
         if again and not backlog.errors:
             await backlog.stop()
-            backlog = Backlog(http, wl, max_tokens, temperature, f"{tag}-again-{int(time.time())}")
+            # Prompts of its own: the first pass's would find their prefixes in the cache.
+            backlog = Backlog(
+                http, wl, max_tokens, temperature, f"{tag}-again-{int(time.time())}", AGAIN_INDEX
+            )
             second: list[BoundLevel] = []
             for c, level_s in again:
                 lv = await measure_level(backlog, http, c, level_s)

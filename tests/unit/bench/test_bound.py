@@ -93,6 +93,7 @@ class FakeEngine:
         self.max_running = max_running
         self.aborted: list[str] = []
         self.rids: list[str] = []
+        self.prompts: dict[str, tuple[int, ...]] = {}
         self.app = FastAPI()
         self.app.post("/generate")(self.generate)
         self.app.post("/abort_request")(self.abort)
@@ -107,6 +108,7 @@ class FakeEngine:
     async def generate(self, request: Request) -> dict[str, Any]:
         body = await request.json()
         self.rids.append(body["rid"])
+        self.prompts[body["rid"]] = tuple(body["input_ids"])
         k = body["sampling_params"]["max_new_tokens"]
         await asyncio.sleep(0.001)
         self.clock["prefill_requests"] += 1
@@ -142,6 +144,9 @@ def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
     assert best is not None and best.other_tok_s is not None
     assert b.levels[0].other_tok_s is not None
     assert any("-again-" in rid for rid in engine.rids)
+    again = {p for rid, p in engine.prompts.items() if "-again-" in rid}
+    first = {p for rid, p in engine.prompts.items() if "-again-" not in rid}
+    assert again and not again & first  # prompts of its own: none found in the prefix cache
 
 
 def test_a_level_measured_again_keeps_its_faster_window() -> None:
