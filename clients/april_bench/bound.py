@@ -15,11 +15,15 @@ SGLang's scheduling and HTTP are inside it, as they are inside every mode.
 
 Time per level is shared out in proportion to its concurrency (a big batch takes longer to
 turn over), `budget_s` in all, each at least a few seconds (a phase too short for every level
-leaves out the smallest); a level cut short by its cap says so (`settled` false). The levels
-up to the best are measured again afterwards, on a fresh backlog, and keep the faster of their
-two windows: a window of a second or two is at the mercy of whatever else the machine ran
-then, so the bound errs high rather than low (every fraction of it errs low), and the
-staleness ceiling (`staleness_ceiling.py`) reads the engine's cost at those batches.
+leaves out the smallest); a level cut short by its cap says so (`settled` false).
+
+The levels up to the best are measured again after the modes (`measure_again`), on the same
+server, and keep the faster of their two windows: a window of a second or two is at the mercy
+of whatever else the machine ran then, and an engine minutes into its life can step faster
+than one just warmed up (APRIL's decode step at batch 59 took 5.65 ms in one run where the
+bound's level 64, minutes earlier on the same server, had taken 6.7 ms at batch 63). So the
+bound errs high rather than low (every fraction of it errs low), and the staleness ceiling
+(`staleness_ceiling.py`) reads the engine's cost at those batches.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Bound:
     level_cap: int = 0  # the largest concurrency the engine holds, as estimated
     phase_s: float = 0.0
     stopped: str = ""  # why no larger level was measured
+    budgets: list[float] = field(default_factory=list)  # each level's share of the phase
 
     @property
     def best(self) -> BoundLevel | None:
@@ -267,29 +272,47 @@ async def measure_bound(
                 break
         else:
             out.stopped = f"concurrency {cap}: the most the engine holds (estimated)"
-        best = out.best
-        again = [
-            (lv.concurrency, level_s)
-            for lv, level_s in zip(out.levels, budgets, strict=False)
-            if best is not None and lv.concurrency <= best.concurrency
-        ]
-        if again and not backlog.errors:
-            await backlog.stop()
-            # Prompts of its own: the first pass's would find their prefixes in the cache.
-            backlog = Backlog(
-                http, wl, max_tokens, temperature, f"{tag}-again-{int(time.time())}", AGAIN_INDEX
-            )
-            second: list[BoundLevel] = []
-            for c, level_s in again:
-                lv = await measure_level(backlog, http, c, level_s)
-                if backlog.errors:
-                    break
-                second.append(lv)
-            out.levels = keep_faster(out.levels, second)
     finally:
         await backlog.stop()
+    out.budgets = budgets[: len(out.levels)]
     out.phase_s = time.perf_counter() - t0
     return out
+
+
+async def measure_again(
+    http: httpx.AsyncClient,
+    wl: Workload,
+    max_tokens: int,
+    temperature: float,
+    bound: Bound,
+    tag: str = "bound",
+) -> None:
+    """The second pass (module doc): the levels up to the best, each for the time it had
+    before, on a fresh backlog of prompts of its own (the first pass's would find their
+    prefixes in the cache); each keeps the faster of its two windows."""
+    best = bound.best
+    if best is None:
+        return
+    t0 = time.perf_counter()
+    again = [
+        (lv.concurrency, level_s)
+        for lv, level_s in zip(bound.levels, bound.budgets, strict=False)
+        if lv.concurrency <= best.concurrency
+    ]
+    backlog = Backlog(
+        http, wl, max_tokens, temperature, f"{tag}-again-{int(time.time())}", AGAIN_INDEX
+    )
+    second: list[BoundLevel] = []
+    try:
+        for c, level_s in again:
+            lv = await measure_level(backlog, http, c, level_s)
+            if backlog.errors:
+                break
+            second.append(lv)
+    finally:
+        await backlog.stop()
+    bound.levels = keep_faster(bound.levels, second)
+    bound.phase_s += time.perf_counter() - t0
 
 
 def keep_faster(levels: list[BoundLevel], again: list[BoundLevel]) -> list[BoundLevel]:

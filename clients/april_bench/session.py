@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from .accounting import compare_modes
-from .bound import Bound, measure_bound
+from .bound import Bound, measure_again, measure_bound
 from .calibrate import measure_cost_model
 from .driver import BenchConfig, ModeRunner, ModeSpec
 from .metrics import ModeResult
@@ -219,6 +219,12 @@ async def run_modes(
                 bar.update(max(0, cfg.steps * cfg.groups - r.ticks))
         if bar is not None:
             bar.close()
+        if bound is not None and bound.tok_s is not None:
+            print("measuring the engine again, now warm ...", file=sys.stderr, flush=True)
+            async with client() as backlog_http:
+                await measure_again(
+                    backlog_http, wl, cfg.max_tokens, cfg.temperature, bound, cfg.run_tag
+                )
         ledgers = [r.ledger for r in runners if r.result.available]
         cost = None
         if args.simulate:

@@ -20,6 +20,7 @@ from april_bench.bound import (
     level_budgets,
     levels,
     mean_need,
+    measure_again,
     measure_bound,
     window_tokens,
 )
@@ -138,12 +139,31 @@ def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
     assert b.capacity == (16, 10**6) and b.level_cap == 16
     assert all(lv.tokens > 0 and lv.window_s > 0 for lv in b.levels)
     assert b.tok_s is not None and "the most the engine holds" in b.stopped
-    # The levels up to the first sweep's best were measured a second time: the smallest, and
-    # the best (that one, or a smaller level whose second window beat it).
-    best = b.best
+    assert not any("-again-" in rid for rid in engine.rids)  # the second pass comes later
+
+
+def test_the_second_pass_measures_the_levels_up_to_the_best_on_prompts_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bound_mod, "MIN_WINDOW_S", 0.05)
+    engine = FakeEngine(max_running=16)
+    wl = Workload("longtail", 4, 64)
+
+    async def go() -> Bound:
+        transport = httpx.ASGITransport(app=engine.app)
+        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+            b = await measure_bound(http, wl, 64, 1.0, 0.3)
+            first = b.best
+            assert first is not None
+            await measure_again(http, wl, 64, 1.0, b)
+            again = [lv.concurrency for lv in b.levels if lv.other_tok_s is not None]
+            assert again == [c for c in (8, 16) if c <= first.concurrency]
+            return b
+
+    b = asyncio.run(go())
+    best = b.best  # the first pass's best, or a smaller level whose second window beat it
     assert best is not None and best.other_tok_s is not None
-    assert b.levels[0].other_tok_s is not None
-    assert any("-again-" in rid for rid in engine.rids)
+    assert len(b.budgets) == len(b.levels) == 2
     again = {p for rid, p in engine.prompts.items() if "-again-" in rid}
     first = {p for rid, p in engine.prompts.items() if "-again-" not in rid}
     assert again and not again & first  # prompts of its own: none found in the prefix cache
