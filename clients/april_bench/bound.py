@@ -291,12 +291,12 @@ async def measure_again(
     before, on a fresh backlog of prompts of its own (the first pass's would find their
     prefixes in the cache); each keeps the faster of its two windows."""
     best = bound.best
-    if best is None:
-        return
+    if best is None or len(bound.budgets) != len(bound.levels):
+        return  # not measured by `measure_bound`: no time per level to give again
     t0 = time.perf_counter()
     again = [
         (lv.concurrency, level_s)
-        for lv, level_s in zip(bound.levels, bound.budgets, strict=False)
+        for lv, level_s in zip(bound.levels, bound.budgets, strict=True)
         if lv.concurrency <= best.concurrency
     ]
     backlog = Backlog(
@@ -307,6 +307,7 @@ async def measure_again(
         for c, level_s in again:
             lv = await measure_level(backlog, http, c, level_s)
             if backlog.errors:
+                bound.stopped += f"; the second pass stopped: {backlog.errors[0]}"
                 break
             second.append(lv)
     finally:

@@ -473,6 +473,7 @@ class ModeRunner:
             goodput_expected=stats.get("goodput_expected_tok_s"),
             goodput_sync=stats.get("goodput_sync_tok_s"),
             goodput_got=stats.get("goodput_tok_s"),
+            call_wall_s=stats.get("wall_s"),
             groups_wanted=stats.get("groups_wanted"),
         )
         return StepOutcome(rec, consumed)

@@ -179,6 +179,7 @@ class StepRecord:
     goodput_expected: float | None = None
     goodput_sync: float | None = None
     goodput_got: float | None = None
+    call_wall_s: float | None = None  # the server's wall of the call, which `goodput_got` is over
     groups_wanted: int | None = None
     max_budget: int = 0  # longest consumed sample (calibrates the simulator on sync steps)
     weight_version: str = ""  # current when the step was consumed
@@ -342,7 +343,7 @@ class ModeResult:
             "goodput_expected": [r.goodput_expected for r in s],
             "goodput_sync": [r.goodput_sync for r in s],
             "goodput_got": [r.goodput_got for r in s],
-            "goodput_got_run": run_rate([(r.goodput_got, r.wall_s) for r in s]),
+            "goodput_got_run": run_rate([(r.goodput_got, r.call_wall_s) for r in s]),
             "groups_wanted": [r.groups_wanted for r in s],
             **engine_time_totals(s, wall),
             "median_group_latency_ms": float(np.median(g)) if g.size else None,
@@ -354,9 +355,10 @@ def _round(v: float | None, digits: int = 4) -> float | None:
     return None if v is None else round(v, digits)
 
 
-def run_rate(per_call: Sequence[tuple[float | None, float]]) -> float | None:
-    """A rate over the calls that report one, weighted by their walls: a call that returns at
-    once with groups that finished in an earlier call shows a huge rate of its own."""
-    timed = [(rate, wall) for rate, wall in per_call if rate is not None and wall > 0]
+def run_rate(per_call: Sequence[tuple[float | None, float | None]]) -> float | None:
+    """A rate over the calls that report one, weighted by the walls it is over (the server's
+    own, not the client's, which adds HTTP to each): a call that returns at once with groups
+    that finished in an earlier call shows a huge rate of its own."""
+    timed = [(r, w) for r, w in per_call if r is not None and w is not None and w > 0]
     wall = sum(w for _, w in timed)
     return round(sum(r * w for r, w in timed) / wall, 3) if wall > 0 else None

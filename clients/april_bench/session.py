@@ -221,10 +221,13 @@ async def run_modes(
             bar.close()
         if bound is not None and bound.tok_s is not None:
             print("measuring the engine again, now warm ...", file=sys.stderr, flush=True)
-            async with client() as backlog_http:
-                await measure_again(
-                    backlog_http, wl, cfg.max_tokens, cfg.temperature, bound, cfg.run_tag
-                )
+            try:
+                async with client() as backlog_http:
+                    await measure_again(
+                        backlog_http, wl, cfg.max_tokens, cfg.temperature, bound, cfg.run_tag
+                    )
+            except (BenchError, httpx.HTTPError) as exc:  # the modes' figures stand without it
+                bound.stopped += f"; the second pass failed: {exc!r}"
         ledgers = [r.ledger for r in runners if r.result.available]
         cost = None
         if args.simulate:

@@ -6,7 +6,11 @@ consumes was generated within s + 1 consecutive steps. No schedule knows a sampl
 before it ends (the server never reads a budget as a promise), so the Q samples started in a
 step are as long as any Q samples, and the longest of them (M, its mean E[M]) must fit in the
 s + 1 steps from its start: summed over a run, the steps last at least E[M] / (s + 1) decode
-steps each on average (bunching starts only raises the longest). A step consumes the
+steps each on average. That holds for schedules that start about as many samples each step as
+they consume, as every pool the server sizes does; uneven starts can shorten the steps a
+little (the expected longest of n samples grows ever more slowly with n: at s = 1 on the
+8 x 4 long tail, starts of 16, 16 and 64 over three steps need 7 % fewer decode steps, by
+linear programming), so this is a ceiling for even starts. A step consumes the
 trainer's Q samples, Q x E[L] tokens, so a long step is a small batch. With the engine's time
 per decode step at each batch taken from the bound's own levels (`StepCost`; their
 scheduling, prefill of new prompts and HTTP inside, as in the bound), a step of
@@ -107,8 +111,10 @@ def staleness_ceiling(
     steps = len(lengths) // quota_samples if quota_samples > 0 else 0
     if cost is None or steps < 1 or max_staleness < 0:
         return None
-    best = max(levels, key=lambda lv: float(lv["tok_s"]))
-    bound_tok_s, max_batch = float(best["tok_s"]), float(best["mean_batch"])
+    # The best of the levels the cost was fitted from (a window without a decode batch has
+    # no batch to run at).
+    best_batch = max(cost.batches, key=lambda b: b / cost.at(b))
+    bound_tok_s, max_batch = best_batch / cost.at(best_batch), best_batch
     all_lengths = np.asarray(lengths, dtype=np.float64)
     by_step = all_lengths[: steps * quota_samples].reshape(steps, quota_samples)
     top: StalenessCeiling | None = None

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 
 from april_bench import bound as bound_mod
 from april_bench.bound import (
@@ -95,6 +95,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.rids: list[str] = []
         self.prompts: dict[str, tuple[int, ...]] = {}
+        self.failing = False
         self.app = FastAPI()
         self.app.post("/generate")(self.generate)
         self.app.post("/abort_request")(self.abort)
@@ -109,6 +110,8 @@ class FakeEngine:
     async def generate(self, request: Request) -> dict[str, Any]:
         body = await request.json()
         self.rids.append(body["rid"])
+        if self.failing:
+            raise HTTPException(500, "failing")
         self.prompts[body["rid"]] = tuple(body["input_ids"])
         k = body["sampling_params"]["max_new_tokens"]
         await asyncio.sleep(0.001)
@@ -219,3 +222,33 @@ def test_a_server_without_an_engine_clock_gets_no_bound() -> None:
     b = asyncio.run(go())
     assert b.levels == [] and b.tok_s is None and "no engine clock" in b.stopped
     assert "no engine clock" in bound_line(b.to_json())
+
+
+def test_a_second_pass_that_fails_keeps_the_first_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bound_mod, "MIN_WINDOW_S", 0.05)
+    engine = FakeEngine(max_running=16)
+    wl = Workload("longtail", 4, 64)
+
+    async def go() -> tuple[list[float], Bound]:
+        transport = httpx.ASGITransport(app=engine.app)
+        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+            b = await measure_bound(http, wl, 64, 1.0, 0.3)
+            first = [lv.tok_s for lv in b.levels]
+            engine.failing = True
+            await measure_again(http, wl, 64, 1.0, b)
+            return first, b
+
+    first, b = asyncio.run(go())
+    assert [lv.tok_s for lv in b.levels] == first
+    assert "the second pass stopped: HTTP 500" in b.stopped
+    assert asyncio.run(_again_without_budgets()) == []
+
+
+async def _again_without_budgets() -> list[BoundLevel]:
+    """A bound not measured by `measure_bound` has no time per level to give again."""
+    b = Bound(levels=[BoundLevel(8, 1.0, 4000, 8.0, None, None, None, None, True)])
+    async with httpx.AsyncClient(base_url="http://unused") as http:
+        await measure_again(http, Workload("longtail", 4, 64), 64, 1.0, b)
+    return [lv for lv in b.levels if lv.other_tok_s is not None]

@@ -64,8 +64,8 @@ def test_one_long_sample_a_step_sets_its_length_and_staleness_stretches_it() -> 
 
 
 def test_throwing_the_longest_away_is_weighed_within_its_share() -> None:
-    """A sample of 1000 in one step of 100: cutting it at the next length (10) throws 10
-    tokens of the 1000 + 99 x 10 generated, within 5 %, and shortens that step 100 x."""
+    """One sample of 1000 among 3,199 of 10: cut at 10 it throws away the 10 tokens it made,
+    0.03 % of what is generated, and its step's longest falls 100 x."""
     lengths = [10] * 32 * 99 + [1000] + [10] * 31
     kept = staleness_ceiling(LEVELS, lengths, 32, 0, thrown_max=0.0)
     cut = staleness_ceiling(LEVELS, lengths, 32, 0, thrown_max=0.05)
@@ -95,3 +95,12 @@ def test_the_line_says_what_it_assumes_and_what_it_found() -> None:
     cut = staleness_ceiling(LEVELS, lengths, 32, 1)
     assert cut is not None
     assert "samples longer than 10 thrown away, 3.1% of generated" in ceiling_line(cut.to_json())
+
+
+def test_a_level_without_a_batch_is_left_out_of_the_cost_and_the_best() -> None:
+    """A window with no decode step has no batch: the ceiling comes from the others."""
+    no_batch = {"concurrency": 128, "mean_batch": None, "tok_s": 2 * BEST_TOK_S}
+    ceiling = staleness_ceiling([*LEVELS, no_batch], [100] * 320, 32, 0)
+    assert ceiling is not None
+    assert ceiling.tok_s == pytest.approx(32 / (FIXED_S + PER_TOKEN_S * 32))
+    assert ceiling.share_of_bound == pytest.approx(ceiling.tok_s / BEST_TOK_S)
