@@ -202,7 +202,7 @@ def pool_line(r: dict[str, Any], bound_tok_s: float | None = None) -> str:
         return "/".join("-" if v is None else format(v, spec) for v in r.get(key) or [])
 
     expected = [v for v in r.get("goodput_expected") or [] if v is not None]
-    ceiling = (
+    of_bound = (
         f" (median {median(expected) / bound_tok_s:.2f} of the bound)"
         if expected and bound_tok_s
         else ""
@@ -210,7 +210,7 @@ def pool_line(r: dict[str, Any], bound_tok_s: float | None = None) -> str:
     return (
         f"{r['mode']} auto pool per call: running target {seq('inflight_targets', 'd')}, extra "
         f"groups {seq('extra_groups', 'd')}, advised {seq('groups_wanted', 'd')}; goodput "
-        f"expected {seq('goodput_expected')}{ceiling} (sync {seq('goodput_sync')}) tok/s, got "
+        f"expected {seq('goodput_expected')}{of_bound} (sync {seq('goodput_sync')}) tok/s, got "
         f"{seq('goodput_got')}"
         + (
             ""

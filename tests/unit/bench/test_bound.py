@@ -126,6 +126,11 @@ class FakeEngine:
         return {}
 
 
+def fake_http(app: FastAPI) -> httpx.AsyncClient:
+    """A client whose requests `app` answers in process."""
+    return httpx.AsyncClient(base_url="http://fake", transport=httpx.ASGITransport(app=app))
+
+
 def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -133,8 +138,7 @@ def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
     engine = FakeEngine(max_running=16)
 
     async def go() -> Bound:
-        transport = httpx.ASGITransport(app=engine.app)
-        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+        async with fake_http(engine.app) as http:
             return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 0.3)
 
     b = asyncio.run(go())
@@ -153,8 +157,7 @@ def test_the_second_pass_measures_the_levels_up_to_the_best_on_prompts_of_its_ow
     wl = Workload("longtail", 4, 64)
 
     async def go() -> Bound:
-        transport = httpx.ASGITransport(app=engine.app)
-        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+        async with fake_http(engine.app) as http:
             b = await measure_bound(http, wl, 64, 1.0, 0.3)
             first = b.best
             assert first is not None
@@ -188,8 +191,7 @@ def test_the_phase_stops_once_the_running_batch_no_longer_follows_the_concurrenc
     engine = FakeEngine(max_running=64, holds=10)
 
     async def go() -> Bound:
-        transport = httpx.ASGITransport(app=engine.app)
-        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+        async with fake_http(engine.app) as http:
             return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 1.0)
 
     b = asyncio.run(go())
@@ -202,8 +204,7 @@ def test_a_short_phase_leaves_out_the_smallest_levels(monkeypatch: pytest.Monkey
     engine = FakeEngine(max_running=64, holds=64)
 
     async def go() -> Bound:
-        transport = httpx.ASGITransport(app=engine.app)
-        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+        async with fake_http(engine.app) as http:
             # room for two levels of 2.5 minimal windows
             return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 0.26)
 
@@ -215,8 +216,7 @@ def test_a_server_without_an_engine_clock_gets_no_bound() -> None:
     app.get("/april/v1/stats")(lambda: {})
 
     async def go() -> Bound:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+        async with fake_http(app) as http:
             return await measure_bound(http, Workload("longtail", 4, 64), 64, 1.0, 10.0)
 
     b = asyncio.run(go())
@@ -232,8 +232,7 @@ def test_a_second_pass_that_fails_keeps_the_first_and_says_so(
     wl = Workload("longtail", 4, 64)
 
     async def go() -> tuple[list[float], Bound]:
-        transport = httpx.ASGITransport(app=engine.app)
-        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
+        async with fake_http(engine.app) as http:
             b = await measure_bound(http, wl, 64, 1.0, 0.3)
             first = [lv.tok_s for lv in b.levels]
             engine.failing = True
