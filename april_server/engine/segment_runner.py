@@ -239,6 +239,7 @@ class SegmentRunner:
             run.cut = False
             if not cut:
                 break
+            self.weight_cut.note_cut(sample, out.result)
             # A weight update cut this segment at the version boundary: what the old weights
             # made is kept as its own segment, and the sample goes on under the new weights
             # (unless it is being stopped meanwhile: then it ends like any interrupted one).

@@ -7,19 +7,22 @@ new version (`continue_after_cut`). A segment about to start while an update run
 until its end (`held_for_update`), and one planned under the old weights is planned again
 (`plan_after_update`). The runner's loop (`segment_runner.py`) calls these; a weight update's
 hooks call `before_update`/`after_update` (the process registers this part as their listener:
-`cli.py`, and the owner's `fleet/gateway.py`).
+`cli.py`, and the owner's `fleet/gateway.py`). Each cut sample is also recorded in the
+server's length census (`rules/goodput.py`) as at least as long as it got.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from april_client.protocol import Sample
 from april_server.engine.base import BaseEngine, SegmentCall, SegmentOutcome
 from april_server.engine.segment_planner import SegmentPlanner
 from april_server.engine.segment_state import BACKGROUND, Running
 from april_server.engine.snapshot_places import SnapshotPlaces
 from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as sample_rules
+from april_server.rules.goodput import LengthCensus
 from april_server.rules.placement import Slot
 from april_server.rules.samples import SegmentResult
 
@@ -50,7 +53,10 @@ class WeightCut:
         versions: WeightVersions,
         planner: SegmentPlanner,
         places: SnapshotPlaces,
+        census: LengthCensus | None = None,
     ) -> None:
+        """`census`: the lengths the pool's sizing plays from (None: none kept): a cut sample is
+        recorded in it as at least as long as it got."""
         self.engine = engine
         self.running = running  # the segment runner's: sample id -> its engine request
         self.versions = versions
@@ -59,6 +65,7 @@ class WeightCut:
         self.updated = asyncio.Event()  # clear while a weight update holds cut segments
         self.updated.set()
         self._resend_cuts: asyncio.Future[None] | None = None
+        self.census = census
 
     async def before_update(self) -> None:
         """A weight update is about to run: end every running segment at the version boundary
@@ -113,6 +120,20 @@ class WeightCut:
         await self.planner.drop_unexecuted(call)  # never reached an engine
         result = SegmentResult([], [], "abort", self.versions.now())
         return SegmentOutcome(result, call.slot)
+
+    def note_cut(self, sample: Sample, result: SegmentResult) -> None:
+        """A segment a push cut has landed (not recorded on `sample` yet): the sample is at
+        least as long as it got. The samples still running when a call ends are recorded there
+        without the segment they are in the middle of, so without the cuts the fit would know
+        the long ones only once they finished, and play the tail as shorter than it is."""
+        if self.census is not None and sample.turn_rule is None:
+            self.census.record(
+                sample.sample_id,
+                len(sample.output_ids) + len(result.output_ids),
+                False,
+                sample.max_new_tokens,
+                len(sample.prompt_ids),
+            )
 
     def plan_after_update(
         self, run: Running, need: float, old: SegmentCall

@@ -36,6 +36,7 @@ from april_server.operations.partials import Partials
 from april_server.operations.resume import Resume
 from april_server.root.durable import Durable
 from april_server.rules import turns as turn_rules
+from april_server.rules.goodput import LengthCensus
 from april_server.rules.inflight import Admission
 from april_server.rules.lengths import LengthModel
 from april_server.runtime.background import OWNER as BACKGROUND
@@ -79,7 +80,11 @@ class RolloutManager:
             engine, self.counters, self.admission, config.allow_stale_kv, self.lengths, self.places
         )
         # What a weight push cuts (`root/holder.py` hands it to the process's weight session).
-        self.weight_cut = WeightCut(engine, self.running, self.versions, self.planner, self.places)
+        # The lengths the pool's goodput play draws from: seen at calls' ends and at cuts.
+        census = LengthCensus()
+        self.weight_cut = WeightCut(
+            engine, self.running, self.versions, self.planner, self.places, census
+        )
         self.segments = SegmentRunner(
             engine,
             self.counters,
@@ -92,7 +97,7 @@ class RolloutManager:
             self.places,
         )
         self.calls = LiveCalls()
-        self.sizing = PoolSizing(engine, self.admission, self.lengths, self.versions)
+        self.sizing = PoolSizing(engine, self.admission, self.lengths, self.versions, census)
         self.persister = Persister(self.buffer, store, self.running, self.lengths.history)
         self.background = Background(
             self.buffer,

@@ -31,10 +31,13 @@ under the rule above and the running target; every running sample makes one toke
 step, a step costing `t(running)`; the call ends once its quota of groups has finished, and
 what runs carries over. Its goodput is what was generated and not thrown away per second over
 the calls after a warm-up (in the steady state that is what gets consumed). `choose` picks the
-smallest E within `GOODPUT_EPS` of the best, and reports the synchronous trainer's goodput
-beside it (E = 0 is always a candidate, so the model never prefers a pool it expects to do
-worse than sync). Draws are deterministic (stratified quantiles in a fixed shuffled order):
-the same evidence gives the same choice.
+smallest E within `GOODPUT_EPS` of the best among the pools expected to throw away at most
+`THROWN_MAX` of what they generate, and reports the synchronous trainer's goodput beside it
+(E = 0 is always a candidate and throws nothing away, so the model never prefers a pool it
+expects to do worse than sync). The cap is there because thrown tokens are engine time the
+trainer paid for and lost, and a pool that throws much away is the one whose goodput rests
+most on the tail of the fit, the part it knows least. Draws are deterministic (stratified
+quantiles in a fixed shuffled order): the same evidence gives the same choice.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 GOODPUT_EPS = 0.02  # "the best" means within 2 %: the smaller target carries less over
+THROWN_MAX = 0.05  # a pool expected to throw away more of what it generates is not chosen
 PLAY_CALLS = 10  # calls played per candidate ...
 WARM_CALLS = 3  # ... of which the first are the warm-up (a cold start carries nothing)
 DRAWS = 512  # stratified length draws a play cycles through
@@ -343,8 +347,9 @@ def candidates(target_groups: int, most: int) -> list[int]:
 def choose(
     step_time: StepTime, fit: LengthFit, shape: CallShape, most: int, max_running: int = 1 << 30
 ) -> GoodputChoice:
-    """The extra groups (in `[0, most]`) and running target with the best goodput: the fewest
-    extra groups, then the smaller target, within `GOODPUT_EPS` of it (fewer carry less over).
+    """The extra groups (in `[0, most]`) and running target with the best goodput among the
+    pools expected to throw away at most `THROWN_MAX`: the fewest extra groups, then the
+    smaller target, within `GOODPUT_EPS` of it (fewer carry less over).
     Each pool is played at the call's running target (the step curve's knee,
     `shape.running_target`) and at every sample it keeps in progress running (up to
     `max_running`), since the knee is of raw throughput and a bigger batch may finish groups
@@ -358,8 +363,10 @@ def choose(
         ):
             trial = dataclasses.replace(shape, running_target=b)
             plays.append((play(step_time, lengths, trial, e), b))
-    best = max(p.goodput for p, _ in plays)
-    chosen, target = next((p, b) for p, b in plays if p.goodput >= (1 - GOODPUT_EPS) * best)
+    # No extra group throws nothing away (nothing is carried over): one always stays.
+    kept = [(p, b) for p, b in plays if p.thrown_share <= THROWN_MAX]
+    best = max(p.goodput for p, _ in kept)
+    chosen, target = next((p, b) for p, b in kept if p.goodput >= (1 - GOODPUT_EPS) * best)
     sync = play_sync(step_time, lengths, shape)
     limit = (
         "no staleness bound"
@@ -370,7 +377,8 @@ def choose(
         f"goodput {chosen.goodput:.1f} tok/s ({limit}, "
         f"{'a push between calls' if shape.pushes else 'no push seen between calls'}) with "
         f"{chosen.extra} groups beyond the quota in progress and {target} samples running, "
-        f"{chosen.thrown_share:.1%} thrown away; sync {sync.goodput:.1f}; {len(plays)} pools "
-        f"played from {fit.exact} finished and {fit.censored} cut lengths (mean {fit.mean:.0f})"
+        f"{chosen.thrown_share:.1%} thrown away; sync {sync.goodput:.1f}; {len(kept)} of "
+        f"{len(plays)} pools played within {THROWN_MAX:.0%} thrown away, from {fit.exact} "
+        f"finished and {fit.censored} cut lengths (mean {fit.mean:.0f})"
     )
     return GoodputChoice(target, chosen, sync, reason)

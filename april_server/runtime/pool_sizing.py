@@ -56,18 +56,21 @@ class PoolSizing:
         admission: Admission,
         lengths: LengthModel,
         versions: WeightVersions | None = None,
+        census: LengthCensus | None = None,
     ) -> None:
         """`admission`: the bound every call and the background share (sized by the segment
         planner from the engine's capacity); `lengths`: what buffered groups have left, and the
         recent finished lengths the advice plays fresh groups at; `versions`: how stale the
-        tokens a call delivers are (the goodput it got)."""
+        tokens a call delivers are (the goodput it got); `census`: the lengths seen, shared
+        with the weight cut, which records the samples a push cuts."""
         self.engine = engine
         self.admission = admission
         self.lengths = lengths
         self.versions = versions
         self.advisor = PoolAdvisor()  # across calls: it plays from the lengths seen
         self.last: tuple[InflightDecision, StepCurve, Mapping[int, float | StepStat]] | None = None
-        self.census = LengthCensus()  # the lengths the goodput play draws from
+        # The lengths the goodput play draws from.
+        self.census = LengthCensus() if census is None else census
         self.pool: CallPool | None = None  # the newest "auto" call's pool
         self.started_at: deque[str] = deque(maxlen=VERSIONS_SEEN)
         # (tokens delivered within max_staleness, wall s) of the last calls that were sized

@@ -1,8 +1,8 @@
 """The weight cut (`engine/weight_cut.py`) as the segment runner drives it: a push cuts a
 running segment, holds it and continues it under the new version; a segment planned before
 the push waits for it; a stop while the cut holds a segment keeps what the old weights made,
-or nothing if it never ran. Over the fake engine, as in `test_segment_runner.py`, whose
-helpers these use."""
+or nothing if it never ran; a cut sample is recorded in the length census. Over the fake
+engine, as in `test_segment_runner.py`, whose helpers these use."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from april_server.engine.base import EngineUnavailable
+from april_server.rules.goodput import LengthCensus
 from april_server.rules.placement import Slot
 from tests.unit.engine.test_segment_runner import (
     generating,
@@ -144,5 +145,28 @@ def test_a_segment_planned_again_after_its_engine_went_away_is_judged_under_the_
         assert s.staleness_restarts == 1  # before the fix: 0, a version-0 segment continued
         assert [seg.weight_version for seg in s.segments] == ["1"]
         assert s.output_ids == uninterrupted(40)
+
+    asyncio.run(go())
+
+
+def test_a_cut_sample_is_recorded_in_the_census_as_at_least_as_long_as_it_got() -> None:
+    """A call's end records a running sample without the segment it is in the middle of (its
+    tokens are the engine's until it ends): the push's cut records what it made by then."""
+
+    async def go() -> None:
+        eng = FakeEngine(delay_s=0.002)
+        runner = runner_over(eng)
+        runner.weight_cut.census = census = LengthCensus()
+        g, _, (task,) = await generating(eng, runner, 300)
+        (s,) = g.samples
+        await runner.weight_cut.before_update()
+        run = runner.running["g/0"]
+        await until(lambda: run.resuming)  # landed: recorded before the sample records it
+        made, finished = census.seen["g/0"]
+        assert made > 0 and not finished and s.output_ids == []
+        eng.version = "1"
+        runner.weight_cut.after_update()
+        await task
+        assert made == s.segments[0].end and made < 300
 
     asyncio.run(go())

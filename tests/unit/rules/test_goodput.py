@@ -1,6 +1,7 @@
 """The pool that maximises fresh tokens (`goodput.py`): the censored length fit, the played
 calls (sync at no extra group, nothing thrown without a bound, nothing ages without pushes),
-and the choice (never expected below sync; a bound makes it hold fewer)."""
+and the choice (never expected below sync nor to throw away more than its cap; a bound makes
+it hold fewer)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from april_server.rules.goodput import (
     GOODPUT_EPS,
     MIN_EXACT,
+    THROWN_MAX,
     CallShape,
     LengthCensus,
     LengthFit,
@@ -116,7 +118,7 @@ def test_a_staleness_bound_throws_the_tail_of_a_big_pool_away() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(lengths=lengths_st, m=st.one_of(st.none(), st.integers(0, 3)), most=st.integers(0, 24))
-def test_the_choice_never_expects_less_than_sync(
+def test_the_choice_never_expects_less_than_sync_nor_to_throw_more_than_the_cap(
     lengths: list[int], m: int | None, most: int
 ) -> None:
     fit = LengthFit.fit(lengths, [])
@@ -124,7 +126,9 @@ def test_the_choice_never_expects_less_than_sync(
     choice = choose(linear, fit, shape(m), most)
     assert 0 <= choice.extra <= most
     assert choice.expected.goodput >= choice.sync.goodput
-    best = max(play(linear, fit.draws(), shape(m), e).goodput for e in candidates(8, most))
+    assert choice.expected.thrown_share <= THROWN_MAX
+    plays = [play(linear, fit.draws(), shape(m), e) for e in candidates(8, most)]
+    best = max(p.goodput for p in plays if p.thrown_share <= THROWN_MAX)
     assert choice.expected.goodput >= (1 - GOODPUT_EPS) * best
 
 
@@ -138,6 +142,19 @@ def test_the_bound_decides_how_many_groups_stay_in_progress() -> None:
     assert 0 < tight.extra <= 4  # a little over-provisioning, not the tail's worth
     assert tight.expected.goodput > 1.1 * tight.sync.goodput
     assert "max_staleness 1" in tight.reason and "sync" in tight.reason
+
+
+def test_a_pool_that_throws_much_away_is_not_chosen_for_its_goodput() -> None:
+    """On an engine far from saturation (a step costs the same at any batch), 24 extra groups
+    under max_staleness 1 play the best goodput while throwing away over half of what they
+    generate: the cap keeps the choice to the pools that throw away at most 5 %."""
+    fit = LengthFit.fit(long_tail(), [])
+    assert fit is not None
+    flat = choose(lambda b: 0.01, fit, shape(1), 24)
+    widest = play(lambda b: 0.01, fit.draws(), shape(1), 24)
+    assert widest.goodput > flat.expected.goodput and widest.thrown_share > 0.5
+    assert 0 < flat.extra < 24 and flat.expected.thrown_share <= THROWN_MAX
+    assert flat.expected.goodput > 1.2 * flat.sync.goodput
 
 
 def test_a_saturated_engine_gets_no_over_provisioning() -> None:
