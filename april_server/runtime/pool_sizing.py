@@ -18,7 +18,7 @@ from april_client.protocol import Group, RolloutReq
 from april_server.engine.base import BaseEngine
 from april_server.engine.versions import WeightVersions
 from april_server.rules import samples as sample_rules
-from april_server.rules.goodput import CallShape, GoodputChoice, LengthCensus, choose
+from april_server.rules.goodput import MIN_EXACT, CallShape, GoodputChoice, LengthCensus, choose
 from april_server.rules.inflight import (
     Admission,
     InflightDecision,
@@ -38,15 +38,20 @@ GOODPUT_SEEN = 10  # calls the measured goodput is summed over
 @dataclass(frozen=True, slots=True)
 class CallPool:
     """What an "auto" call runs at: its running target, and the groups in progress it may
-    keep beyond what its quota still needs (None: no length evidence yet, so as many as it
-    holds, within the running target)."""
+    keep beyond what its quota still needs: what the goodput play chose; before there is
+    length evidence, none under a `max_staleness` (`unplayed_bound`: what it would carry over
+    could only age toward the bound, by amounts nobody can weigh yet), else as many as it
+    holds, within the running target (None)."""
 
     decision: InflightDecision
     goodput: GoodputChoice | None = None
+    unplayed_bound: bool = False
 
     @property
     def extra_groups(self) -> int | None:
-        return None if self.goodput is None else self.goodput.extra
+        if self.goodput is not None:
+            return self.goodput.extra
+        return 0 if self.unplayed_bound else None
 
 
 class PoolSizing:
@@ -96,8 +101,20 @@ class PoolSizing:
         fit = None
         if target_groups and group_size and len(curve.points) >= 2:
             fit = self.census.fit()
-        if not target_groups or not group_size or fit is None:
+        if not target_groups or not group_size:
             self.pool = CallPool(decision)
+            return self.pool
+        if fit is None:
+            # No play yet: under a staleness bound, the synchronous trainer's pool (it throws
+            # nothing away and carries nothing over) until the lengths are known, which its
+            # own finished samples make them; without a bound nothing ages, so all it holds.
+            bounded = max_staleness is not None
+            if bounded:
+                reason = decision.reason + "; no group beyond the quota in progress until "
+                reason += f"{MIN_EXACT} samples have finished (max_staleness {max_staleness})"
+                decision = InflightDecision(decision.running_target, reason)
+                self.last = (decision, curve, raw)
+            self.pool = CallPool(decision, unplayed_bound=bounded)
             return self.pool
         # Unknown until two calls were seen: as if pushed (the cautious case under a bound).
         seen = list(self.started_at)
@@ -169,9 +186,10 @@ class PoolSizing:
         curve = None if self.last is None else self.last[1]  # this call's, or a later one's
         if req.max_inflight_groups != "auto" or curve is None or not held:
             return None
-        if self.pool is not None and self.pool.extra_groups is not None:
+        choice = None if self.pool is None else self.pool.goodput
+        if choice is not None:
             # The pool the goodput play chose: the quota and its extra groups in progress.
-            return max(req.target_groups + self.pool.extra_groups, len(buffered))
+            return max(req.target_groups + choice.extra, len(buffered))
         size = round(sum(len(g.samples) for g in held) / len(held))
         target = choose_running_target(curve, req.target_groups * size, self.admission.max_samples)
         return self.advisor.advise(

@@ -1,4 +1,5 @@
-"""The goodput pool in a call (`pool_sizing.py`): no evidence, no extra bound; with lengths
+"""The goodput pool in a call (`pool_sizing.py`): no evidence, no extra bound (none beyond the
+quota under a `max_staleness`); with lengths
 seen, an "auto" call keeps at most its quota plus the chosen extra groups in progress, reports
 what its play expected beside a synchronous trainer's and what it got, and advises that pool;
 the tokens it got count only those within its `max_staleness`."""
@@ -62,6 +63,28 @@ def test_an_auto_call_keeps_its_quota_and_the_chosen_extra_in_progress() -> None
         assert "max_staleness 1" in policy["goodput"]["reason"]
         assert policy["goodput_measured_calls"] == 5 and policy["goodput_measured_tok_s"] > 0
         assert policy["length_fit"]["finished"] >= 8 and policy["length_fit"]["p99"] <= 85
+
+    asyncio.run(go())
+
+
+def test_under_a_bound_a_call_before_any_length_evidence_carries_nothing_over() -> None:
+    """No play without lengths: under max_staleness, the first call keeps only its quota's
+    groups in progress (what it would carry over could only age), and its own finished
+    samples give the next call a play; its advice is not the quota alone."""
+
+    async def go() -> None:
+        eng = CurveEngine({b: 0.001 + 0.0001 * b for b in SIZES})
+        mgr = RolloutManager(eng, Durable.open(None))
+        req = RolloutReq(groups=groups("a", 8), target_groups=4, max_staleness=1)
+        st = (await mgr.rollout(req)).stats  # its quota: 8 samples, what a fit needs
+        assert st.extra_groups == 0 and st.goodput_expected_tok_s is None
+        assert st.num_started_groups == 4 and st.num_buffered_groups == 4
+        assert all(e.output_tokens == 0 for e in mgr.buffer.idle.oldest())  # never started
+        assert "until 8 samples have finished" in (await mgr.stats())["inflight_policy"]["reason"]
+        assert st.groups_wanted is not None and st.groups_wanted > 4
+        eng.version = "1"
+        nxt = await mgr.rollout(RolloutReq(groups=[], target_groups=3, max_staleness=1))
+        assert nxt.stats.goodput_expected_tok_s is not None
 
     asyncio.run(go())
 
