@@ -184,8 +184,12 @@ class Refill:
         if req.resume_first:
             can_run += idle.unfinished_samples
         size = round(demand / len(sizes)) if sizes else None
+        # Whether what it finishes will tell lengths (agent episodes' lengths are their
+        # tools' as much, and are not counted): the groups it holds now, O(target + sent).
+        mine = [claimed[g] for g in [*state.ready, *state.fresh]]
+        single_turn = bool(mine) and all(g.samples[0].turn_rule is None for g in mine)
         pool = await self.sizing.decide(
-            demand, max(can_run, 1), req.target_groups, size, req.max_staleness
+            demand, max(can_run, 1), req.target_groups, size, req.max_staleness, single_turn
         )
         state.inflight_target = pool.decision.running_target
         state.extra_groups, state.goodput = pool.extra_groups, pool.goodput

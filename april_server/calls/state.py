@@ -37,7 +37,8 @@ class CallState:
         self.wakeup = asyncio.Event()
         self.inflight_target: int | None = None
         # "auto": groups in progress allowed beyond what the quota still needs, and the
-        # goodput play that chose it (`rules/goodput.py`); None: no length evidence yet.
+        # goodput play that chose it (`rules/goodput.py`); before there is one, 0 under a
+        # max_staleness, else None (no bound beyond the running target).
         self.extra_groups: int | None = None
         self.goodput: GoodputChoice | None = None
         self.peak_running = 0

@@ -88,27 +88,29 @@ class PoolSizing:
         target_groups: int | None = None,
         group_size: int | None = None,
         max_staleness: int | None = None,
+        single_turn: bool = False,
     ) -> CallPool:
         """The running target for a call that would run `demand` samples synchronously and can
         run at most `cap`; given its quota's shape, also the groups it may keep in progress
-        beyond what the quota still needs, played for goodput within `max_staleness`."""
+        beyond what the quota still needs, played for goodput within `max_staleness`.
+        `single_turn`: the call holds single-turn groups only, whose finished samples give
+        the lengths a play needs."""
         raw = await self.engine.step_curve()
         curve = StepCurve.smoothed(raw)
         decision = choose_running_target(curve, demand, cap)
         self.last = (decision, curve, raw)
         if self.versions is not None:
             self.started_at.append(self.versions.now())
-        fit = None
-        if target_groups and group_size and len(curve.points) >= 2:
-            fit = self.census.fit()
         if not target_groups or not group_size:
             self.pool = CallPool(decision)
             return self.pool
-        if fit is None:
-            # No play yet: under a staleness bound, the synchronous trainer's pool (it throws
-            # nothing away and carries nothing over) until the lengths are known, which its
-            # own finished samples make them; without a bound nothing ages, so all it holds.
-            bounded = max_staleness is not None
+        fit = self.census.fit()
+        if fit is None or len(curve.points) < 2:
+            # No play yet. Lengths unknown, under a staleness bound: the synchronous trainer's
+            # pool (it throws nothing away and carries nothing over) until its own finished
+            # samples make them known. Otherwise (no bound: nothing ages; a thin step curve;
+            # agent episodes, whose lengths are not counted) all it holds.
+            bounded = fit is None and max_staleness is not None and single_turn
             if bounded:
                 reason = decision.reason + "; no group beyond the quota in progress until "
                 reason += f"{MIN_EXACT} samples have finished (max_staleness {max_staleness})"

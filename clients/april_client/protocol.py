@@ -361,8 +361,9 @@ class RolloutStats(_Resp):
     notes: list[str] = []
     # max_inflight_groups "auto": the groups it kept in progress beyond what its quota still
     # needed (the pool that maximises tokens within max_staleness per second), the goodput
-    # its play expected at that pool and a synchronous trainer's; null without length
-    # evidence yet. What it got: its returned tokens within max_staleness per second of it.
+    # its play expected at that pool and a synchronous trainer's; before any length evidence,
+    # 0 under max_staleness (no play: the expected figures null), else null. What it got: its
+    # returned tokens within max_staleness per second of it.
     extra_groups: int | None = None
     goodput_expected_tok_s: float | None = None
     goodput_sync_tok_s: float | None = None

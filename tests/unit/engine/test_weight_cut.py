@@ -151,22 +151,33 @@ def test_a_segment_planned_again_after_its_engine_went_away_is_judged_under_the_
 
 def test_a_cut_sample_is_recorded_in_the_census_as_at_least_as_long_as_it_got() -> None:
     """A call's end records a running sample without the segment it is in the middle of (its
-    tokens are the engine's until it ends): the push's cut records what it made by then."""
+    tokens are the engine's until it ends): each push's cut records what it made by then."""
 
     async def go() -> None:
         eng = FakeEngine(delay_s=0.002)
+        made_by: dict[str, int] = {}  # request id -> tokens it has made (the engine's count)
+        eng.abort_in_step = lambda rid, n: made_by.__setitem__(rid, n) or False
         runner = runner_over(eng)
-        runner.weight_cut.census = census = LengthCensus()
+        cut = runner.weight_cut
+        cut.census = census = LengthCensus()
         g, _, (task,) = await generating(eng, runner, 300)
         (s,) = g.samples
-        await runner.weight_cut.before_update()
         run = runner.running["g/0"]
-        await until(lambda: run.resuming)  # landed: recorded before the sample records it
-        made, finished = census.seen["g/0"]
-        assert made > 0 and not finished and s.output_ids == []
-        eng.version = "1"
-        runner.weight_cut.after_update()
+        seen = []
+        for version in ("1", "2"):
+            # Its current request has made a token: the cut has something to record.
+            await until(lambda: made_by.get(eng.calls[-1][0], 0) >= 1)
+            await cut.before_update()
+            await until(lambda: run.resuming)  # landed: recorded before the sample records it
+            tokens, finished = census.seen["g/0"]
+            assert not finished and tokens == len(s.output_ids) + made_by[eng.calls[-1][0]]
+            seen.append(tokens)
+            eng.version = version
+            cut.after_update()
+            await until(lambda: len(eng.calls) == len(seen) + 1)  # its continuation
         await task
-        assert made == s.segments[0].end and made < 300
+        assert seen[0] < seen[1] < 300
+        assert [seg.end for seg in s.segments[:2]] == seen
+        assert [seg.weight_version for seg in s.segments] == ["0", "1", "2"]
 
     asyncio.run(go())

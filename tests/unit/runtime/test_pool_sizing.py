@@ -89,6 +89,23 @@ def test_under_a_bound_a_call_before_any_length_evidence_carries_nothing_over() 
     asyncio.run(go())
 
 
+def test_before_evidence_only_single_turn_calls_under_a_bound_run_no_extra_group() -> None:
+    """Agent episodes' lengths are not counted (their tools' as much as theirs): a call of
+    them would wait for evidence that never comes, so it runs what it holds, as a call
+    without a bound does. The census is the one the weight cut records cut samples in."""
+
+    async def go() -> None:
+        eng = CurveEngine({b: 0.001 + 0.0001 * b for b in SIZES})
+        mgr = RolloutManager(eng, Durable.open(None))
+        assert mgr.weight_cut.census is mgr.sizing.census
+        sizing = mgr.sizing
+        for bound, single_turn, extra in ((1, True, 0), (1, False, None), (None, True, None)):
+            pool = await sizing.decide(8, 16, 4, 2, bound, single_turn)
+            assert pool.extra_groups == extra and pool.goodput is None
+
+    asyncio.run(go())
+
+
 def test_a_pinned_call_gets_no_goodput_pool() -> None:
     async def go() -> None:
         eng = CurveEngine({b: 0.001 + 0.0001 * b for b in SIZES})
