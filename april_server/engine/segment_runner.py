@@ -449,13 +449,23 @@ class SegmentRunner:
         does not cover (an engine that cannot list, one out of the pool) is asked per sample."""
         if self.snap is None:
             return
-        held = [(s, slot) for s in samples if (slot := self.places.of(s)) is not None]
+        places = self.places
+        held = []
+        for s in samples:
+            slot, stamp = places.stamp(s)
+            if slot is not None:
+                held.append((s, slot, stamp))
         listed = await self.snap.snapshot_keys() if len(held) > 1 else {}
-        for s, slot in held:
+        for s, slot, stamp in held:
             keys = listed.get(slot)
             if keys is not None:
                 evicted = s.sample_id not in keys
             else:
                 evicted = await self.snap.snapshot_info(s.sample_id, slot) is None
-            if evicted:
-                self.places.clear(s)
+            # Only if its snapshot is still the one asked about: the listing awaited the engines,
+            # and meanwhile a segment may have freed it and left another, on that slot or
+            # another (a body read from the store may even have asked about a place the live
+            # sample no longer has); cleared then, the new one would be held with nothing
+            # pointing at it.
+            if evicted and places.stamp(s) == (slot, stamp):
+                places.clear(s)

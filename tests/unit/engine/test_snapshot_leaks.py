@@ -8,12 +8,15 @@ its fix."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
 from april_client.protocol import ResumeReq
 from april_server.engine.base import EngineUnavailable, SegmentCall, SegmentOutcome
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from april_server.rules.placement import Slot
+from tests.unit.engine.test_segment_runner import group
+from tests.unit.fake_engine import SnapshotFakeEngine, segment_runner_over
 from tests.unit.fleet.test_fleet import fleet_over
 from tests.unit.fleet.test_snapshot_drops import DropServers
 from tests.unit.runtime.test_snapshot_sweep import ListingEngine, buffered_with_snapshot
@@ -62,5 +65,45 @@ def test_a_segment_stopped_while_a_weight_update_held_it_frees_the_old_snapshot(
         assert out.result.finish_reason == "abort"
         assert servers.drops == [("a:1", "s/0")]  # before the fix: [], the snapshot stayed
         await fleet.close()
+
+    asyncio.run(go())
+
+
+class ListsLate(SnapshotFakeEngine):
+    """Lists what it holds at once, and answers only when let go (a busy scheduler)."""
+
+    def __init__(self) -> None:
+        super().__init__(lists=True)
+        self.listed, self.answer = asyncio.Event(), asyncio.Event()
+
+    async def snapshot_keys(self) -> dict[Slot, dict[str, float]]:
+        held = await super().snapshot_keys()
+        self.listed.set()
+        await self.answer.wait()
+        return held
+
+
+def test_a_listing_that_raced_a_new_snapshot_leaves_the_new_one_its_place() -> None:
+    """Found by the simulator (seed 21896): a `/partials` page asked the engines what they
+    hold; while it waited, the sample's segment freed its old snapshot and left a new one. The
+    answer, about the old one, cleared the place of the new one, held on its engine with
+    nothing pointing at it. (The page reads bodies from the store: copies of the samples.)"""
+
+    async def go() -> None:
+        eng = ListsLate()
+        runner = segment_runner_over(eng)
+        places, here = runner.places, Slot()
+        (s,), (t,) = group("g", 50).samples, group("t", 50).samples
+        for x in (s, t):
+            places.record(x, 100, here)
+        page = asyncio.ensure_future(runner.refresh([copy.deepcopy(s), t]))
+        await eng.listed.wait()  # it holds neither, as listed: both look evicted
+        places.clear(s)  # a segment of s frees its snapshot ...
+        eng.snaps.add(s.sample_id)
+        places.record(s, 100, here)  # ... and leaves a new one
+        eng.answer.set()
+        await page
+        assert places.of(t) is None and t.snapshot_bytes == 0  # evicted indeed
+        assert places.of(s) == here and len(places) == 1  # before the fix: no place for it
 
     asyncio.run(go())
