@@ -126,14 +126,9 @@ class WeightCut:
         least as long as it got. The samples still running when a call ends are recorded there
         without the segment they are in the middle of, so without the cuts the fit would know
         the long ones only once they finished, and play the tail as shorter than it is."""
-        if self.census is not None and sample.turn_rule is None:
-            self.census.record(
-                sample.sample_id,
-                len(sample.output_ids) + len(result.output_ids),
-                False,
-                sample.max_new_tokens,
-                len(sample.prompt_ids),
-            )
+        if self.census is not None:
+            made = len(sample.output_ids) + len(result.output_ids)
+            self.census.record_sample(sample, made, False)
 
     def plan_after_update(
         self, run: Running, need: float, old: SegmentCall

@@ -50,6 +50,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from april_client.protocol import Sample
+
 GOODPUT_EPS = 0.02  # "the best" means within 2 %: the smaller target carries less over
 THROWN_MAX = 0.05  # a pool expected to throw away more of what it generates is not chosen
 PLAY_CALLS = 10  # calls played per candidate ...
@@ -153,6 +155,14 @@ class LengthCensus:
         self._prompts += 1
         self.prompt_tokens += (prompt_len - self.prompt_tokens) / self._prompts
         self._fit = None
+
+    def record_sample(self, sample: Sample, tokens: int, finished: bool) -> None:
+        """`sample` seen with `tokens` (its length if `finished`, else at least that). An
+        agent episode is not counted: its length is its tools' as much as its own."""
+        if sample.turn_rule is None:
+            self.record(
+                sample.sample_id, tokens, finished, sample.max_new_tokens, len(sample.prompt_ids)
+            )
 
     def fit(self) -> LengthFit | None:
         if self._fit is None:

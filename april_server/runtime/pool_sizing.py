@@ -156,14 +156,7 @@ class PoolSizing:
         expected). Returns those tokens."""
         for g in held:
             for s in g.samples:
-                if s.turn_rule is None:  # an agent episode's length is its tools' as much
-                    self.census.record(
-                        s.sample_id,
-                        len(s.output_ids),
-                        sample_rules.is_finished(s),
-                        s.max_new_tokens,
-                        len(s.prompt_ids),
-                    )
+                self.census.record_sample(s, len(s.output_ids), sample_rules.is_finished(s))
         if req.max_inflight_groups != "auto" or self.versions is None or delivered is None:
             return None
         now, history, m = self.versions.now(), self.versions.history, req.max_staleness

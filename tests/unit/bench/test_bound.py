@@ -5,6 +5,7 @@ its `/generate` made."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -149,30 +150,41 @@ def test_the_phase_measures_every_level_and_stops_at_what_the_engine_holds(
     assert not any("-again-" in rid for rid in engine.rids)  # the second pass comes later
 
 
+def measured_twice(
+    engine: FakeEngine, between: Callable[[], None] = lambda: None
+) -> tuple[list[BoundLevel], Bound]:
+    """The bound's first pass, then (after `between`) its second, over the fake engine: the
+    first pass's levels as it left them, and the bound after both."""
+    wl = Workload("longtail", 4, 64)
+
+    async def go() -> tuple[list[BoundLevel], Bound]:
+        async with fake_http(engine.app) as http:
+            b = await measure_bound(http, wl, 64, 1.0, 0.3)
+            first = list(b.levels)
+            between()
+            await measure_again(http, wl, 64, 1.0, b)
+            return first, b
+
+    return asyncio.run(go())
+
+
 def test_the_second_pass_measures_the_levels_up_to_the_best_on_prompts_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(bound_mod, "MIN_WINDOW_S", 0.05)
     engine = FakeEngine(max_running=16)
-    wl = Workload("longtail", 4, 64)
-
-    async def go() -> Bound:
-        async with fake_http(engine.app) as http:
-            b = await measure_bound(http, wl, 64, 1.0, 0.3)
-            first = b.best
-            assert first is not None
-            await measure_again(http, wl, 64, 1.0, b)
-            again = [lv.concurrency for lv in b.levels if lv.other_tok_s is not None]
-            assert again == [c for c in (8, 16) if c <= first.concurrency]
-            return b
-
-    b = asyncio.run(go())
+    levels, b = measured_twice(engine)
+    first = Bound(levels=levels).best
+    assert first is not None
+    again = [lv.concurrency for lv in b.levels if lv.other_tok_s is not None]
+    assert again == [c for c in (8, 16) if c <= first.concurrency]
     best = b.best  # the first pass's best, or a smaller level whose second window beat it
     assert best is not None and best.other_tok_s is not None
     assert len(b.budgets) == len(b.levels) == 2
-    again = {p for rid, p in engine.prompts.items() if "-again-" in rid}
-    first = {p for rid, p in engine.prompts.items() if "-again-" not in rid}
-    assert again and not again & first  # prompts of its own: none found in the prefix cache
+    again_prompts = {p for rid, p in engine.prompts.items() if "-again-" in rid}
+    first_prompts = {p for rid, p in engine.prompts.items() if "-again-" not in rid}
+    # prompts of its own: none found in the prefix cache
+    assert again_prompts and not again_prompts & first_prompts
 
 
 def test_a_level_measured_again_keeps_its_faster_window() -> None:
@@ -229,18 +241,8 @@ def test_a_second_pass_that_fails_keeps_the_first_and_says_so(
 ) -> None:
     monkeypatch.setattr(bound_mod, "MIN_WINDOW_S", 0.05)
     engine = FakeEngine(max_running=16)
-    wl = Workload("longtail", 4, 64)
-
-    async def go() -> tuple[list[float], Bound]:
-        async with fake_http(engine.app) as http:
-            b = await measure_bound(http, wl, 64, 1.0, 0.3)
-            first = [lv.tok_s for lv in b.levels]
-            engine.failing = True
-            await measure_again(http, wl, 64, 1.0, b)
-            return first, b
-
-    first, b = asyncio.run(go())
-    assert [lv.tok_s for lv in b.levels] == first
+    first, b = measured_twice(engine, lambda: setattr(engine, "failing", True))
+    assert [lv.tok_s for lv in b.levels] == [lv.tok_s for lv in first]
     assert "the second pass stopped: HTTP 500" in b.stopped
     assert asyncio.run(_again_without_budgets()) == []
 
