@@ -133,7 +133,7 @@ def test_crash_during_background_generation_loses_no_acknowledged_token(
     srv = running(crashing)
     with srv.client() as c:
         body = {
-            "groups": [group("fast", [3], [4]), group("slow", [8, 9], [3000])],
+            "groups": [group("fast", [3], [4]), group("slow", [8, 9], [8000])],
             "target_groups": 1,
             "on_quota": "continue",
         }
@@ -153,10 +153,11 @@ def test_crash_during_background_generation_loses_no_acknowledged_token(
         mid = {"groups": [group("mid", [4], [4])], "target_groups": 1, "resume_first": False}
         ok(c.post(R + "/rollouts", json=mid))
         acked = ok(c.get(R + "/partials/slow"))["samples"][0]["output_ids"]
-        pre = ok(c.post(R + "/groups", json={"groups": [group("pre", [5], [3000])]}))
+        pre = ok(c.post(R + "/groups", json={"groups": [group("pre", [5], [8000])]}))
         assert pre["group_ids"] == ["pre"]
         background_running()
         time.sleep(0.5)
+        assert ok(c.get(R + "/stats"))["background_running_samples"] >= 1  # killed mid-way
     srv.kill9()
     srv.start()
     with srv.client() as c:
@@ -177,7 +178,7 @@ def test_crash_keeps_the_sampling_mask_of_every_acknowledged_token(crashing: Ser
     recomputes: `trainer_recompute.py`), and its continuation extends them."""
     srv = running(crashing)
     sampled = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
-    masked = [group("mg", [8, 9], [3000]), group("ms", [7, 9], [3000], **sampled)]
+    masked = [group("mg", [8, 9], [8000]), group("ms", [7, 9], [8000], **sampled)]
     with srv.client() as c:
         body = {
             "groups": [group("fast", [3], [4]), *masked],
@@ -195,6 +196,7 @@ def test_crash_keeps_the_sampling_mask_of_every_acknowledged_token(crashing: Ser
         ok(c.post(R + "/rollouts", json=mid))  # pauses them: what they made is acknowledged
         acked = {g: ok(c.get(f"{R}/partials/{g}"))["samples"][0] for g in ("mg", "ms")}
         time.sleep(0.5)  # generating again in the background
+        assert ok(c.get(R + "/stats"))["background_running_samples"] == 2  # killed mid-way
     srv.kill9()
     srv.start()
     with srv.client() as c:

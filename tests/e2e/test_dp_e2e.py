@@ -80,8 +80,9 @@ def test_stats_show_both_ranks_and_split_the_budget(http: httpx.Client) -> None:
 def test_quota_is_exact_and_resumes_land_on_their_snapshots_rank(http: httpx.Client) -> None:
     # 8 samples at once over two idle ranks: they alternate, so both long groups have a
     # sample on each rank. The short groups meet the quota; the long ones are interrupted
-    # with snapshots (on_quota: snapshot, the default).
-    longs = [group(f"l{i}", [20 + i, 7], [120, 140]) for i in range(2)]
+    # with snapshots (on_quota: snapshot, the default). The longs must outlast the shorts on
+    # the other rank whatever the load (120 tokens did not, in the fleet's twin of this test).
+    longs = [group(f"l{i}", [20 + i, 7], [600, 700], ignore_eos=True) for i in range(2)]
     shorts = [group(f"s{i}", [5 + i, 9], [6, 6]) for i in range(2)]
     body = {"groups": longs + shorts, "target_groups": 2, "max_inflight_groups": 4}
     r = ok(http.post(R + "/rollouts", json=body))

@@ -216,7 +216,9 @@ def test_sampling_masks_cross_the_engine_protocol(http: httpx.Client) -> None:
     recomputes (`trainer_recompute.py`); the owner refuses what its engines would."""
     sampled = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
     groups = [group(g, [50 + i, 9], [120], **sampled) for i, g in enumerate(("mr", "mc"))]
-    held = cut(http, groups, 12, "snapshot")
+    # 40 tokens: time for the other engine to start mr and mc before the cut (12 were not,
+    # on a busy machine: mr was cut with nothing to snapshot)
+    held = cut(http, groups, 40, "snapshot")
     assert held["mr"]["snapshot_bytes"] > 0
     assert http.post("/flush_cache").status_code == 200
     for gid, kv, began in (("mr", "restore", "restored"), ("mc", "recompute", "recomputed")):
@@ -311,8 +313,8 @@ def test_an_owner_finds_its_engines_in_smgs_registry(fleet: Fleet, smg: str) -> 
 def test_kill9_of_an_engine_mid_call_loses_nothing(http: httpx.Client, fleet: Fleet) -> None:
     # Every group is needed (no over-provisioning to cover the loss), greedy, long enough to
     # be running on both engines when one dies.
-    groups = [group(f"k{i}", [3 + i, 9], [400, 400]) for i in range(3)]
-    want = {g["group_id"]: reference(http, g["input_ids"], 400)[0] for g in groups}
+    groups = [group(f"k{i}", [3 + i, 9], [800, 800]) for i in range(3)]
+    want = {g["group_id"]: reference(http, g["input_ids"], 800)[0] for g in groups}
     result: dict[str, Any] = {}
 
     def call() -> None:

@@ -83,8 +83,15 @@ def test_restore_after_flush_is_exact_and_skips_prefill(
 
 
 def test_restore_refused_without_snapshot(http: httpx.Client) -> None:
-    body = {"groups": [group("y", [3], [200]), group("y-t", [1], [4])], "on_quota": "tokens"}
-    ok(http.post(R + "/rollouts", json=body))
+    # y and its trigger side by side (pinned), y long enough to be cut by the quota
+    body = {
+        "groups": [group("y", [3], [1000]), group("y-t", [1], [4])],
+        "target_groups": 1,
+        "on_quota": "tokens",
+        "resume_first": False,
+        "max_inflight_groups": 2,
+    }
+    assert ok(http.post(R + "/rollouts", json=body))["buffered_group_ids"] == ["y"]
     r = http.post(R + "/resume", json={"sample_ids": ["y/0"], "kv": "restore"})
     assert r.status_code == 409 and r.json()["error"]["code"] == "no_snapshot"
 

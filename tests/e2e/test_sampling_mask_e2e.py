@@ -158,7 +158,7 @@ def test_sampled_rows_are_what_a_trainer_recomputes_across_cuts(http: httpx.Clie
 def test_rows_across_a_weight_push(http: httpx.Client) -> None:
     """A push mid-call cuts both samples at the version boundary; the same files reloaded,
     the greedy one goes on as if uninterrupted and the sampled one's rows stay its steps'."""
-    prompt, budget = [22, 4, 5], 800
+    prompt, budget = [22, 4, 5], 1500  # still generating when the push lands
     want, top2 = reference(http, prompt, budget)
     old = ok(http.get(R + "/stats"))["weight_version"]
     groups = [group("g", prompt, [budget]), group("s", [40, 7, 9], [budget], **SAMPLED)]
@@ -173,6 +173,7 @@ def test_rows_across_a_weight_push(http: httpx.Client) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(0.3)
+    assert ok(http.get(R + "/stats"))["running_samples"] == 2
     new = f"{old}-masks"
     push = {"model_path": str(ensure_tiny_model()), "weight_version": new}
     assert ok(http.post("/update_weights_from_disk", json=push))["success"]

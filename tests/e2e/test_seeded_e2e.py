@@ -293,7 +293,7 @@ def interrupted_run(
 def test_seeded_resume_after_two_interrupts(http: httpx.Client, vocab: int) -> None:
     """A fixed case with wide margins, so that the interrupt path surely runs (the abort can
     land a few tokens after the trigger finished, too late for a cut near the end)."""
-    prompt, budget, seed = [11, 12, 13, 14], 90, 31337
+    prompt, budget, seed = [11, 12, 13, 14], 300, 31337  # x outlasts the second trigger
     want, top = reference(http, prompt, budget, seed, vocab)
     s = interrupted_run(http, prompt, budget, [10, 40], seed)
     assert len(s["segments"]) == 3
@@ -360,7 +360,7 @@ def assert_same_masks(s: dict[str, Any], want: tuple[list[int], Any, list[float]
 
 
 def test_seeded_sampling_masks_interrupted_equal_uninterrupted(http: httpx.Client) -> None:
-    prompt, budget, seed = [11, 12, 13, 14], 90, 4242
+    prompt, budget, seed = [11, 12, 13, 14], 300, 4242  # x outlasts the second trigger
     want = masked_reference(http, prompt, budget, seed)
     s = interrupted_run(http, prompt, budget, [10, 40], seed, MASKED, mask=True)
     assert len(s["segments"]) == 3
@@ -371,7 +371,7 @@ def test_seeded_sampling_masks_interrupted_equal_uninterrupted(http: httpx.Clien
 def test_seeded_sampling_masks_across_a_push_equal_uninterrupted(http: httpx.Client) -> None:
     """A push mid-call (the same files) cuts the sample at the version boundary; it goes on
     re-prefilled under the new version and equals the uninterrupted run, masks and all."""
-    prompt, budget, seed = [21, 22, 23], 600, 99
+    prompt, budget, seed = [21, 22, 23], 1500, 99  # still generating when the push lands
     want = masked_reference(http, prompt, budget, seed)
     old = ok(http.get(R + "/stats"))["weight_version"]
     x = {"group_id": "px", "input_ids": prompt, "seed": seed}
@@ -387,6 +387,7 @@ def test_seeded_sampling_masks_across_a_push_equal_uninterrupted(http: httpx.Cli
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(0.3)
+    assert ok(http.get(R + "/stats"))["running_samples"] == 1
     new = f"{old}-seeded-masks"
     push = {"model_path": str(ensure_tiny_model()), "weight_version": new}
     assert ok(http.post("/update_weights_from_disk", json=push))["success"]

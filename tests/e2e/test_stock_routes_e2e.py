@@ -19,7 +19,7 @@ from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
 LONG = 3000  # tokens: still generating when the stock route arrives
-SHORT = 600  # tokens: meets the quota well before LONG, after the stock route arrived
+SHORT = 1500  # tokens: meets the quota well before LONG, after the stock route arrived
 
 
 @pytest.fixture()

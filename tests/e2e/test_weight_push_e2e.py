@@ -25,7 +25,7 @@ from tests.e2e.test_rollouts_e2e import (
 from tests.server_proc import ServerProc
 
 pytestmark = pytest.mark.e2e
-BUDGET = 1500
+BUDGET = 3000  # still generating when the push lands, on a busy machine too
 
 
 def push(http: httpx.Client, version: str) -> float:
@@ -57,7 +57,8 @@ def test_a_push_during_a_call_is_fast_and_every_token_keeps_its_version(
         while ok(http.get(R + "/stats"))["running_samples"] < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(1.0)  # well into the call: hundreds of tokens still to go
+        time.sleep(0.3)  # into the call: thousands of tokens still to go
+        assert ok(http.get(R + "/stats"))["running_samples"] == 2
         new = f"{before}-pushed"
         busy = push(http, new)
         call.join(timeout=600)

@@ -66,13 +66,15 @@ def test_a_broadcast_during_background_generation_is_exact_and_keeps_every_token
         clear_buffer(c)
         old = greedy(c)
         version_before = client.weight_group().weight_version
+        # Built first: loading the model class can take seconds, and the push must land
+        # while the samples below still generate (they are aborted, so long costs nothing).
+        model = changed_model(seed=1)
+        sync = WeightBroadcaster(client)
         # Background generation: two long samples, no call running.
-        groups = [group(f"wire{i}", [40 + i, 9], [3000], ignore_eos=True) for i in range(2)]
+        groups = [group(f"wire{i}", [40 + i, 9], [8000], ignore_eos=True) for i in range(2)]
         ok(c.post(R + "/groups", json={"groups": groups, "start": "background"}))
         wait_running(c, 2)
         time.sleep(0.5)
-        model = changed_model(seed=1)
-        sync = WeightBroadcaster(client)
         t0 = time.perf_counter()
         out = sync.push(model.named_parameters(), "wire-1")
         took = time.perf_counter() - t0

@@ -20,6 +20,7 @@ from april_server.root.manager import RolloutManager
 from april_server.wire.errors import ApiError
 from tests.unit.fake_engine import FakeEngine
 from tests.unit.group_specs import buffered, spec
+from tests.unit.waiting import until
 
 
 def test_a_call_cancelled_while_claiming_buffered_groups_keeps_them(tmp_path: Path) -> None:
@@ -81,7 +82,8 @@ def test_an_unexpected_error_in_a_call_puts_its_groups_back_intact(tmp_path: Pat
         before = len((await mgr.buffer.read_group("old")).samples[0].output_ids)
         req = RolloutReq(groups=[spec("new", 300)], target_groups=2, on_quota="tokens")
         call = asyncio.ensure_future(mgr.rollout(req))
-        await asyncio.sleep(0.1)
+        await until(lambda: len(mgr.calls) == 1 and {"old/0", "new/0"} <= set(mgr.segments.running))
+        await asyncio.sleep(0.1)  # some tokens made by both
         (running,) = mgr.calls.values()
 
         def broken(*args: Any, **kwargs: Any) -> None:
@@ -173,7 +175,10 @@ def test_an_undelivered_drop_call_keeps_its_stragglers_for_the_retry(tmp_path: P
         groups = [spec("fast", 2), spec("slow", 400)]
         req = RolloutReq(groups=groups, target_groups=2, on_quota="drop", request_id="eval-3")
         first = asyncio.ensure_future(mgr.rollout(req))
-        await asyncio.sleep(0.1)  # "fast" finished, "slow" generates: a straggler to drop
+        # "fast" finished, "slow" generates: a straggler to drop
+        await until(
+            lambda: "slow/0" in mgr.segments.running and "fast/0" not in mgr.segments.running
+        )
         assert "slow/0" in mgr.segments.running and "fast/0" not in mgr.segments.running
         first.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -16,18 +16,12 @@ from april_server.buffer.synthetic import fill
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.waiting import until
 
 
 def long_group(gid: str, budget: int = 400, n: int = 2) -> GroupSpec:
     params = {"max_new_tokens": budget, "ignore_eos": True, "temperature": 0.0}
     return GroupSpec(gid, n=n, input_ids=[1, 2, 3], sampling_params=params)
-
-
-async def until(cond: Any, timeout: float = 30.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < end, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def test_stats_follow_a_call_from_running_to_buffered(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from april_client.protocol import GroupSpec, GroupsReq, RolloutReq
 from april_server.root.durable import Durable
 from april_server.root.manager import RolloutManager
 from tests.unit.fake_engine import FakeEngine, next_token
+from tests.unit.waiting import until
 
 PROMPT = [1, 2, 3]
 
@@ -30,13 +31,6 @@ def reference(budget: int) -> list[int]:
         out.append(next_token(ctx, 64))
         ctx.append(out[-1])
     return out
-
-
-async def until(cond: Any, timeout: float = 30.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < end, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def make(path: Path, delay_s: float = 0.002) -> RolloutManager:
@@ -299,7 +293,7 @@ def test_groups_handed_in_while_a_round_runs_start_once_it_ends(tmp_path: Path) 
 
     async def go() -> None:
         mgr = make(tmp_path)
-        await mgr.add_groups(GroupsReq(groups=[spec("a", 60)]))
+        await mgr.add_groups(GroupsReq(groups=[spec("a", 400)]))  # outlasts b's durable commit
         await until(lambda: mgr.background.running_groups() == {"a"})
         await mgr.add_groups(GroupsReq(groups=[spec("b", 5)]))  # while "a"'s round runs
         assert mgr.background.running_groups() == {"a"}  # not beside it: in the next round
