@@ -9,8 +9,6 @@ weight update's cut, hold and replan: `test_weight_cut.py`."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,7 @@ from tests.unit.fake_engine import FakeEngine, SnapshotFakeEngine, next_token, s
 from tests.unit.fleet.test_fleet import FakeServers, fleet_over
 from tests.unit.group_specs import spec
 from tests.unit.rules.test_snapshots import sample
+from tests.unit.waiting import until
 
 # ---- through the manager: the admission bound, a segment's unexpected failure --------------
 
@@ -153,13 +152,6 @@ async def generating(
     await until(lambda: len(eng.calls) == n)
     await asyncio.sleep(0.03)
     return g, tally, tasks
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        await asyncio.sleep(0.005)
 
 
 def test_a_group_runs_every_member_to_its_budget_and_gives_back_what_it_took() -> None:

@@ -18,9 +18,9 @@ from tests.unit.engine.test_segment_runner import (
     runner_over,
     start_group,
     uninterrupted,
-    until,
 )
 from tests.unit.fake_engine import FakeEngine
+from tests.unit.waiting import until
 
 
 def test_a_weight_update_cuts_a_segment_holds_it_and_continues_it_under_the_new_version() -> None:
